@@ -24,7 +24,9 @@ def parse_lsn(text: str) -> int:
     """Parse ``X/Y`` into an integer; raise ``ValueError`` naming the bad input."""
     m = _LSN_RE.match(text)
     if m is None:
-        raise ValueError(f"invalid LSN {text!r}: expected two hexadecimal numbers separated by '/', e.g. 0/16B3748")
+        raise ValueError(
+            f"invalid LSN {text!r}: expected two hexadecimal numbers separated by '/', e.g. 0/16B3748"
+        )
     return (int(m.group(1), 16) << 32) | int(m.group(2), 16)
 
 

