@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import os
 import pwd
+import re
 import shutil
 import socket
 import subprocess
@@ -98,7 +99,7 @@ def find_binaries(version: str | int | None = None) -> PostgresBinaries:
     out = subprocess.run(
         [str(bindir / "postgres"), "--version"], capture_output=True, text=True, check=True
     ).stdout
-    major = int(out.strip().split()[-1].split(".")[0].rstrip("devbetarc"))
+    major = int(re.match(r"\d+", out.strip().split()[-1]).group())  # "18.6", "16beta1", "19devel"
     return PostgresBinaries(bindir, major)
 
 
@@ -169,7 +170,7 @@ def _ensure_dir(path: Path) -> Path:
 
 
 def _chmod_readable(root: Path) -> None:
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, _dirnames, filenames in os.walk(root):
         os.chmod(dirpath, 0o755)
         for name in filenames:
             p = os.path.join(dirpath, name)
