@@ -137,8 +137,11 @@ def _runnable_binaries(binaries: PostgresBinaries, user: pwd.struct_passwd | Non
     """Binaries the server account can execute: the originals, or a copy outside root's home."""
     if user is None:
         return binaries
-    if _run_as(user, [binaries.path("postgres"), "--version"]).returncode == 0:
-        return binaries
+    try:
+        if _run_as(user, [binaries.path("postgres"), "--version"]).returncode == 0:
+            return binaries
+    except PermissionError:  # e.g. a wheel inside /root (mode 0700): copy it out
+        pass
     install = binaries.bindir.parent  # .../<pkg>/pginstall
     pkg_dir = install.parent  # .../<pkg>
     site = pkg_dir.parent
