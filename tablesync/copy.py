@@ -1,0 +1,154 @@
+"""Copying one partition from the publisher to the target, exactly once; runs inside a Spark executor.
+
+The publisher side imports the copy's exported snapshot (behaviour 117: ``BEGIN ISOLATION LEVEL REPEATABLE READ``
+then ``SET TRANSACTION SNAPSHOT`` before any query) and streams ``COPY (SELECT ...) TO STDOUT``; the target side
+receives the raw bytes with ``COPY ... FROM STDIN``. Rows are never decoded: binary format when the column types
+match (see :func:`tablesync.planner.binary_compatible`), text otherwise.
+
+Exactly once: on the target, one transaction
+
+1. takes an advisory lock on the partition (two attempts of the same partition — a Spark retry racing a
+   speculative copy — run one after the other, not side by side),
+2. checks that this copy generation still owns the table (the *claim* row, ``part = -1``, taken ``FOR SHARE``:
+   a resumed run deletes it before it empties the table, so an orphaned task of a killed run can neither copy
+   into the emptied table nor make the resumed run wait forever),
+3. returns early if the partition's marker already exists,
+4. ``SET LOCAL session_replication_role = replica`` (as the native tablesync worker: no user triggers, no FK
+   checks), copies, inserts the marker and commits.
+
+A crash anywhere before the commit leaves nothing behind; after it, the marker makes every later attempt a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
+from tenacity import (
+    retry,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+)
+
+from tablesync.planner import PartitionTask
+
+log = logging.getLogger("applier.tablesync")
+
+#: ``part`` of the row through which a copy generation (one exported snapshot) claims a table.
+CLAIM_PART = -1
+#: Same value formats on both sides, so text COPY round-trips exactly (what the native worker sets, behaviour 1).
+SESSION_OPTIONS = "-c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3"
+#: How much of the COPY stream is gathered before it is handed to the target (fewer, larger writes).
+WRITE_CHUNK = 256 * 1024
+
+
+class SupersededError(RuntimeError):
+    """A newer copy run has taken over this table: this task belongs to a killed run and must not copy."""
+
+
+@dataclass(frozen=True)
+class PartitionResult:
+    task_id: int
+    relname: str
+    part: int
+    rows: int
+    bytes: int
+    skipped: bool  # the marker existed: an earlier attempt had copied it
+    seconds: float
+
+
+_MARKER_LOOKUP = sql.SQL(
+    "SELECT rows, bytes FROM applier.tablesync_partition"
+    " WHERE subid = %s AND relname = %s AND snapshot = %s AND part = %s"
+)
+_CLAIM_LOOKUP = sql.SQL(
+    "SELECT 1 FROM applier.tablesync_partition"
+    " WHERE subid = %s AND relname = %s AND snapshot = %s AND part = %s FOR SHARE"
+)
+_MARKER_INSERT = sql.SQL(
+    "INSERT INTO applier.tablesync_partition (subid, relname, snapshot, part, rows, bytes)"
+    " VALUES (%s, %s, %s, %s, %s, %s)"
+)
+
+
+def connect(conninfo: str, **kwargs: Any) -> psycopg.Connection[Any]:
+    """A plain connection with the session options that make text COPY unambiguous on both sides."""
+    params = conninfo_to_dict(conninfo)
+    options = f"{params.get('options') or ''} {SESSION_OPTIONS}".strip()
+    return psycopg.connect(conninfo, options=options, client_encoding="UTF8", **kwargs)
+
+
+def _pump(src: psycopg.Copy, dst: psycopg.Copy) -> int:
+    """Move raw COPY data from ``src`` to ``dst`` in large writes; return the byte count."""
+    total = 0
+    buf = bytearray()
+    for data in src:
+        buf += data
+        if len(buf) >= WRITE_CHUNK:
+            total += len(buf)
+            dst.write(buf)
+            buf = bytearray()
+    if buf:
+        total += len(buf)
+        dst.write(buf)
+    return total
+
+
+def _copy_once(task: PartitionTask, publisher_conninfo: str, target_conninfo: str) -> PartitionResult:
+    started = time.monotonic()
+    key = (task.subid, task.relname, task.snapshot)
+    with connect(target_conninfo, autocommit=False) as tconn:
+        tconn.execute(
+            "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+            (f"applier.tablesync:{task.subid}:{task.relname}:{task.part}",),
+        )
+        if tconn.execute(_CLAIM_LOOKUP, (*key, CLAIM_PART)).fetchone() is None:
+            raise SupersededError(
+                f"copy of {task.relname} at snapshot {task.snapshot} was superseded by a newer run"
+            )
+        done = tconn.execute(_MARKER_LOOKUP, (*key, task.part)).fetchone()
+        if done is not None:
+            tconn.rollback()
+            return PartitionResult(
+                task.task_id, task.relname, task.part, done[0], done[1], True, time.monotonic() - started
+            )
+        tconn.execute("SET LOCAL session_replication_role = replica")
+        tconn.execute(sql.SQL(task.lock_target))  # type: ignore[arg-type]
+        with connect(publisher_conninfo, autocommit=True) as pconn:
+            pconn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            pconn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(task.snapshot)))
+            pcur, tcur = pconn.cursor(), tconn.cursor()
+            with pcur.copy(sql.SQL(task.copy_out)) as src:  # type: ignore[arg-type]
+                with tcur.copy(sql.SQL(task.copy_in)) as dst:  # type: ignore[arg-type]
+                    nbytes = _pump(src, dst)
+            rows = tcur.rowcount
+            pconn.execute("COMMIT")
+        tconn.execute(_MARKER_INSERT, (*key, task.part, rows, nbytes))
+        tconn.commit()
+    return PartitionResult(
+        task.task_id, task.relname, task.part, rows, nbytes, False, time.monotonic() - started
+    )
+
+
+def copy_partition(
+    task: PartitionTask, publisher_conninfo: str, target_conninfo: str, *, attempts: int = 4
+) -> PartitionResult:
+    """Copy one partition exactly once, retrying connection failures (a server restart, a dropped link) with
+    backoff. Other errors (a bad row, an invalid snapshot, a superseded run) fail the task at once: Spark's own
+    task retries then apply, and an exhausted or hopeless task fails the job with the server's message."""
+    runner = retry(
+        retry=retry_if_exception_type(psycopg.OperationalError),
+        stop=stop_after_attempt(attempts),
+        wait=wait_exponential(multiplier=0.5, max=10),
+        reraise=True,
+        before_sleep=lambda rs: log.warning(
+            "copy of %s part %d failed (%s); retrying", task.relname, task.part, rs.outcome.exception()
+        ),
+    )(_copy_once)
+    return runner(task, publisher_conninfo, target_conninfo)

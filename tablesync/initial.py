@@ -1,0 +1,467 @@
+"""The initial copy of a subscription's tables at one exported snapshot (DESIGN.md, "The life of a subscription" 2).
+
+Steps, each a method of :class:`InitialCopy` so tests can act between them:
+
+1. :meth:`~InitialCopy.load` — read the subscription and its table states. Tables in ``s``/``r`` are left alone. A
+   table in ``f`` with an LSN finished its copy at that snapshot point in an earlier run: it becomes ``s`` with that
+   LSN, no copy needed (its rows are exactly the publisher's at that point, and the stream, which starts earlier,
+   applies what came after). Tables in ``i``, ``d`` and ``f`` without an LSN are copied.
+2. :meth:`~InitialCopy.open_snapshot` — a replication connection creates a *temporary* slot with
+   ``SNAPSHOT 'export'`` at consistent point Y. The connection then stays idle and open: the snapshot lives exactly
+   as long as that (behaviour 117), and the temporary slot vanishes with it.
+3. :meth:`~InitialCopy.plan` — inside the snapshot, read columns, publication column lists, row filters and sizes;
+   cut every table into ctid page ranges.
+4. :meth:`~InitialCopy.claim` — one target transaction per run: delete the tables' old partition markers (which
+   waits for orphaned tasks of a killed run to finish, see :mod:`tablesync.copy`), empty tables left in ``d`` by
+   that run, write this generation's claim row per table and set ``d``.
+5. :meth:`~InitialCopy.copy` — the Spark job; the driver polls the markers for progress, writes
+   ``srrows``/``srbytes``, and sets a table ``f`` (LSN Y) as soon as all its partitions are in.
+6. :meth:`~InitialCopy.complete` — every copied table to ``s`` with LSN Y and its markers removed, in one
+   transaction; then the snapshot connection is closed (dropping the temporary slot).
+
+If the process dies anywhere, committed partitions stay committed with their markers, and the next run redoes the
+unfinished tables at a new snapshot after emptying them: nothing is copied twice, nothing is lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+import sqlalchemy as sa
+from psycopg import sql
+
+from applier.errors import ApplierError
+from applier.lsn import format_lsn, parse_lsn
+from state.catalog import Catalog, RelState, Subscription
+from tablesync import job as spark_job
+from tablesync.copy import CLAIM_PART, connect
+from tablesync.planner import (
+    DEFAULT_PARTITION_BYTES,
+    PartitionTask,
+    PlanError,
+    TablePlan,
+    partition_tasks,
+    plan_table,
+)
+from tablesync.progress import CopyProgress
+from tablesync.remote import fetch_remote_table, fetch_target_table
+
+#: Table states whose table is (re)copied; ``s``/``r`` are done.
+COPY_STATES = ("i", "d", "f")
+#: After this long, creating the slot is probably waiting for open (or prepared) transactions: say so.
+SLOT_WAIT_NOTE_AFTER = 3.0
+
+
+class TablesyncError(ApplierError):
+    """The initial copy failed; the message says which table and why. Tables stay ``d``: the next run redoes them."""
+
+
+@dataclass(frozen=True)
+class TableCopy:
+    relname: str
+    rows: int
+    bytes: int
+    partitions: int
+    skipped_partitions: int  # partitions found already done (a retried task; only within one run)
+    binary: bool
+    text_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class CopyResult:
+    """What ``run_initial_copy`` did.
+
+    ``snapshot_lsn`` is Y, the temporary slot's consistent point: every table in ``tables`` is now ``s`` with it
+    (unless ``stopped``). ``resumed`` lists tables turned ``s`` from an earlier run's ``f`` without copying.
+    """
+
+    subname: str
+    snapshot_lsn: int | None = None
+    snapshot: str | None = None
+    tables: dict[str, TableCopy] = field(default_factory=dict)
+    resumed: dict[str, int] = field(default_factory=dict)
+    skipped: tuple[str, ...] = ()  # already s/r: left alone
+    seconds: float = 0.0
+    spark_seconds: float = 0.0
+    stopped: bool = False
+
+    @property
+    def rows(self) -> int:
+        return sum(t.rows for t in self.tables.values())
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.bytes for t in self.tables.values())
+
+    @property
+    def completed(self) -> bool:
+        return not self.stopped
+
+
+@dataclass
+class _SnapshotSlot:
+    conn: psycopg.Connection[Any]
+    slot_name: str
+    lsn: int
+    snapshot: str
+
+
+def _spark_error_summary(exc: BaseException) -> str:
+    """The useful line of a Spark job failure (the Python exception raised in the task), not the JVM trace."""
+    text = str(exc)
+    found = re.findall(
+        r"^((?:psycopg\.[\w.]+|tablesync\.[\w.]+|[\w.]*(?:Error|Exception))(?::[^\n]*)?)$", text, re.M
+    )
+    useful = [f for f in found if not f.startswith(("py4j", "org.apache", "java."))]
+    if useful:
+        return useful[-1].strip()
+    return text.strip().splitlines()[0][:500] if text.strip() else type(exc).__name__
+
+
+class InitialCopy:
+    """One run of the initial copy for one subscription; see the module docstring for the steps."""
+
+    def __init__(
+        self,
+        target_conninfo: str,
+        subname: str,
+        *,
+        stop: threading.Event | None = None,
+        reporter: CopyProgress | None = None,
+        partition_bytes: int = DEFAULT_PARTITION_BYTES,
+        poll_interval: float = 0.5,
+    ) -> None:
+        self.target_conninfo = target_conninfo
+        self.subname = subname
+        self.stop = stop or threading.Event()
+        self.reporter = reporter or CopyProgress("off")
+        self.partition_bytes = partition_bytes
+        self.poll_interval = poll_interval
+        self.catalog = Catalog.connect(target_conninfo)
+        self.sub: Subscription | None = None
+        self.to_copy: list[RelState] = []
+        self.skipped: list[str] = []
+        self.resumed: dict[str, int] = {}
+        self.slot: _SnapshotSlot | None = None
+        self.plans: dict[str, TablePlan] = {}
+        self.tasks: list[PartitionTask] = []
+        self._started = time.monotonic()
+        self._finished_tables: set[str] = set()
+        self.spark_seconds = 0.0
+
+    # 1 ----------------------------------------------------------------------------------------------------------
+    def load(self) -> list[RelState]:
+        """Read the subscription; finish tables an earlier run left in ``f``; return the tables to copy."""
+        self.catalog.ensure()
+        self.sub = self.catalog.require(self.subname)
+        states = self.catalog.table_states(self.sub.subid)
+        with self.catalog.engine.begin() as c:
+            for rs in states:
+                if rs.state == "f" and rs.lsn is not None:
+                    self.catalog.set_table_state(self.sub.subid, rs.relid, "s", rs.lsn, conn=c)
+                    self._delete_markers(c, rs.name)
+                    self.resumed[rs.name] = rs.lsn
+        self.skipped = [rs.name for rs in states if rs.state not in COPY_STATES]
+        self.to_copy = [
+            rs for rs in states if rs.state in COPY_STATES and not (rs.state == "f" and rs.lsn is not None)
+        ]
+        return self.to_copy
+
+    @property
+    def subid(self) -> int:
+        assert self.sub is not None, "load() first"
+        return self.sub.subid
+
+    @property
+    def publisher_conninfo(self) -> str:
+        assert self.sub is not None, "load() first"
+        return self.sub.subconninfo
+
+    # 2 ----------------------------------------------------------------------------------------------------------
+    def open_snapshot(self) -> _SnapshotSlot:
+        """Create the temporary slot with an exported snapshot; keep its connection idle until :meth:`close`."""
+        name = f"applier_{self.subid}_sync_{os.getpid()}_{secrets.token_hex(3)}"
+        conn = psycopg.connect(
+            self.publisher_conninfo, replication="database", autocommit=True, prepare_threshold=None,
+            fallback_application_name=f"{self.subname}_tablesync",
+        )  # fmt: skip
+        done = threading.Event()
+        watcher = threading.Thread(target=self._explain_slot_wait, args=(done,), daemon=True)
+        watcher.start()
+        try:
+            row = conn.execute(
+                sql.SQL("CREATE_REPLICATION_SLOT {} TEMPORARY LOGICAL pgoutput (SNAPSHOT 'export')").format(
+                    sql.Identifier(name)
+                )
+            ).fetchone()
+        except BaseException:
+            conn.close()
+            raise
+        finally:
+            done.set()
+        assert row is not None
+        self.slot = _SnapshotSlot(conn, row[0], parse_lsn(row[1]), row[2])
+        self.reporter.note(f"snapshot {row[2]} taken at {row[1]} (temporary slot {row[0]})")
+        return self.slot
+
+    def _explain_slot_wait(self, done: threading.Event) -> None:
+        """Creating a slot waits for every transaction open on the publisher, prepared ones included (they can
+        stay open for ever): if it takes long, tell the user what it waits for."""
+        if done.wait(SLOT_WAIT_NOTE_AFTER):
+            return
+        detail = ""
+        with contextlib.suppress(Exception), psycopg.connect(self.publisher_conninfo, autocommit=True) as c:
+            open_x, prepared = c.execute(
+                "SELECT (SELECT count(*) FROM pg_stat_activity WHERE backend_xid IS NOT NULL"
+                " AND pid <> pg_backend_pid()), (SELECT count(*) FROM pg_prepared_xacts)"
+            ).fetchone()  # type: ignore[misc]
+            detail = f" ({open_x} open, {prepared} prepared: COMMIT/ROLLBACK PREPARED ends those)"
+        if not done.is_set():
+            self.reporter.note(
+                "waiting for the transactions open on the publisher to finish before the snapshot can be taken"
+                + detail
+            )
+
+    # 3 ----------------------------------------------------------------------------------------------------------
+    def plan(self) -> list[PartitionTask]:
+        """Read the tables' facts inside the snapshot and cut them into partition tasks."""
+        assert self.slot is not None and self.sub is not None
+        publications = list(self.sub.subpublications)
+        plans: dict[str, TablePlan] = {}
+        with (
+            connect(self.publisher_conninfo, autocommit=True) as pconn,
+            connect(self.target_conninfo, autocommit=True) as tconn,
+        ):
+            pconn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            pconn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(self.slot.snapshot)))
+            for rs in self.to_copy:
+                try:
+                    remote = fetch_remote_table(pconn, rs.remote_name, publications)
+                    cols = remote.columns
+                    schema, table, ttypes = fetch_target_table(tconn, rs.relid, cols)
+                    plans[rs.name] = plan_table(
+                        relid=rs.relid, target_schema=schema, target_name=table, relname=rs.name,
+                        remote=remote, target_types=ttypes, partition_bytes=self.partition_bytes,
+                    )  # fmt: skip
+                except PlanError as exc:
+                    raise TablesyncError(f"cannot copy {rs.name}: {exc}") from exc
+            pconn.execute("COMMIT")
+        self.plans = plans
+        for p in plans.values():
+            if not p.binary:
+                self.reporter.note(f"{p.relname}: text format ({p.text_reason})")
+        self.tasks = partition_tasks(list(plans.values()), subid=self.subid, snapshot=self.slot.snapshot)
+        return self.tasks
+
+    # 4 ----------------------------------------------------------------------------------------------------------
+    def _delete_markers(self, c: sa.Connection, relname: str) -> None:
+        c.execute(
+            sa.text("DELETE FROM applier.tablesync_partition WHERE subid = :s AND relname = :r"),
+            {"s": self.subid, "r": relname},
+        )
+
+    def claim(self) -> None:
+        """Take the tables for this copy generation (see the module docstring, step 4)."""
+        assert self.slot is not None
+        with self.catalog.engine.begin() as c:
+            raw = c.connection.driver_connection
+            assert raw is not None
+            for rs in self.to_copy:
+                plan = self.plans[rs.name]
+                # Deleting the old markers waits for any task of a killed run that still holds its claim row.
+                self._delete_markers(c, rs.name)
+                if rs.state != "i":
+                    self._empty(raw, plan)
+                c.execute(
+                    sa.text(
+                        "INSERT INTO applier.tablesync_partition (subid, relname, snapshot, part, rows, bytes)"
+                        " VALUES (:s, :r, :snap, :p, 0, 0)"
+                    ),
+                    {"s": self.subid, "r": rs.name, "snap": self.slot.snapshot, "p": CLAIM_PART},
+                )
+                self.catalog.set_table_state(self.subid, rs.relid, "d", None, conn=c)
+                self.catalog.set_table_progress(self.subid, rs.relid, 0, 0, conn=c)
+
+    @staticmethod
+    def _empty(raw: Any, plan: TablePlan) -> None:
+        """Remove what an interrupted copy left: TRUNCATE, or DELETE (replica role: no FK triggers) when other
+        tables' foreign keys forbid TRUNCATE."""
+        tbl = sql.Identifier(plan.target_schema, plan.target_name)
+        raw.execute("SAVEPOINT applier_empty")
+        try:
+            raw.execute(sql.SQL("TRUNCATE ONLY {}").format(tbl))
+        except psycopg.errors.FeatureNotSupported:
+            raw.execute("ROLLBACK TO SAVEPOINT applier_empty")
+            raw.execute("SET LOCAL session_replication_role = replica")
+            raw.execute(sql.SQL("DELETE FROM ONLY {}").format(tbl))
+        raw.execute("RELEASE SAVEPOINT applier_empty")
+
+    # 5 ----------------------------------------------------------------------------------------------------------
+    def markers(self) -> dict[str, dict[int, tuple[int, int]]]:
+        """This generation's committed partitions: ``{relname: {part: (rows, bytes)}}``."""
+        assert self.slot is not None
+        out: dict[str, dict[int, tuple[int, int]]] = {}
+        with self.catalog.engine.connect() as c:
+            for relname, part, rows, nbytes in c.execute(
+                sa.text(
+                    "SELECT relname, part, rows, bytes FROM applier.tablesync_partition"
+                    " WHERE subid = :s AND snapshot = :snap AND part >= 0"
+                ),
+                {"s": self.subid, "snap": self.slot.snapshot},
+            ):
+                out.setdefault(relname, {})[part] = (rows, nbytes)
+        return out
+
+    def _record_progress(self, markers: Mapping[str, Mapping[int, tuple[int, int]]]) -> None:
+        """Write srrows/srbytes for ``applier status``, and turn finished tables ``f`` (LSN Y) at once."""
+        assert self.slot is not None
+        with self.catalog.engine.begin() as c:
+            for relname, parts in markers.items():
+                plan = self.plans.get(relname)
+                if plan is None or relname in self._finished_tables:
+                    continue
+                rows = sum(r for r, _ in parts.values())
+                nbytes = sum(b for _, b in parts.values())
+                self.catalog.set_table_progress(self.subid, plan.relid, rows, nbytes, conn=c)
+                if len(parts) >= len(plan.ranges):
+                    self.catalog.set_table_state(self.subid, plan.relid, "f", self.slot.lsn, conn=c)
+                    self._finished_tables.add(relname)
+
+    def copy(self, session: Any) -> bool:
+        """Run the Spark job, polling progress; return False if ``stop`` interrupted it."""
+        assert self.slot is not None
+        self.reporter.start(
+            {name: {i: t.pages for i, t in enumerate(self._tasks_of(name))} for name in self.plans}
+        )
+        tag = f"applier-tablesync-{self.subid}-{secrets.token_hex(4)}"
+        outcome: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                outcome["results"] = spark_job.run_partition_tasks(
+                    session, self.tasks, self.publisher_conninfo, self.target_conninfo, tag=tag
+                )
+            except BaseException as exc:  # noqa: BLE001 - handed to the driver thread
+                outcome["error"] = exc
+
+        started = time.monotonic()
+        worker = threading.Thread(target=run, name="tablesync-spark-job", daemon=True)
+        worker.start()
+        last: dict[str, dict[int, tuple[int, int]]] = {}
+        stopped = False
+        while worker.is_alive():
+            worker.join(self.poll_interval)
+            if self.stop.is_set() and not stopped:
+                stopped = True
+                self.reporter.note("stop requested: cancelling the copy (finished partitions are kept)")
+                with contextlib.suppress(Exception):
+                    session.interruptTag(tag)
+            with contextlib.suppress(Exception):
+                m = self.markers()
+                if m != last:
+                    last = m
+                    self._record_progress(m)
+                    self.reporter.update(m)
+        self.spark_seconds = time.monotonic() - started
+        final = self.markers()
+        self._record_progress(final)
+        self.reporter.update(final)
+        if stopped:
+            return False
+        if "error" in outcome:
+            raise TablesyncError(
+                f"initial copy of subscription {self.subname!r} failed: {_spark_error_summary(outcome['error'])}"
+            ) from outcome["error"]
+        missing = [name for name, plan in self.plans.items() if len(final.get(name, {})) < len(plan.ranges)]
+        if missing:
+            raise TablesyncError(f"initial copy finished without every partition of: {', '.join(missing)}")
+        return True
+
+    def _tasks_of(self, relname: str) -> list[PartitionTask]:
+        return sorted((t for t in self.tasks if t.relname == relname), key=lambda t: t.part)
+
+    # 6 ----------------------------------------------------------------------------------------------------------
+    def complete(self) -> CopyResult:
+        """Every copied table to ``s`` with LSN Y, markers removed, in one transaction."""
+        assert self.slot is not None
+        final = self.markers()
+        tables: dict[str, TableCopy] = {}
+        with self.catalog.engine.begin() as c:
+            for relname, plan in self.plans.items():
+                parts = final.get(relname, {})
+                rows = sum(r for r, _ in parts.values())
+                nbytes = sum(b for _, b in parts.values())
+                self.catalog.set_table_state(self.subid, plan.relid, "s", self.slot.lsn, conn=c)
+                self.catalog.set_table_progress(self.subid, plan.relid, rows, nbytes, conn=c)
+                self._delete_markers(c, relname)
+                tables[relname] = TableCopy(
+                    relname, rows, nbytes, len(plan.ranges), 0, plan.binary, plan.text_reason
+                )
+        self.reporter.finish()
+        return self.result(tables)
+
+    def result(self, tables: dict[str, TableCopy] | None = None, *, stopped: bool = False) -> CopyResult:
+        return CopyResult(
+            subname=self.subname, snapshot_lsn=self.slot.lsn if self.slot else None,
+            snapshot=self.slot.snapshot if self.slot else None, tables=tables or {}, resumed=dict(self.resumed),
+            skipped=tuple(self.skipped), seconds=time.monotonic() - self._started,
+            spark_seconds=self.spark_seconds, stopped=stopped,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """Close the snapshot connection: the snapshot ends and the temporary slot is dropped."""
+        if self.slot is not None:
+            with contextlib.suppress(Exception):
+                self.slot.conn.close()
+
+    # all --------------------------------------------------------------------------------------------------------
+    def run(
+        self, *, spark_master: str | None = None, spark_conf: Mapping[str, str] | None = None
+    ) -> CopyResult:
+        try:
+            if not self.load():
+                return self.result()
+            if self.stop.is_set():
+                return self.result(stopped=True)
+            self.open_snapshot()
+            self.plan()
+            self.claim()
+            if self.stop.is_set():
+                return self.result(stopped=True)
+            handle = spark_job.spark_session(spark_master, dict(spark_conf or {}))
+            try:
+                if handle.ui_url:
+                    self.reporter.note(f"Spark UI: {handle.ui_url}")
+                elif handle.remote:
+                    self.reporter.note(f"Spark Connect: {handle.remote}")
+                if not self.copy(handle.session):
+                    return self.result(stopped=True)
+            finally:
+                if handle.created:
+                    with contextlib.suppress(Exception):
+                        handle.session.stop()
+            return self.complete()
+        finally:
+            self.close()
+
+
+def describe(result: CopyResult) -> str:
+    """One line for logs: what was copied at which snapshot point."""
+    if result.stopped:
+        return f"initial copy of {result.subname} stopped; unfinished tables are redone on the next run"
+    if not result.tables:
+        return f"initial copy of {result.subname}: nothing to copy"
+    lsn = format_lsn(result.snapshot_lsn) if result.snapshot_lsn is not None else "?"
+    return (
+        f"initial copy of {result.subname}: {len(result.tables)} table(s), {result.rows:,} rows at {lsn} "
+        f"in {result.seconds:.1f}s"
+    )

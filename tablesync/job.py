@@ -1,0 +1,182 @@
+"""The Spark side of the initial copy: the session and the one job that copies every partition.
+
+The job is ``spark.range(0, n, 1, n).mapInArrow(copy)``: one Spark partition per copy partition, whose task looks
+its descriptor up by number and runs :func:`tablesync.copy.copy_partition`. Only the DataFrame API is used, so
+the same job runs on ``local[*]`` and through Spark Connect (``SPARK_REMOTE=sc://...``) on a cluster. The rows
+never pass through the JVM: each Python task streams COPY bytes from the publisher straight to the target.
+
+Executors must be able to ``import tablesync`` (and psycopg, tenacity): true locally and on a Connect server started
+from this environment; on a remote cluster, install the ``applier`` package on its workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from tablesync.copy import PartitionResult
+from tablesync.planner import PartitionTask
+
+log = logging.getLogger("applier.tablesync")
+
+#: What a task returns to the driver.
+RESULT_SCHEMA = (
+    "task_id long, relname string, part int, rows long, bytes long, skipped boolean, seconds double"
+)
+#: Spark task attempts per partition in local mode (``local[N,F]``); each attempt also retries connection errors.
+LOCAL_MAX_FAILURES = 4
+
+_LOG4J2 = """\
+# applier: keep Spark quiet; the copy prints its own progress.
+rootLogger.level = error
+rootLogger.appenderRef.stderr.ref = console
+appender.console.type = Console
+appender.console.name = console
+appender.console.target = SYSTEM_ERR
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = %d{yy/MM/dd HH:mm:ss} %p %c{1}: %m%n%ex
+logger.spark.name = org.apache.spark
+logger.spark.level = error
+"""
+
+
+def _machine_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 4 << 30
+
+
+def default_local_conf() -> dict[str, str]:
+    """Settings for ``local[*]`` on one machine.
+
+    The driver JVM only schedules tasks and collects one small row per partition (the data goes from Python worker
+    to PostgreSQL), so it needs little: an eighth of the machine, between 512 MB and 2 GB.
+    """
+    mem_mb = max(512, min(2048, _machine_memory_bytes() // 8 // (1 << 20)))
+    log4j = os.path.join(tempfile.gettempdir(), "applier-spark-log4j2.properties")
+    with contextlib.suppress(OSError):
+        with open(log4j, "w") as f:
+            f.write(_LOG4J2)
+    return {
+        "spark.app.name": "applier-tablesync",
+        "spark.driver.memory": f"{mem_mb}m",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{log4j}",
+        "spark.python.worker.reuse": "true",
+        "spark.task.maxFailures": str(LOCAL_MAX_FAILURES),
+        # The copy is I/O between two servers: never let Spark speculate a second copy of a slow partition
+        # (harmless thanks to the markers, but it doubles the load).
+        "spark.speculation": "false",
+    }
+
+
+@dataclasses.dataclass
+class SparkHandle:
+    """A session and whether we created it (then we stop it when done; a caller's session is left running)."""
+
+    session: Any
+    created: bool
+    remote: str | None
+    ui_url: str | None
+
+
+def spark_session(
+    spark_master: str | None = None, spark_conf: Mapping[str, str] | None = None
+) -> SparkHandle:
+    """The session to run the copy on.
+
+    * ``spark_master`` ``sc://host:port`` or the ``SPARK_REMOTE`` environment variable: Spark Connect.
+    * otherwise an already active local session (tests share one), or a new one on ``spark_master``
+      (default ``local[*,4]``: every core, four attempts per task) with :func:`default_local_conf`.
+    ``spark_conf`` entries override the defaults.
+    """
+    from pyspark.sql import SparkSession
+
+    remote = spark_master if spark_master and spark_master.startswith("sc://") else None
+    if remote is None and not spark_master:
+        remote = os.environ.get("SPARK_REMOTE") or None
+    if remote is not None:
+        builder = SparkSession.builder.remote(remote)
+        for k, v in (spark_conf or {}).items():
+            builder = builder.config(k, v)
+        session = builder.getOrCreate()
+        return SparkHandle(session, True, remote, None)
+
+    from pyspark import SparkContext
+
+    if not spark_master and SparkContext._active_spark_context is not None:
+        # The caller's session (a test module's, a notebook's): use it and leave it running.
+        active = SparkSession.builder.getOrCreate()
+        return SparkHandle(active, False, None, _ui_url(active))
+    # Python workers must run this interpreter (the one that has tablesync, psycopg, tenacity installed).
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    conf = default_local_conf()
+    conf.update(spark_conf or {})
+    builder = SparkSession.builder.master(spark_master or f"local[*,{LOCAL_MAX_FAILURES}]")
+    for k, v in conf.items():
+        builder = builder.config(k, v)
+    session = builder.getOrCreate()
+    with contextlib.suppress(Exception):
+        session.sparkContext.setLogLevel("ERROR")
+    return SparkHandle(session, True, None, _ui_url(session))
+
+
+def _ui_url(session: Any) -> str | None:
+    try:
+        return session.sparkContext.uiWebUrl
+    except Exception:  # noqa: BLE001 - Connect sessions have no SparkContext
+        return None
+
+
+def run_partition_tasks(
+    session: Any,
+    tasks: Sequence[PartitionTask],
+    publisher_conninfo: str,
+    target_conninfo: str,
+    *,
+    tag: str | None = None,
+) -> list[PartitionResult]:
+    """Run one Spark task per partition and return their results (blocks until the job ends).
+
+    ``tag`` labels the job so another thread can cancel it with ``session.interruptTag(tag)``.
+    """
+    if not tasks:
+        return []
+    descriptors = {t.task_id: dataclasses.asdict(t) for t in tasks}
+    n = len(tasks)
+
+    def copy_batches(batches: Iterator[Any]) -> Iterator[Any]:
+        import pyarrow as pa
+
+        from tablesync.copy import copy_partition
+        from tablesync.planner import PartitionTask as Task
+
+        schema = pa.schema(
+            [("task_id", pa.int64()), ("relname", pa.string()), ("part", pa.int32()), ("rows", pa.int64()),
+             ("bytes", pa.int64()), ("skipped", pa.bool_()), ("seconds", pa.float64())]
+        )  # fmt: skip
+        for batch in batches:
+            for task_id in batch.column(0).to_pylist():
+                result = copy_partition(Task(**descriptors[task_id]), publisher_conninfo, target_conninfo)
+                yield pa.RecordBatch.from_pylist([dataclasses.asdict(result)], schema=schema)
+
+    if tag is not None:
+        session.addTag(tag)
+    try:
+        df = session.range(0, n, 1, n).mapInArrow(copy_batches, RESULT_SCHEMA)
+        rows = df.collect()
+    finally:
+        if tag is not None:
+            with contextlib.suppress(Exception):
+                session.removeTag(tag)
+    return [
+        PartitionResult(r.task_id, r.relname, r.part, r.rows, r.bytes, r.skipped, r.seconds) for r in rows
+    ]
