@@ -1,0 +1,563 @@
+"""The I/O edge to the publisher's walsender: one ``replication=database`` connection with psycopg 3.
+
+psycopg has no replication API (behaviour 112), but since 3.3 ``START_REPLICATION`` leaves the connection in
+COPY_BOTH and the CopyData stream can be driven through the libpq wrapper (``conn.pgconn``): ``get_copy_data``
+(asynchronous mode, so we decide when to wait), ``consume_input``, ``put_copy_data`` and ``flush``. We wait on the
+socket with a selector, never in a busy loop.
+
+This module is deliberately thin: it speaks the walsender's commands (IDENTIFY_SYSTEM, CREATE/DROP_REPLICATION_SLOT,
+START_REPLICATION) and the CopyData framing through the codec's :func:`~applier.decoder.decode_envelope` and
+:func:`~applier.encoder.encode_envelope`. What to do with the messages is the apply loop's business.
+
+Errors never carry a password: connection strings are scrubbed before they appear in any message, and libpq's
+own messages are scrubbed of the password's text as well (a malformed conninfo makes libpq quote pieces of it).
+"""
+
+from __future__ import annotations
+
+import re
+import select
+import selectors
+import time
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal
+
+import psycopg
+from psycopg import pq, sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from applier.decoder import decode_envelope
+from applier.encoder import encode_envelope
+from applier.errors import ApplierError
+from applier.lsn import format_lsn, now_pg_timestamp, parse_lsn
+from applier.messages import PrimaryKeepalive, StandbyStatusUpdate, XLogData
+
+__all__ = [
+    "REPLICATION_SESSION_OPTIONS",
+    "ReplicationConnection",
+    "ReplicationConnectionError",
+    "SlotInfo",
+    "StreamEnded",
+    "StreamOptions",
+    "SystemInfo",
+    "protocol_version_for",
+    "scrub_conninfo",
+    "start_replication_command",
+]
+
+#: The walsender's text output of dates, intervals and floats depends on these GUCs; the native worker sets exactly
+#: these so that every value is unambiguous and lossless (behaviour 1).
+REPLICATION_SESSION_OPTIONS = "-c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3"
+
+_COPY_BOTH = pq.ExecStatus.COPY_BOTH
+_COPY_IN = pq.ExecStatus.COPY_IN
+_FATAL_ERROR = pq.ExecStatus.FATAL_ERROR
+
+
+class ReplicationConnectionError(ApplierError):
+    """The replication connection failed or dropped; reconnecting (with backoff) is the usual answer.
+
+    ``sqlstate`` is the server's error code when the server sent one.
+    """
+
+    def __init__(self, message: str, *, sqlstate: str | None = None) -> None:
+        super().__init__(message)
+        self.sqlstate = sqlstate
+
+
+class StreamEnded(ReplicationConnectionError):
+    """The publisher ended the COPY stream: a CopyDone (e.g. the walsender shutting down) or an error it sent
+    (e.g. ``pg_terminate_backend``). The native worker logs "data stream from publisher has ended" and exits to be
+    restarted (behaviour 10); the connection is not usable for streaming any more.
+
+    A subclass of :class:`ReplicationConnectionError` because the answer is the same: reconnect and resume.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class SystemInfo:
+    """The row IDENTIFY_SYSTEM returns; ``xlogpos`` is the publisher's current flush position."""
+
+    systemid: str
+    timeline: int
+    xlogpos: int
+    dbname: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class SlotInfo:
+    """The row CREATE_REPLICATION_SLOT returns. ``snapshot_name`` is set only with ``snapshot="export"``."""
+
+    slot_name: str
+    consistent_point: int
+    snapshot_name: str | None
+    output_plugin: str
+
+
+Streaming = Literal["off", "on", "parallel"]
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOptions:
+    """What the subscription asks pgoutput for; :func:`start_replication_command` decides what is actually sent
+    to a publisher of a given version (behaviour 4).
+
+    ``proto_version=None`` picks the highest version the publisher speaks, as the native worker does; ``origin=None``
+    sends no origin option at all.
+    """
+
+    publications: list[str] | tuple[str, ...]
+    proto_version: int | None = None
+    streaming: Streaming = "off"
+    two_phase: bool = False
+    origin: Literal["any", "none"] | None = None
+    binary: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.publications, str):
+            raise TypeError("publications must be a list of names, not a single string")
+        if not self.publications:
+            raise ValueError("at least one publication is needed to start replication")
+        if self.streaming not in ("off", "on", "parallel"):
+            raise ValueError(f"streaming must be 'off', 'on' or 'parallel', not {self.streaming!r}")
+        if self.origin not in (None, "any", "none"):
+            raise ValueError(f"origin must be 'any' or 'none', not {self.origin!r}")
+
+
+# --- pure command building -------------------------------------------------------------------------------------
+
+
+def protocol_version_for(server_version: int) -> int:
+    """The pgoutput protocol version the native worker asks a publisher of ``server_version`` for: 4 (PG16+:
+    parallel-apply abort info), 3 (PG15: two-phase), 2 (PG14: streaming), else 1. — ``set_stream_options``."""
+    if server_version >= 160000:
+        return 4
+    if server_version >= 150000:
+        return 3
+    if server_version >= 140000:
+        return 2
+    return 1
+
+
+def _quote_ident(name: str) -> str:
+    """Always-quoted identifier, as ``PQescapeIdentifier`` writes it (doubling any ``"``)."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _quote_repl_literal(value: str) -> str:
+    """A single-quoted literal for the replication-command grammar.
+
+    The walsender's scanner (``repl_scanner.l``) knows only ``''`` as an escape inside quotes: no ``E''`` strings and
+    no backslash escapes. So doubling single quotes is the whole job; backslashes are taken literally.
+    """
+    return "'" + value.replace("'", "''") + "'"
+
+
+def start_replication_command(slot: str, start_lsn: int, options: StreamOptions, server_version: int) -> str:
+    """The exact START_REPLICATION command the native apply worker sends (behaviour 4).
+
+    ``START_REPLICATION SLOT "<slot>" LOGICAL <X/X> (proto_version '<n>'[, streaming 'on'|'parallel']
+    [, two_phase 'on'][, origin 'any'|'none'], publication_names '"p1","p2"'[, binary 'true'])``
+
+    * ``streaming 'parallel'`` only for a publisher ≥ 16 and streaming="parallel"; ``'on'`` for a publisher ≥ 14
+      and any streaming other than "off" (so "parallel" degrades to "on" on 14/15).
+    * ``two_phase 'on'`` only for a publisher ≥ 15, ``origin`` only ≥ 16, ``binary 'true'`` only ≥ 14.
+    * ``messages`` is never requested: a real subscriber never sees a Message ('M').
+    * Publication names are each quoted as identifiers, joined with commas, and the result quoted as a literal.
+    """
+    proto = (
+        options.proto_version if options.proto_version is not None else protocol_version_for(server_version)
+    )
+    parts = [f"proto_version '{proto}'"]
+    if server_version >= 160000 and options.streaming == "parallel":
+        parts.append("streaming 'parallel'")
+    elif server_version >= 140000 and options.streaming != "off":
+        parts.append("streaming 'on'")
+    if options.two_phase and server_version >= 150000:
+        parts.append("two_phase 'on'")
+    if options.origin is not None and server_version >= 160000:
+        parts.append(f"origin '{options.origin}'")
+    pubnames = ",".join(_quote_ident(p) for p in options.publications)
+    parts.append(f"publication_names {_quote_repl_literal(pubnames)}")
+    if options.binary and server_version >= 140000:
+        parts.append("binary 'true'")
+    return f"START_REPLICATION SLOT {_quote_ident(slot)} LOGICAL {format_lsn(start_lsn)} ({', '.join(parts)})"
+
+
+# --- password scrubbing ----------------------------------------------------------------------------------------
+
+_PASSWORD_KV = re.compile(r"""password\s*=\s*('(?:[^'\\]|\\.)*'|\S+)""", re.IGNORECASE)
+_URI_USERINFO = re.compile(r"(://[^:/@\s]*:)([^@\s]*)(@)")
+
+
+def _passwords_in(conninfo: str) -> list[str]:
+    """Every string that could be the password in ``conninfo``, parsed or not (malformed strings included)."""
+    found: list[str] = []
+    try:
+        value = conninfo_to_dict(conninfo).get("password")
+        if value:
+            found.append(str(value))
+    except psycopg.Error:
+        pass
+    for m in _PASSWORD_KV.finditer(conninfo):
+        raw = m.group(1)
+        found.append(raw)
+        if raw.startswith("'"):
+            found.append(raw[1:-1].replace("\\'", "'").replace("\\\\", "\\"))
+    for m in _URI_USERINFO.finditer(conninfo):
+        if m.group(2):
+            found.append(m.group(2))
+    return sorted({p for p in found if p}, key=len, reverse=True)
+
+
+def scrub_conninfo(conninfo: str) -> str:
+    """``conninfo`` without its password, fit for messages and the catalog (``subconninfo``).
+
+    Unparsable input is never echoed whole: where the password ends cannot be known, so everything from the
+    ``password`` keyword on is cut.
+    """
+    try:
+        params = conninfo_to_dict(conninfo)
+    except psycopg.Error:
+        cut = _PASSWORD_START.search(conninfo)
+        text = conninfo[: cut.start()] + "password=********" if cut else conninfo
+        return _URI_USERINFO.sub(r"\1********\3", text)
+    params.pop("password", None)
+    return make_conninfo("", **{k: v for k, v in params.items() if v is not None})
+
+
+_PASSWORD_START = re.compile(r"password\s*=", re.IGNORECASE)
+_QUOTED = re.compile(r'"([^"]*)"')
+
+
+def _scrub_text(text: str, conninfo: str) -> str:
+    """``text`` (typically a libpq message) without any password of ``conninfo``."""
+    for secret in _passwords_in(conninfo):
+        text = text.replace(secret, "********")
+    # A malformed conninfo makes libpq quote the fragment it choked on, which may be any piece of a password:
+    # hide quoted fragments that occur after the password keyword.
+    start = _PASSWORD_START.search(conninfo) or _URI_USERINFO.search(conninfo)
+    if start is not None:
+        tail = conninfo[start.start() :]
+        text = _QUOTED.sub(
+            lambda m: m.group(0) if m.group(1) in ("=", "") or m.group(1) not in tail else '"***"', text
+        )
+    return text
+
+
+# --- the connection --------------------------------------------------------------------------------------------
+
+
+def _merge_options(user_options: str | None) -> str:
+    """Our session options after the user's, so a user's ``-c`` settings survive but cannot override ours (the
+    value formats the apply side depends on); the native worker drops the user's entirely."""
+    if user_options and user_options.strip():
+        return f"{user_options.strip()} {REPLICATION_SESSION_OPTIONS}"
+    return REPLICATION_SESSION_OPTIONS
+
+
+class ReplicationConnection:
+    """A logical-replication connection to a publisher (``replication=database``).
+
+    Before :meth:`start_replication` it accepts replication commands and plain SQL (:attr:`connection`); after it,
+    only :meth:`read`, :meth:`send_status` and :meth:`close`.
+    """
+
+    def __init__(self) -> None:
+        self._conn: psycopg.Connection[Any] | None = None
+        self._pgconn: Any = None
+        self._selector: selectors.BaseSelector | None = None
+        self._display: str = ""
+        self._streaming = False
+        self._ended = False
+
+    # -- lifecycle --------------------------------------------------------------------------------------------
+    @classmethod
+    def open(
+        cls, conninfo: str, *, application_name: str | None = None, client_encoding: str = "UTF8"
+    ) -> ReplicationConnection:
+        """``ReplicationConnection.open(...)`` is ``ReplicationConnection()`` followed by :meth:`connect`."""
+        self = cls()
+        self.connect(conninfo, application_name=application_name, client_encoding=client_encoding)
+        return self
+
+    def connect(
+        self, conninfo: str, *, application_name: str | None = None, client_encoding: str = "UTF8"
+    ) -> ReplicationConnection:
+        """Connect as the native apply worker does (behaviours 1-2): ``replication=database``, the value-format
+        options, ``client_encoding``, and ``application_name`` as a *fallback*, so one set in ``conninfo`` wins.
+
+        Raises :class:`ReplicationConnectionError` with a password-free message.
+        """
+        if self._conn is not None:
+            raise ReplicationConnectionError("already connected")
+        try:
+            params = conninfo_to_dict(conninfo)
+        except psycopg.Error as exc:
+            raise ReplicationConnectionError(
+                f"invalid publisher connection string: {_scrub_text(str(exc), conninfo)}"
+            ) from None
+        self._display = scrub_conninfo(conninfo)
+        kwargs: dict[str, Any] = {
+            "replication": "database",
+            "options": _merge_options(params.get("options")),
+            "client_encoding": client_encoding,
+        }
+        if application_name is not None:
+            kwargs["fallback_application_name"] = application_name
+        try:
+            # autocommit: replication commands cannot run inside a transaction block; prepare_threshold=None:
+            # walsenders reject the extended query protocol, and only parameterless (simple) queries are sent.
+            conn = psycopg.connect(conninfo, autocommit=True, prepare_threshold=None, **kwargs)
+        except psycopg.Error as exc:
+            raise ReplicationConnectionError(
+                f"could not connect to the publisher ({self._display}): {_scrub_text(str(exc), conninfo)}",
+                sqlstate=getattr(exc, "sqlstate", None),
+            ) from None
+        self._conn = conn
+        self._pgconn = conn.pgconn
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._pgconn.socket, selectors.EVENT_READ)
+        return self
+
+    def close(self) -> None:
+        """Close the connection (idempotent). Safe in any state, including mid-stream."""
+        if self._selector is not None:
+            self._selector.close()
+            self._selector = None
+        if self._conn is not None:
+            conn, self._conn, self._pgconn = self._conn, None, None
+            conn.close()
+
+    def __enter__(self) -> ReplicationConnection:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._conn is None or self._conn.closed
+
+    @property
+    def connection(self) -> psycopg.Connection[Any]:
+        """The underlying psycopg connection, for plain SQL before streaming (e.g. within a ``snapshot="use"``
+        transaction). Only parameterless queries work: compose values with :mod:`psycopg.sql` literals."""
+        return self._require_conn()
+
+    @property
+    def server_version(self) -> int:
+        """The publisher's ``server_version_num``, e.g. 180006."""
+        return self._require_conn().info.server_version
+
+    @property
+    def backend_pid(self) -> int:
+        """The walsender's pid (``pg_stat_replication.pid``)."""
+        return self._require_conn().info.backend_pid
+
+    def _require_conn(self) -> psycopg.Connection[Any]:
+        if self._conn is None:
+            raise ReplicationConnectionError("replication connection is not open")
+        return self._conn
+
+    def _command(self, command: str | sql.Composable) -> list[tuple[Any, ...]]:
+        """Run one replication command or SQL statement (simple protocol) and return its rows."""
+        conn = self._require_conn()
+        if self._streaming:
+            raise ReplicationConnectionError(
+                "the connection is streaming: commands are not possible any more"
+            )
+        try:
+            cur = conn.execute(command)
+            return cur.fetchall() if cur.description is not None else []
+        except psycopg.Error as exc:
+            text = command if isinstance(command, str) else command.as_string(conn)
+            if isinstance(exc, psycopg.OperationalError) and conn.closed:
+                raise ReplicationConnectionError(
+                    f"publisher connection ({self._display}) lost during {text.split()[0]}: {exc}",
+                    sqlstate=exc.sqlstate,
+                ) from exc
+            raise ReplicationConnectionError(f"{text} failed: {exc}", sqlstate=exc.sqlstate) from exc
+
+    # -- replication commands -----------------------------------------------------------------------------
+    def identify_system(self) -> SystemInfo:
+        """IDENTIFY_SYSTEM, which the native worker issues right after connecting (behaviour 3)."""
+        ((systemid, timeline, xlogpos, dbname),) = self._command("IDENTIFY_SYSTEM")
+        return SystemInfo(str(systemid), int(timeline), parse_lsn(xlogpos), dbname)
+
+    def create_slot(
+        self,
+        name: str,
+        *,
+        temporary: bool = False,
+        two_phase: bool = False,
+        snapshot: Literal["nothing", "export", "use"] = "nothing",
+    ) -> SlotInfo:
+        """CREATE_REPLICATION_SLOT with pgoutput, in the PG15+ option syntax.
+
+        ``snapshot="export"`` returns a snapshot name that other sessions can import (``SET TRANSACTION SNAPSHOT``)
+        for as long as this connection stays open and runs no further command (behaviour 117). ``snapshot="use"``
+        makes the snapshot this connection's own: we open the read-only REPEATABLE READ transaction it needs, and the caller
+        queries through :attr:`connection` and ends it with ``COMMIT`` before streaming.
+
+        Creating a slot waits for every transaction running on the publisher to finish, prepared ones included.
+        """
+        if snapshot not in ("nothing", "export", "use"):
+            raise ValueError(f"snapshot must be 'nothing', 'export' or 'use', not {snapshot!r}")
+        conn = self._require_conn()
+        if snapshot == "use" and conn.info.transaction_status == pq.TransactionStatus.IDLE:
+            self._command("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        options = [sql.SQL("SNAPSHOT {}").format(sql.Literal(snapshot))]
+        if two_phase:
+            options.insert(0, sql.SQL("TWO_PHASE true"))
+        command = sql.SQL("CREATE_REPLICATION_SLOT {name} {temp}LOGICAL pgoutput ({options})").format(
+            name=sql.Identifier(name),
+            temp=sql.SQL("TEMPORARY " if temporary else ""),
+            options=sql.SQL(", ").join(options),
+        )
+        ((slot_name, consistent_point, snapshot_name, plugin),) = self._command(command)
+        return SlotInfo(slot_name, parse_lsn(consistent_point), snapshot_name, plugin)
+
+    def drop_slot(self, name: str, *, wait: bool = True) -> None:
+        """DROP_REPLICATION_SLOT; ``wait`` waits for an active walsender to release it instead of failing."""
+        self._command(
+            sql.SQL("DROP_REPLICATION_SLOT {}{}").format(
+                sql.Identifier(name), sql.SQL(" WAIT" if wait else "")
+            )
+        )
+
+    def slot_exists(self, name: str) -> bool:
+        """Whether a slot of that name exists on the publisher (an SQL query: database walsenders accept SQL)."""
+        rows = self._command(
+            sql.SQL("SELECT 1 FROM pg_catalog.pg_replication_slots WHERE slot_name = {}").format(
+                sql.Literal(name)
+            )
+        )
+        return bool(rows)
+
+    # -- streaming ------------------------------------------------------------------------------------------
+    def start_replication(self, slot: str, start_lsn: int, options: StreamOptions) -> None:
+        """Send START_REPLICATION (behaviour 4) and enter COPY_BOTH. The publisher resumes at
+        max(``start_lsn``, the slot's confirmed_flush_lsn) (behaviour 5)."""
+        conn = self._require_conn()
+        command = start_replication_command(slot, start_lsn, options, self.server_version)
+        self._command(command)
+        if conn.pgconn.transaction_status != pq.TransactionStatus.ACTIVE:
+            raise ReplicationConnectionError(f"{command} did not start a COPY stream")
+        self._streaming = True
+
+    @property
+    def streaming(self) -> bool:
+        return self._streaming
+
+    def read(self, timeout: float) -> XLogData | PrimaryKeepalive | None:
+        """The next XLogData or keepalive, or ``None`` if nothing arrived within ``timeout`` seconds.
+
+        Whatever libpq has already buffered is returned without touching the socket, so a burst is drained at
+        the cost of one ``get_copy_data`` and one ``decode_envelope`` per message; the socket is waited on only
+        when the buffer is empty. Unknown CopyData types are skipped (behaviour 6).
+
+        Raises :class:`StreamEnded` when the publisher ends the COPY (CopyDone or an error it sent) and
+        :class:`ReplicationConnectionError` when the connection drops.
+        """
+        pgconn = self._pgconn
+        if pgconn is None or not self._streaming:
+            raise ReplicationConnectionError("read() needs a started stream (call start_replication first)")
+        if self._ended:
+            raise StreamEnded("the replication stream has already ended")
+        get = pgconn.get_copy_data
+        deadline = -1.0
+        while True:
+            try:
+                nbytes, data = get(1)
+            except psycopg.OperationalError as exc:
+                raise self._lost(exc) from None
+            if nbytes > 0:
+                msg = decode_envelope(data)
+                if msg is not None and msg.__class__ is not StandbyStatusUpdate:
+                    return msg
+                continue
+            if nbytes < 0:
+                self._end_of_copy()
+            # Nothing buffered: wait for the socket, then read whatever arrived into libpq's buffer.
+            now = time.monotonic()
+            if deadline < 0:
+                deadline = now + max(timeout, 0.0)
+            remaining = deadline - now
+            if remaining <= 0:
+                if not select.select([pgconn.socket], [], [], 0)[0]:
+                    return None
+            elif not self._selector.select(remaining):  # type: ignore[union-attr]
+                return None
+            try:
+                pgconn.consume_input()
+            except psycopg.OperationalError as exc:
+                self._drain_after_failure()
+                raise self._lost(exc) from None
+
+    def send_status(
+        self, write_lsn: int, flush_lsn: int, apply_lsn: int, *, reply_requested: bool = False
+    ) -> None:
+        """Send a standby status update ('r'). Mind the worker's mapping (behaviour 7): *write* carries the last
+        received LSN, *flush* the last durably applied one, *apply* the end of the last applied transaction."""
+        pgconn = self._pgconn
+        if pgconn is None or not self._streaming:
+            raise ReplicationConnectionError("send_status() needs a started stream")
+        payload = encode_envelope(
+            StandbyStatusUpdate(write_lsn, flush_lsn, apply_lsn, now_pg_timestamp(), reply_requested)
+        )
+        try:
+            while pgconn.put_copy_data(payload) == 0:  # nonblocking libpq: its output buffer is full
+                self._wait_writable()
+            while pgconn.flush() == 1:
+                self._wait_writable()
+        except psycopg.OperationalError as exc:
+            raise self._lost(exc) from None
+
+    def _wait_writable(self) -> None:
+        select.select([], [self._pgconn.socket], [], 1.0)
+        # Reading while waiting to write: a walsender blocked on its own full send buffer would deadlock us.
+        self._pgconn.consume_input()
+
+    def _end_of_copy(self) -> None:
+        """``get_copy_data`` returned -1: the server sent CopyDone, or an error ended the COPY. Raise accordingly."""
+        pgconn = self._pgconn
+        self._ended = True
+        result = pgconn.get_result()
+        if result is not None and result.status == _FATAL_ERROR:
+            message = (result.error_message or b"").decode("utf-8", "replace").strip()
+            sqlstate = result.error_field(pq.DiagnosticField.SQLSTATE)
+            raise StreamEnded(
+                f"data stream from publisher has ended: {message}",
+                sqlstate=sqlstate.decode() if sqlstate else None,
+            )
+        # CopyDone from the walsender (e.g. it is shutting down): answer with ours, as END of streaming.
+        if result is not None and result.status == _COPY_IN:
+            try:
+                pgconn.put_copy_end()
+                pgconn.flush()
+            except psycopg.OperationalError:
+                pass
+        raise StreamEnded("data stream from publisher has ended (CopyDone)")
+
+    def _drain_after_failure(self) -> None:
+        """consume_input failed: libpq may still hold an error the server sent just before closing."""
+        try:
+            while True:
+                nbytes, _ = self._pgconn.get_copy_data(1)
+                if nbytes <= 0:
+                    break
+        except psycopg.OperationalError:
+            return
+        if nbytes < 0:
+            self._end_of_copy()
+
+    def _lost(self, exc: psycopg.OperationalError) -> ReplicationConnectionError:
+        self._ended = True
+        detail = str(exc).strip() or (self._pgconn.error_message or b"").decode("utf-8", "replace").strip()
+        return ReplicationConnectionError(
+            f"replication connection to the publisher ({self._display}) was lost: {detail}"
+        )
