@@ -1,0 +1,56 @@
+"""Error context of the apply worker (behaviour 54) and the errors that carry it.
+
+PostgreSQL adds to every apply error a CONTEXT line such as ``processing remote data for replication origin
+"pg_16395" during message type "INSERT" for replication target relation "public.tbl" in transaction 740, finished
+at 0/14C0378``; "finished at" is the LSN a user gives to ``SKIP``. We keep the same wording (with our origin name),
+log it with the error and store its parts with :meth:`state.catalog.Catalog.record_error`.
+
+Statements are pipelined, so an error can come back after the handler that queued the statement has returned: each
+queued statement therefore carries its own :class:`ErrorContext`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from applier.errors import ApplierError
+from applier.lsn import format_lsn
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorContext:
+    """Where in the remote stream an error happened."""
+
+    origin: str
+    message_type: str  # PostgreSQL's names: "INSERT", "BEGIN PREPARE", "STREAM COMMIT", ...
+    relation: str | None = None  # "schema.table" of the local target
+    xid: int | None = None  # remote transaction id
+    finish_lsn: int | None = None  # commit_lsn, or prepare_lsn for two-phase: what SKIP takes
+
+    def describe(self) -> str:
+        """PostgreSQL's ``apply_error_callback`` text."""
+        text = f'processing remote data for replication origin "{self.origin}" during message type "{self.message_type}"'
+        if self.relation:
+            text += f' for replication target relation "{self.relation}"'
+        if self.xid is not None:
+            text += f" in transaction {self.xid}"
+            if self.finish_lsn:
+                text += f", finished at {format_lsn(self.finish_lsn)}"
+        return text
+
+
+class ApplyError(ApplierError):
+    """Applying a remote change failed; ``context`` says where, ``sqlstate`` what the target said (if it did).
+
+    The worker answers by rolling back, recording the error and retrying with backoff (or disabling the subscription
+    when ``disable_on_error`` is set), as the native worker does (behaviours 53, 101).
+    """
+
+    def __init__(
+        self, message: str, context: ErrorContext | None = None, *, sqlstate: str | None = None
+    ) -> None:
+        self.message = message
+        self.context = context
+        self.sqlstate = sqlstate
+        text = message if context is None else f"{message}\nCONTEXT:  {context.describe()}"
+        super().__init__(text)

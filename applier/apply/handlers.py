@@ -1,0 +1,600 @@
+"""One handler per logical-replication message, as worker.c has one ``apply_handle_*`` per message byte.
+
+:class:`Applier` is the apply state of one streaming session: which remote transaction is open, whether it is
+being skipped, which stream chunk is being spooled, the relation map. It turns messages into calls on the
+:class:`~applier.apply.target.Target` (which pipelines them to the target database) and on the
+:class:`~applier.apply.feedback.FeedbackTracker`; it performs no I/O of its own, so tests can drive it with message
+objects. Anything that goes wrong raises :class:`~applier.apply.context.ApplyError` carrying the error context of
+behaviour 54; the worker then abandons the session and starts over from the replication origin's position.
+
+Progress is exactly-once because every local COMMIT / PREPARE TRANSACTION / COMMIT PREPARED / ROLLBACK PREPARED is
+preceded, in the same local transaction (or, for the standalone 2PC commands, as the statement just before), by
+``pg_replication_origin_xact_setup(end_lsn, time)`` (behaviours 94, 113).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from applier.apply.context import ApplyError, ErrorContext
+from applier.apply.feedback import FeedbackTracker
+from applier.apply.relmap import (
+    RelationMappingError,
+    RelMapEntry,
+    map_relation,
+    missing_table_error,
+    remote_schema,
+)
+from applier.apply.spool import Spool
+from applier.apply.target import COPY_THRESHOLD, Target
+from applier.decoder import decode_message
+from applier.errors import ProtocolError
+from applier.lsn import format_lsn
+from applier.messages import (
+    Begin,
+    BeginPrepare,
+    Commit,
+    CommitPrepared,
+    Delete,
+    Insert,
+    Message,
+    Origin,
+    Prepare,
+    Relation,
+    RollbackPrepared,
+    StreamAbort,
+    StreamCommit,
+    StreamPrepare,
+    StreamStart,
+    StreamStop,
+    Truncate,
+    TupleData,
+    Type,
+    Update,
+)
+from state import skip as skiprules
+from state.catalog import gid_for
+
+log = logging.getLogger("applier.apply")
+
+#: PostgreSQL's names of the message types, as the error context prints them (``logicalrep_message_type``).
+MESSAGE_NAMES: dict[type, str] = {
+    Begin: "BEGIN", Commit: "COMMIT", Origin: "ORIGIN", Relation: "RELATION", Type: "TYPE", Insert: "INSERT",
+    Update: "UPDATE", Delete: "DELETE", Truncate: "TRUNCATE", Message: "MESSAGE", StreamStart: "STREAM START",
+    StreamStop: "STREAM STOP", StreamCommit: "STREAM COMMIT", StreamAbort: "STREAM ABORT",
+    BeginPrepare: "BEGIN PREPARE", Prepare: "PREPARE", CommitPrepared: "COMMIT PREPARED",
+    RollbackPrepared: "ROLLBACK PREPARED", StreamPrepare: "STREAM PREPARE",
+}  # fmt: skip
+
+_SPOOLED = (Relation, Type, Insert, Update, Delete, Truncate, Message)
+
+
+class TableStates:
+    """What the handlers need to know about the subscription's tables; the worker implements it over the catalog.
+
+    ``should_apply(local_oid, remote_final_lsn)`` is ``should_apply_changes_for_rel`` (behaviour 75) and
+    ``after_transaction(current_lsn)`` the sync-state pass (behaviour 76) run after every commit/prepare.
+    """
+
+    def should_apply(self, local_oid: int, remote_final_lsn: int) -> bool:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def after_transaction(self, current_lsn: int) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+@dataclass
+class SkipState:
+    """The subscription's skip-LSN as this worker read it (0 = none), behaviours 97-100."""
+
+    skip_lsn: int = 0
+    subname: str = ""
+
+
+class Applier:
+    """Apply state and handlers for one streaming session (see module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        subid: int,
+        subname: str,
+        target: Target,
+        tracker: FeedbackTracker,
+        spool: Spool,
+        tables: TableStates,
+        skip: SkipState,
+        clear_skip_lsn: Callable[[int, int], bool],
+        encoding: str = "utf-8",
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.subid = subid
+        self.subname = subname
+        self.origin = f"applier_{subid}"
+        self.target = target
+        self.tracker = tracker
+        self.spool = spool
+        self.tables = tables
+        self.skip = skip
+        self._clear_skip_lsn_now = clear_skip_lsn  # own transaction (after PREPARE / COMMIT PREPARED)
+        self.encoding = encoding
+        self.log = logger or log
+
+        self.relations: dict[int, Relation] = {}
+        self.entries: dict[int, RelMapEntry] = {}
+        # the open remote transaction
+        self.in_remote_transaction = False
+        self.remote_xid: int | None = None
+        self.remote_final_lsn = 0
+        self.prepare: BeginPrepare | None = None
+        self.skipping = False
+        self.last_message_type = ""
+        # the open stream chunk
+        self.stream_xid: int | None = None
+        # a run of inserts into one relation, turned into COPY when it gets long
+        self._run_entry: RelMapEntry | None = None
+        self._run_rows: list[TupleData] = []
+        self._run_ctx: ErrorContext | None = None
+        self._ctx_cache: dict[tuple[str, int], ErrorContext] = {}
+        self.transactions = 0  # remote transactions finished (for tests and stats)
+
+        self._dispatch: dict[type, Callable[[Any, bytes], None]] = {
+            Begin: self.handle_begin, Commit: self.handle_commit, Origin: self.handle_origin,
+            Relation: self.handle_relation, Type: self.handle_type, Insert: self.handle_insert,
+            Update: self.handle_update, Delete: self.handle_delete, Truncate: self.handle_truncate,
+            Message: self.handle_message, StreamStart: self.handle_stream_start,
+            StreamStop: self.handle_stream_stop, StreamCommit: self.handle_stream_commit,
+            StreamAbort: self.handle_stream_abort, BeginPrepare: self.handle_begin_prepare,
+            Prepare: self.handle_prepare, CommitPrepared: self.handle_commit_prepared,
+            RollbackPrepared: self.handle_rollback_prepared, StreamPrepare: self.handle_stream_prepare,
+        }  # fmt: skip
+
+    # --- dispatch --------------------------------------------------------------------------------------------
+    def handle(self, msg: Any, payload: bytes = b"") -> None:
+        """Apply one decoded message; ``payload`` is its raw bytes (needed to spool streamed changes)."""
+        self._dispatch[msg.__class__](msg, payload)
+
+    @property
+    def idle(self) -> bool:
+        """Not inside a remote transaction nor a stream chunk: housekeeping may run (behaviour 11)."""
+        return not self.in_remote_transaction and self.stream_xid is None
+
+    def context(self, message_type: str, relation: str | None = None) -> ErrorContext:
+        """The error context of what is being applied now (behaviour 54)."""
+        return ErrorContext(
+            self.origin, message_type, relation,
+            self.remote_xid if self.in_remote_transaction else None,
+            self.remote_final_lsn if self.in_remote_transaction else None,
+        )  # fmt: skip
+
+    def _change_context(self, message_type: str, entry: RelMapEntry) -> ErrorContext:
+        key = (message_type, id(entry))
+        ctx = self._ctx_cache.get(key)
+        if ctx is None:
+            ctx = self._ctx_cache[key] = self.context(message_type, entry.display)
+        return ctx
+
+    def _protocol_error(self, message_type: str, text: str) -> ProtocolError:
+        return ProtocolError(f"{text}\nCONTEXT:  {self.context(message_type).describe()}")
+
+    # --- transactions ----------------------------------------------------------------------------------------
+    def _start_remote(self, xid: int, final_lsn: int, message_type: str) -> None:
+        if self.in_remote_transaction:
+            raise self._protocol_error(
+                message_type, f"{message_type} received inside remote transaction {self.remote_xid}"
+            )
+        self.in_remote_transaction = True
+        self.remote_xid = xid
+        self.remote_final_lsn = final_lsn
+        self._ctx_cache.clear()
+        if skiprules.starts_skipping(self.skip.skip_lsn, final_lsn):
+            self.skipping = True
+            self.log.info(skiprules.starts_skipping_message(final_lsn))
+
+    def _end_remote(self) -> None:
+        self.in_remote_transaction = False
+        self.remote_xid = None
+        self.prepare = None
+        self.skipping = False
+        self.transactions += 1
+
+    def handle_begin(self, m: Begin, payload: bytes = b"") -> None:
+        """``apply_handle_begin``: remember the transaction; the local one starts with the first change."""
+        self._start_remote(m.xid, m.final_lsn, "BEGIN")
+
+    def handle_commit(self, m: Commit, payload: bytes = b"") -> None:
+        """``apply_handle_commit``: commit with origin progress, queue the flush-map entry, run the sync pass."""
+        if m.commit_lsn != self.remote_final_lsn:
+            raise self._protocol_error(
+                "COMMIT", f"incorrect commit LSN {format_lsn(m.commit_lsn)} in commit message (expected "
+                f"{format_lsn(self.remote_final_lsn)})",
+            )  # fmt: skip
+        self._commit_internal(m.end_lsn, m.commit_time, "COMMIT")
+        self._end_remote()
+        self.tables.after_transaction(m.end_lsn)
+
+    def _commit_internal(self, end_lsn: int, commit_time: int, message_type: str) -> None:
+        """``apply_handle_commit_internal``: commit if a local transaction exists (something applied, or a
+        skipped transaction, which commits empty to clear the skip-LSN and advance the origin)."""
+        self._flush_run()
+        finish_lsn = self.remote_final_lsn
+        ctx = self.context(message_type)
+        if self.skipping:
+            self.log.info(skiprules.completed_skipping_message(finish_lsn))
+            self.target.begin(ctx)
+        if self.target.in_transaction:
+            self._clear_skip_lsn_in_transaction(finish_lsn, ctx)
+            token = self.tracker.queued(end_lsn)
+            self.target.commit(end_lsn, commit_time, ctx, lambda _res: self.tracker.confirmed(token))
+
+    def _clear_skip_lsn_in_transaction(self, finish_lsn: int, ctx: ErrorContext) -> None:
+        """``clear_subscription_skip_lsn`` inside the local transaction being committed (behaviours 99-100)."""
+        skip_lsn = self.skip.skip_lsn
+        outcome = skiprules.on_transaction_end(skip_lsn, finish_lsn, True)
+        if not outcome.clears:
+            return
+        self.skip.skip_lsn = 0
+
+        def cleared(res: Any) -> None:
+            if res is not None and res.command_tuples and outcome is skiprules.SkipOutcome.CLEAR_WITH_WARNING:
+                warning, detail = skiprules.mistaken_skip_warning(self.subname, skip_lsn, finish_lsn)
+                self.log.warning("%s\nDETAIL:  %s", warning, detail)
+
+        self.target.pipeline.send_query(
+            b"UPDATE applier.subscription SET subskiplsn = NULL WHERE subid = $1::bigint"
+            b" AND subskiplsn = $2::pg_catalog.pg_lsn",
+            [str(self.subid).encode(), format_lsn(skip_lsn).encode()], ctx, cleared,
+        )  # fmt: skip
+
+    def _clear_skip_lsn_separately(self, finish_lsn: int, applied_something: bool) -> None:
+        """For PREPARE (which cannot include it) and COMMIT/ROLLBACK PREPARED: clear in a transaction of its own,
+        once the target has confirmed what came before."""
+        skip_lsn = self.skip.skip_lsn
+        outcome = skiprules.on_transaction_end(skip_lsn, finish_lsn, applied_something)
+        if not outcome.clears:
+            return
+        self.target.pipeline.drain()
+        self.skip.skip_lsn = 0
+        if (
+            self._clear_skip_lsn_now(self.subid, skip_lsn)
+            and outcome is skiprules.SkipOutcome.CLEAR_WITH_WARNING
+        ):
+            warning, detail = skiprules.mistaken_skip_warning(self.subname, skip_lsn, finish_lsn)
+            self.log.warning("%s\nDETAIL:  %s", warning, detail)
+
+    def handle_origin(self, m: Origin, payload: bytes = b"") -> None:
+        """``apply_handle_origin``: content unused; only its position is checked."""
+        if not self.in_remote_transaction and self.stream_xid is None:
+            raise self._protocol_error("ORIGIN", "ORIGIN message sent out of order")
+
+    def handle_message(self, m: Message, payload: bytes = b"") -> None:
+        """Logical decoding messages are ignored, as by the native worker (we never ask for them)."""
+        if self.stream_xid is not None:
+            self.spool.write(m.xid, payload)
+
+    def handle_type(self, m: Type, payload: bytes = b"") -> None:
+        """``apply_handle_type``: read and discarded; values go through the local type's input function."""
+        if self.stream_xid is not None:
+            self.spool.write(m.xid, payload)
+
+    # --- relations -------------------------------------------------------------------------------------------
+    def handle_relation(self, m: Relation, payload: bytes = b"") -> None:
+        """``apply_handle_relation``: replace the map entry; the local table is looked up at first use."""
+        if self.stream_xid is not None:
+            self.spool.write(m.xid, payload)
+            return
+        self._flush_run_if(m.relid)
+        self.relations[m.relid] = m
+        self.entries.pop(m.relid, None)
+
+    def _entry(self, relid: int, message_type: str) -> RelMapEntry:
+        """``logicalrep_rel_open``: the mapped local table of a publisher relation, resolved by name."""
+        entry = self.entries.get(relid)
+        if entry is not None:
+            return entry
+        rel = self.relations.get(relid)
+        if rel is None:
+            raise self._protocol_error(message_type, f"no relation map entry for remote relation ID {relid}")
+        self._flush_run()
+        try:
+            local = self.target.load_local_table(remote_schema(rel), rel.relname)
+            if local is None:
+                raise missing_table_error(rel)
+            entry = map_relation(rel, local)
+        except RelationMappingError as exc:
+            raise ApplyError(
+                str(exc), self.context(message_type, f"{remote_schema(rel)}.{rel.relname}")
+            ) from None
+        self.entries[relid] = entry
+        return entry
+
+    def _applies(self, entry: RelMapEntry) -> bool:
+        return self.tables.should_apply(entry.local.oid, self.remote_final_lsn)
+
+    def _begin_local(self, ctx: ErrorContext) -> None:
+        if not self.target.in_transaction:
+            self.target.begin(ctx)
+
+    # --- row changes -----------------------------------------------------------------------------------------
+    def handle_insert(self, m: Insert, payload: bytes = b"") -> None:
+        """``apply_handle_insert``. Inserts are gathered into runs per relation: a short run is sent as prepared
+        INSERTs, a long one continues as a COPY (see :mod:`applier.apply.target`)."""
+        if self.stream_xid is not None:
+            self.spool.write(m.xid, payload)
+            return
+        if self.skipping:
+            return
+        entry = self._entry(m.relid, "INSERT")
+        if not self._applies(entry):
+            return
+        if self._run_entry is not entry:
+            self._flush_run()
+            ctx = self._change_context("INSERT", entry)
+            self._begin_local(ctx)
+            self._run_entry = entry
+            self._run_ctx = ctx
+        target = self.target
+        if target.copy_entry is entry:
+            if Target.copy_eligible(m.new):
+                target.insert(entry, m.new, self._run_ctx)
+                return
+            target.end_copy()  # keep the order: this row goes after everything already copied
+        rows = self._run_rows
+        rows.append(m.new)
+        if len(rows) >= COPY_THRESHOLD:
+            if all(Target.copy_eligible(r) for r in rows):
+                target.start_copy(entry, rows, self._run_ctx)
+            else:
+                for r in rows:
+                    target.insert(entry, r, self._run_ctx)
+            rows.clear()
+
+    def _flush_run(self) -> None:
+        """End the current insert run: send what is buffered as INSERTs, and close a COPY."""
+        entry = self._run_entry
+        if entry is None:
+            return
+        self._run_entry = None
+        self.target.end_copy()
+        rows = self._run_rows
+        if rows:
+            ctx = self._run_ctx
+            for r in rows:
+                self.target.insert(entry, r, ctx)
+            rows.clear()
+
+    def _flush_run_if(self, relid: int) -> None:
+        if self._run_entry is not None and self._run_entry.remote.relid == relid:
+            self._flush_run()
+
+    def _updatable(self, entry: RelMapEntry, message_type: str) -> None:
+        """``check_relation_updatable`` (behaviour 44)."""
+        if entry.not_updatable is not None:
+            raise ApplyError(entry.not_updatable, self._change_context(message_type, entry))
+
+    def handle_update(self, m: Update, payload: bytes = b"") -> None:
+        if self.stream_xid is not None:
+            self.spool.write(m.xid, payload)
+            return
+        if self.skipping:
+            return
+        self._flush_run()
+        entry = self._entry(m.relid, "UPDATE")
+        if not self._applies(entry):
+            return
+        self._updatable(entry, "UPDATE")
+        ctx = self._change_context("UPDATE", entry)
+        self._begin_local(ctx)
+        self.target.update(entry, m.old, m.new, ctx)
+
+    def handle_delete(self, m: Delete, payload: bytes = b"") -> None:
+        if self.stream_xid is not None:
+            self.spool.write(m.xid, payload)
+            return
+        if self.skipping:
+            return
+        self._flush_run()
+        entry = self._entry(m.relid, "DELETE")
+        if not self._applies(entry):
+            return
+        self._updatable(entry, "DELETE")
+        ctx = self._change_context("DELETE", entry)
+        self._begin_local(ctx)
+        self.target.delete(entry, m.old, ctx)
+
+    def handle_truncate(self, m: Truncate, payload: bytes = b"") -> None:
+        """``apply_handle_truncate``: the applicable relations in one TRUNCATE, RESTART IDENTITY honoured, never
+        CASCADE (behaviour 49)."""
+        if self.stream_xid is not None:
+            self.spool.write(m.xid, payload)
+            return
+        if self.skipping:
+            return
+        self._flush_run()
+        entries: list[RelMapEntry] = []
+        for relid in m.relids:
+            entry = self._entry(relid, "TRUNCATE")
+            if self._applies(entry) and all(e is not entry for e in entries):
+                entries.append(entry)
+        if not entries:
+            return
+        ctx = self.context("TRUNCATE", ", ".join(e.display for e in entries))
+        self._begin_local(ctx)
+        self.target.truncate(entries, m.restart_identity, ctx)
+
+    # --- two-phase -------------------------------------------------------------------------------------------
+    def _record_prepared(
+        self, xid: int, prepare_lsn: int, end_lsn: int, prepare_time: int, ctx: ErrorContext
+    ) -> None:
+        """Store (gid, prepare_end_lsn, prepare_time), what ``LookupGXact`` compares (behaviour 65), committed
+        before the local transaction begins, so it is visible while the transaction stays prepared.
+
+        It is queued on the apply session in a transaction of its own (no extra round trip); with asynchronous
+        commit it still becomes durable no later than the PREPARE, whose WAL flush covers it.
+        """
+        self.target.pipeline.send_query(
+            b"INSERT INTO applier.prepared_xact (gid, subid, remote_xid, prepare_lsn, prepare_end_lsn, prepare_time)"
+            b" VALUES ($1, $2::bigint, $3::bigint, $4::pg_catalog.pg_lsn, $5::pg_catalog.pg_lsn, $6::bigint)"
+            b" ON CONFLICT (gid) DO UPDATE SET subid = excluded.subid, remote_xid = excluded.remote_xid,"
+            b" prepare_lsn = excluded.prepare_lsn, prepare_end_lsn = excluded.prepare_end_lsn,"
+            b" prepare_time = excluded.prepare_time, recorded_at = now()",
+            [gid_for(self.subid, xid).encode(), str(self.subid).encode(), str(xid).encode(),
+             format_lsn(prepare_lsn).encode(), format_lsn(end_lsn).encode(), str(prepare_time).encode()],
+            ctx,
+        )  # fmt: skip
+        self.target.pipeline.sync()
+
+    def _forget_prepared(self, gid: str, ctx: ErrorContext) -> None:
+        self.target.pipeline.send_query(
+            b"DELETE FROM applier.prepared_xact WHERE gid = $1", [gid.encode()], ctx
+        )
+        self.target.pipeline.sync()
+
+    def handle_begin_prepare(self, m: BeginPrepare, payload: bytes = b"") -> None:
+        """``apply_handle_begin_prepare``: like Begin, with the prepare LSN as the finish LSN."""
+        self._start_remote(m.xid, m.prepare_lsn, "BEGIN PREPARE")
+        self.prepare = m
+        self._record_prepared(m.xid, m.prepare_lsn, m.end_lsn, m.prepare_time, self.context("BEGIN PREPARE"))
+
+    def handle_prepare(self, m: Prepare, payload: bytes = b"") -> None:
+        """``apply_handle_prepare``: always PREPARE, even an empty or skipped transaction (behaviour 61)."""
+        if self.prepare is None or m.prepare_lsn != self.remote_final_lsn:
+            raise self._protocol_error(
+                "PREPARE", f"incorrect prepare LSN {format_lsn(m.prepare_lsn)} in prepare message (expected "
+                f"{format_lsn(self.remote_final_lsn)})",
+            )  # fmt: skip
+        self._prepare_internal(m.xid, m.end_lsn, m.prepare_time, "PREPARE")
+
+    def _prepare_internal(self, xid: int, end_lsn: int, prepare_time: int, message_type: str) -> None:
+        self._flush_run()
+        ctx = self.context(message_type)
+        was_skipping = self.skipping
+        if was_skipping:
+            self.log.info(skiprules.completed_skipping_message(self.remote_final_lsn))
+        finish_lsn = self.remote_final_lsn
+        token = self.tracker.queued(end_lsn, two_phase=True)
+        self.target.prepare(gid_for(self.subid, xid), end_lsn, prepare_time, ctx,
+                            lambda _res: self.tracker.confirmed(token))  # fmt: skip
+        self._end_remote()
+        self.tables.after_transaction(end_lsn)
+        self._clear_skip_lsn_separately(finish_lsn, True)
+
+    def handle_commit_prepared(self, m: CommitPrepared, payload: bytes = b"") -> None:
+        """``apply_handle_commit_prepared``: COMMIT PREPARED; an unknown GID is an error (no lookup)."""
+        if self.in_remote_transaction:
+            raise self._protocol_error(
+                "COMMIT PREPARED", "COMMIT PREPARED received inside a remote transaction"
+            )
+        gid = gid_for(self.subid, m.xid)
+        ctx = ErrorContext(self.origin, "COMMIT PREPARED", None, m.xid, m.commit_lsn)
+        token = self.tracker.queued(m.end_lsn, two_phase=True)
+        self.target.finish_prepared(True, gid, m.end_lsn, m.commit_time, ctx,
+                                    lambda _res: self.tracker.confirmed(token))  # fmt: skip
+        self._forget_prepared(gid, ctx)
+        self.transactions += 1
+        self.tables.after_transaction(m.end_lsn)
+        self._clear_skip_lsn_separately(m.end_lsn, True)
+
+    def handle_rollback_prepared(self, m: RollbackPrepared, payload: bytes = b"") -> None:
+        """``apply_handle_rollback_prepared``: only if our prepared transaction is the one the publisher prepared
+        (same GID, prepare end LSN and time, ``LookupGXact``), else skipped silently (behaviours 64-65)."""
+        if self.in_remote_transaction:
+            raise self._protocol_error(
+                "ROLLBACK PREPARED", "ROLLBACK PREPARED received inside a remote transaction"
+            )
+        gid = gid_for(self.subid, m.xid)
+        ctx = ErrorContext(self.origin, "ROLLBACK PREPARED", None, m.xid, m.prepare_end_lsn)
+        found = self.target.query(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_prepared_xacts WHERE gid = %(gid)s)"
+            " AND EXISTS (SELECT 1 FROM applier.prepared_xact WHERE gid = %(gid)s"
+            " AND prepare_end_lsn = %(lsn)s::pg_catalog.pg_lsn AND prepare_time = %(time)s)",
+            {"gid": gid, "lsn": format_lsn(m.prepare_end_lsn), "time": m.prepare_time},
+        )[0][0]
+        token = self.tracker.queued(m.rollback_end_lsn, two_phase=True)
+        if found:
+            self.target.finish_prepared(False, gid, m.rollback_end_lsn, m.rollback_time, ctx,
+                                        lambda _res: self.tracker.confirmed(token))  # fmt: skip
+            self._forget_prepared(gid, ctx)
+        else:
+            self.tracker.confirmed(token)
+            self.log.debug("skipping ROLLBACK PREPARED of %s: no matching prepared transaction", gid)
+        self.transactions += 1
+        self.tables.after_transaction(m.rollback_end_lsn)
+        if found:
+            self._clear_skip_lsn_separately(m.rollback_end_lsn, True)
+
+    # --- streamed transactions -------------------------------------------------------------------------------
+    def handle_stream_start(self, m: StreamStart, payload: bytes = b"") -> None:
+        """``apply_handle_stream_start``: open (or reopen) the transaction's spool file."""
+        if self.stream_xid is not None:
+            raise self._protocol_error("STREAM START", "duplicate STREAM START message")
+        if self.in_remote_transaction:
+            raise self._protocol_error("STREAM START", "STREAM START received inside a remote transaction")
+        if m.xid == 0:
+            raise self._protocol_error(
+                "STREAM START", "invalid transaction ID in streamed replication transaction"
+            )
+        self._flush_run()
+        self.spool.start_chunk(m.xid, m.first_segment)
+        self.stream_xid = m.xid
+
+    def handle_stream_stop(self, m: StreamStop, payload: bytes = b"") -> None:
+        if self.stream_xid is None:
+            raise self._protocol_error("STREAM STOP", "STREAM STOP message without STREAM START")
+        self.spool.close_chunk()
+        self.stream_xid = None
+
+    def handle_stream_abort(self, m: StreamAbort, payload: bytes = b"") -> None:
+        """``apply_handle_stream_abort``: drop the spool, or truncate it back to the aborted subtransaction."""
+        if self.stream_xid is not None:
+            raise self._protocol_error("STREAM ABORT", "STREAM ABORT message without STREAM STOP")
+        self.spool.abort(m.xid, m.subxid)
+
+    def _replay(self, xid: int, final_lsn: int, message_type: str) -> None:
+        """``apply_spooled_messages``: run the spooled changes through the normal handlers."""
+        self._start_remote(xid, final_lsn, message_type)
+        handle = self._dispatch
+        for payload in self.spool.replay(xid):
+            msg = decode_message(payload, in_stream=True, encoding=self.encoding)
+            if not isinstance(msg, _SPOOLED):
+                raise self._protocol_error(
+                    message_type, f"unexpected {MESSAGE_NAMES[msg.__class__]} in spool of {xid}"
+                )
+            handle[msg.__class__](msg, payload)
+
+    def handle_stream_commit(self, m: StreamCommit, payload: bytes = b"") -> None:
+        """``apply_handle_stream_commit``: replay the spool in one local transaction, then the Commit path."""
+        if self.stream_xid is not None:
+            raise self._protocol_error("STREAM COMMIT", "STREAM COMMIT message without STREAM STOP")
+        self._replay(m.xid, m.commit_lsn, "STREAM COMMIT")
+        self._commit_internal(m.end_lsn, m.commit_time, "STREAM COMMIT")
+        self._end_remote()
+        self.spool.discard(m.xid)
+        self.tables.after_transaction(m.end_lsn)
+
+    def handle_stream_prepare(self, m: StreamPrepare, payload: bytes = b"") -> None:
+        """``apply_handle_stream_prepare``: replay the spool, then PREPARE it."""
+        if self.stream_xid is not None:
+            raise self._protocol_error("STREAM PREPARE", "STREAM PREPARE message without STREAM STOP")
+        ctx = ErrorContext(self.origin, "STREAM PREPARE", None, m.xid, m.prepare_lsn)
+        self._record_prepared(m.xid, m.prepare_lsn, m.end_lsn, m.prepare_time, ctx)
+        self._replay(m.xid, m.prepare_lsn, "STREAM PREPARE")
+        self._prepare_internal(m.xid, m.end_lsn, m.prepare_time, "STREAM PREPARE")
+        self.spool.discard(m.xid)
+
+    # --- errors ----------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget the session state after an error (the worker reconnects and replays from the origin)."""
+        self.relations.clear()
+        self.entries.clear()
+        self.in_remote_transaction = False
+        self.remote_xid = None
+        self.prepare = None
+        self.skipping = False
+        self.stream_xid = None
+        self._run_entry = None
+        self._run_rows.clear()
+        self._ctx_cache.clear()

@@ -1,0 +1,143 @@
+"""Mapping of the publisher's relations (Relation messages) onto local tables, by name (behaviours 17, 41-45).
+
+Pure code: :class:`LocalTable` is what the target adapter reads from the target's catalogs, :class:`Relation` is
+what the publisher sent; :func:`map_relation` combines the two into a :class:`RelMapEntry` or raises the error the
+native worker raises (``logicalrep_rel_open`` / ``logicalrep_rel_mark_updatable``), with the same wording, so that
+users and tests that know PostgreSQL's messages recognise them.
+
+Columns are matched by name. Local columns the publisher does not send take their DEFAULT on INSERT and keep their
+value on UPDATE; a published column missing locally is an error naming the table and the column(s). Values are
+converted by the *local* column's type (we pass the local type OIDs as statement parameter types).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from applier.errors import ApplierError
+from applier.messages import Relation
+
+
+class RelationMappingError(ApplierError):
+    """The local table cannot receive the publisher's changes (missing table or column, no usable key)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LocalColumn:
+    name: str
+    type_oid: int
+    generated: str = ""  # pg_attribute.attgenerated: '' | 's' (stored) | 'v' (virtual, PG18)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalTable:
+    """The target table as the target's catalogs describe it."""
+
+    oid: int
+    schema: str
+    name: str
+    relkind: str  # 'r' table, 'p' partitioned table
+    columns: tuple[LocalColumn, ...]
+    #: columns of the REPLICA IDENTITY index, else of the primary key; None when there is neither
+    key: tuple[str, ...] | None
+
+    @property
+    def display(self) -> str:
+        """``schema.name`` as PostgreSQL prints it in these errors (unquoted)."""
+        return f"{self.schema}.{self.name}"
+
+
+def remote_schema(rel: Relation) -> str:
+    """pgoutput sends an empty namespace for ``pg_catalog`` (behaviour 17)."""
+    return rel.namespace or "pg_catalog"
+
+
+def missing_table_error(rel: Relation) -> RelationMappingError:
+    return RelationMappingError(
+        f'logical replication target relation "{remote_schema(rel)}.{rel.relname}" does not exist'
+    )
+
+
+@dataclass(eq=False)
+class RelMapEntry:
+    """One publisher relation mapped onto one local table, plus the per-relation statement cache.
+
+    ``types`` are the local type OIDs in the publisher's column order (the order of TupleData), so the values of a
+    change can be passed as statement parameters unchanged.
+    """
+
+    remote: Relation
+    local: LocalTable
+    names: tuple[str, ...]  # local column names, in remote order
+    types: tuple[int, ...]  # local type OIDs, in remote order
+    #: remote column positions of the local key (RI index / PK); None means "match the whole row" (FULL)
+    key_positions: tuple[int, ...] | None
+    #: why UPDATE/DELETE cannot be applied, or None when they can (checked only when one arrives, behaviour 44)
+    not_updatable: str | None
+    #: local ``subscription_rel`` state of this table, cached by the handlers
+    state: Any = None
+    statements: dict[Any, bytes] = field(default_factory=dict)
+
+    @property
+    def display(self) -> str:
+        return self.local.display
+
+    @property
+    def relkind(self) -> str:
+        return self.local.relkind
+
+
+def map_relation(remote: Relation, local: LocalTable) -> RelMapEntry:
+    """Map ``remote`` onto ``local`` or raise :class:`RelationMappingError` (behaviours 42 and 44)."""
+    if local.relkind not in ("r", "p"):
+        raise RelationMappingError(
+            f'cannot use relation "{local.display}" as logical replication target: '
+            f"it is not a table or partitioned table"
+        )
+    by_name = {c.name: c for c in local.columns}
+    missing = [c.name for c in remote.columns if c.name not in by_name]
+    if missing:
+        listed = ", ".join(f'"{n}"' for n in missing)
+        noun = "column" if len(missing) == 1 else "columns"
+        raise RelationMappingError(
+            f'logical replication target relation "{local.display}" is missing replicated {noun}: {listed}'
+        )
+    generated = [c.name for c in remote.columns if by_name[c.name].generated]
+    if generated:
+        listed = ", ".join(f'"{n}"' for n in generated)
+        noun = "column" if len(generated) == 1 else "columns"
+        raise RelationMappingError(
+            f'logical replication target relation "{local.display}" has incompatible generated {noun}: {listed}'
+        )
+    names = tuple(c.name for c in remote.columns)
+    types = tuple(by_name[n].type_oid for n in names)
+    position = {n: i for i, n in enumerate(names)}
+
+    key_positions: tuple[int, ...] | None = None
+    not_updatable: str | None = None
+    if local.key is not None:
+        positions = []
+        for k in local.key:
+            i = position.get(k)
+            if i is None or not remote.columns[i].is_key:
+                not_updatable = (
+                    f"publisher did not send replica identity column expected by the logical replication "
+                    f'target relation "{local.display}"'
+                )
+                break
+            positions.append(i)
+        key_positions = tuple(positions)
+    elif remote.replident != "f":
+        not_updatable = (
+            f'logical replication target relation "{local.display}" has neither REPLICA IDENTITY index nor '
+            f"PRIMARY KEY and published relation does not have REPLICA IDENTITY FULL"
+        )
+    return RelMapEntry(
+        remote=remote,
+        local=local,
+        names=names,
+        types=types,
+        key_positions=key_positions if not_updatable is None else None,
+        not_updatable=not_updatable,
+    )

@@ -1,0 +1,169 @@
+"""Streamed (in-progress) transactions spooled to disk until their Stream Commit / Stream Prepare / Stream Abort.
+
+A streamed transaction can be arbitrarily large, so its changes never stay in memory: each chunk between Stream
+Start and Stream Stop is appended to one file per remote top-level xid (``<subid>-<xid>.changes``), as
+``int32 length | raw pgoutput message`` records (the bytes as received, including the subtransaction-xid prefix;
+they are decoded again with ``in_stream=True`` at replay). That mirrors ``stream_write_change`` in worker.c
+(behaviours 84-88) without its FileSet: our files live in a directory of our own and are removed when the
+transaction ends and at start-up (a restarted stream re-sends everything after the origin position, behaviour 89).
+
+For subtransaction aborts we remember, per top-level xid, the file offset where each subtransaction's first change
+was written; an abort of subxact S truncates the file back to S's offset and forgets S and every later subxact
+(behaviour 87). A subxact that is not in the list (it had no changes, or an earlier abort already discarded it) is
+ignored. That list is small (one pair per subtransaction with changes), so it stays in memory.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+_LEN = struct.Struct(">i")
+_READ_BUFFER = 1 << 20
+
+
+@dataclass
+class _Xact:
+    path: Path
+    size: int = 0
+    #: (subxid, offset of its first change), in the order they appeared
+    subxacts: list[tuple[int, int]] = field(default_factory=list)
+    known_subxids: set[int] = field(default_factory=set)
+    changes: int = 0
+
+
+class Spool:
+    """Files of the streamed transactions of one subscription, in ``directory``."""
+
+    def __init__(self, directory: Path, subid: int) -> None:
+        self.directory = directory
+        self.subid = subid
+        self._xacts: dict[int, _Xact] = {}
+        self._open_xid: int | None = None
+        self._file: BinaryIO | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------------------------
+    def cleanup(self) -> int:
+        """Remove every spool file of this subscription (start-up, after an error); return how many."""
+        self.close_chunk()
+        self._xacts.clear()
+        removed = 0
+        if self.directory.is_dir():
+            for p in self.directory.glob(f"{self.subid}-*.changes"):
+                p.unlink(missing_ok=True)
+                removed += 1
+        return removed
+
+    def _path(self, xid: int) -> Path:
+        return self.directory / f"{self.subid}-{xid}.changes"
+
+    # --- chunks ----------------------------------------------------------------------------------------------
+    def start_chunk(self, xid: int, first_segment: bool) -> None:
+        """Stream Start: (re)open the file of ``xid`` for appending. A first segment starts a new file (a stale
+        one from an earlier attempt is replaced)."""
+        self.close_chunk()
+        xact = self._xacts.get(xid)
+        if first_segment or xact is None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            xact = _Xact(self._path(xid))
+            self._xacts[xid] = xact
+            self._file = open(xact.path, "wb")  # noqa: SIM115 - closed by close_chunk
+        else:
+            self._file = open(xact.path, "ab")  # noqa: SIM115
+        self._open_xid = xid
+
+    def write(self, subxid: int | None, payload: bytes) -> None:
+        """Append one change message (raw bytes as received) of the open chunk."""
+        xid = self._open_xid
+        if xid is None or self._file is None:
+            raise RuntimeError("spool write outside a stream chunk")
+        xact = self._xacts[xid]
+        if subxid is not None and subxid != xid and subxid not in xact.known_subxids:
+            xact.known_subxids.add(subxid)
+            xact.subxacts.append((subxid, xact.size))
+        self._file.write(_LEN.pack(len(payload)))
+        self._file.write(payload)
+        xact.size += 4 + len(payload)
+        xact.changes += 1
+
+    def close_chunk(self) -> None:
+        """Stream Stop: close the file (the data stays until commit/prepare/abort)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self._open_xid = None
+
+    @property
+    def open_xid(self) -> int | None:
+        return self._open_xid
+
+    # --- endings ---------------------------------------------------------------------------------------------
+    def abort(self, xid: int, subxid: int) -> None:
+        """Stream Abort: the whole transaction (``subxid == xid``) or one subtransaction (behaviour 87)."""
+        xact = self._xacts.get(xid)
+        if xact is None:  # nothing was spooled (PG18 may send an abort for an early-aborted xact only)
+            return
+        if subxid == xid:
+            self.discard(xid)
+            return
+        for i in range(len(xact.subxacts) - 1, -1, -1):
+            if xact.subxacts[i][0] == subxid:
+                offset = xact.subxacts[i][1]
+                for sx, _ in xact.subxacts[i:]:
+                    xact.known_subxids.discard(sx)
+                del xact.subxacts[i:]
+                with open(xact.path, "r+b") as f:
+                    f.truncate(offset)
+                xact.size = offset
+                return
+
+    def discard(self, xid: int) -> None:
+        """Forget ``xid`` and remove its file."""
+        if self._open_xid == xid:
+            self.close_chunk()
+        xact = self._xacts.pop(xid, None)
+        if xact is not None:
+            xact.path.unlink(missing_ok=True)
+
+    def has(self, xid: int) -> bool:
+        return xid in self._xacts
+
+    def size(self, xid: int) -> int:
+        xact = self._xacts.get(xid)
+        return 0 if xact is None else xact.size
+
+    def replay(self, xid: int) -> Iterator[bytes]:
+        """The spooled messages of ``xid`` in order, read incrementally (memory stays flat)."""
+        xact = self._xacts.get(xid)
+        if xact is None:
+            return
+        if self._open_xid == xid:
+            self.close_chunk()
+        with open(xact.path, "rb", buffering=_READ_BUFFER) as f:
+            read = f.read
+            unpack = _LEN.unpack
+            remaining = xact.size
+            while remaining > 0:
+                head = read(4)
+                if len(head) < 4:
+                    raise OSError(f"spool file {xact.path} is truncated")
+                (n,) = unpack(head)
+                data = read(n)
+                if len(data) < n:
+                    raise OSError(f"spool file {xact.path} is truncated")
+                remaining -= 4 + n
+                yield data
+
+    def __len__(self) -> int:
+        return len(self._xacts)
+
+
+def default_spool_dir() -> Path:
+    """Per-user directory under the system temporary directory."""
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"applier-spool-{os.getuid()}"

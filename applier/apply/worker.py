@@ -1,0 +1,509 @@
+"""The apply worker: stream from the publisher's slot and apply on the target until told to stop.
+
+``ApplyWorker(target_conninfo, subname, stop=event).run()`` is the entry point ``applier run`` uses. One *session*
+is: read the subscription, connect to the target (session origin ``applier_<subid>``), connect to the publisher,
+``START_REPLICATION`` at the origin's progress, then read / apply / report until something ends it. Anything that
+goes wrong ends the session: the local transaction is abandoned (so the origin is not advanced), and the next
+session starts again from the origin's progress, which is exactly what was committed, so every remote transaction
+is applied exactly once (behaviours 53, 89, 94-96). Sessions are retried with exponential backoff (tenacity) for
+errors that can go away by themselves (a server restarting, a unique violation someone fixes, a missing table someone
+creates), and the error is recorded in the catalog with its context (behaviour 54) so ``applier status`` shows it.
+
+The worker returns when the stop event is set (abandoning a remote transaction that is half applied: it is
+re-sent), when the subscription is disabled or dropped, or when ``disable_on_error`` disables it (behaviour 101).
+It raises :class:`ApplyWorkerError` for what cannot get better by waiting (no such subscription, no slot, no origin,
+no privilege), with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import psycopg
+import tenacity
+
+from applier.apply.context import ApplyError, ErrorContext
+from applier.apply.feedback import FeedbackTracker
+from applier.apply.handlers import Applier, SkipState, TableStates
+from applier.apply.spool import Spool, default_spool_dir
+from applier.apply.target import Target, TargetConnectionError
+from applier.decoder import MessageDecoder
+from applier.errors import ApplierError, ProtocolError
+from applier.lsn import format_lsn
+from applier.messages import PrimaryKeepalive, XLogData
+from applier.replication import ReplicationConnection, ReplicationConnectionError, StreamOptions
+from state.catalog import Catalog, CatalogError, RelState, Subscription
+from state.tables import TableState, process_syncing_tables, should_apply_changes_for_rel
+from state.twophase import (
+    TwoPhaseState,
+    restart_for_two_phase_message,
+    should_restart_for_two_phase,
+    stream_two_phase,
+)
+
+log = logging.getLogger("applier.apply")
+
+#: How often the worker re-reads its subscription row while idle (PostgreSQL reacts to catalog invalidations).
+REREAD_INTERVAL = 1.0
+#: wal_receiver_status_interval: an unchanged status is still sent this often.
+STATUS_INTERVAL = 10.0
+#: How often, at most, the target's WAL flush position is read while commits wait to become durable.
+FLUSH_POLL_INTERVAL = 0.1
+#: Messages applied before the loop looks at feedback, results and the stop event again.
+BURST = 5000
+
+
+class ApplyWorkerError(ApplierError):
+    """An error waiting will not fix; the message says what to do."""
+
+
+class _Outcome(enum.Enum):
+    STOPPED = "stopped"
+    DISABLED = "disabled"
+    DROPPED = "dropped"
+    RESTART = "restart"
+
+
+class _Restart(Exception):
+    """End the session and start the next one at once (two-phase enabling, changed subscription options)."""
+
+
+class _Ended(Exception):
+    """End the session and return from :meth:`ApplyWorker.run` with ``outcome``."""
+
+    def __init__(self, outcome: _Outcome) -> None:
+        super().__init__(outcome.value)
+        self.outcome = outcome
+
+
+@dataclass
+class WorkerStats:
+    """Counters for tests, ``status`` and benchmarks."""
+
+    sessions: int = 0
+    transactions: int = 0
+    messages: int = 0
+    errors: int = 0
+    last_error: str | None = None
+    started_streaming: threading.Event = field(default_factory=threading.Event)
+
+
+class _CatalogTables(TableStates):
+    """Table states from the catalog, cached; non-ready tables are re-read once per remote transaction
+    (``logicalrep_rel_open`` re-reads them on every open while not READY)."""
+
+    def __init__(self, worker: ApplyWorker, sub: Subscription) -> None:
+        self.worker = worker
+        self.catalog = worker.catalog
+        self.subid = sub.subid
+        self.two_phase_state = sub.subtwophasestate
+        self.by_oid: dict[int, RelState] = {}
+        self._checked: dict[int, int] = {}
+        self.target: Target | None = None
+        self.reload()
+
+    def reload(self) -> None:
+        self.by_oid = {r.relid: r for r in self.catalog.table_states(self.subid)}
+        self._checked.clear()
+
+    @property
+    def all_ready(self) -> bool:
+        return all(r.state == "r" for r in self.by_oid.values())
+
+    def table_states(self) -> list[TableState]:
+        return [
+            TableState(r.name, r.state, r.lsn if r.state not in ("i", "d") else None)
+            for r in self.by_oid.values()
+        ]
+
+    def should_apply(self, local_oid: int, remote_final_lsn: int) -> bool:
+        rel = self.by_oid.get(local_oid)
+        if rel is not None and rel.state == "r":
+            return True
+        if self._checked.get(local_oid) != remote_final_lsn:
+            self._checked[local_oid] = remote_final_lsn
+            fresh = {r.relid: r for r in self.catalog.table_states(self.subid)}
+            self.by_oid.update(fresh)
+            rel = fresh.get(local_oid)
+        if rel is None:
+            return False
+        return should_apply_changes_for_rel(rel.state, rel.lsn, remote_final_lsn)
+
+    def after_transaction(self, current_lsn: int) -> None:
+        """The sync-state pass (behaviour 76) and the two-phase restart check (57)."""
+        if self.all_ready and self.two_phase_state != "p":
+            return
+        if self.target is not None:
+            # Mark tables ready only once what was applied before is known committed: were a queued commit to
+            # fail, the stream would restart before it and must still skip what the copy holds.
+            self.target.pipeline.drain()
+        by_name = {r.name: r for r in self.by_oid.values()}
+        for t in process_syncing_tables(self.table_states(), current_lsn):
+            rel = by_name[t.name]
+            self.catalog.set_table_state(self.subid, rel.relid, t.state.value, t.lsn)
+            self.worker.log.info(
+                'logical replication table synchronization for subscription "%s", table "%s" has finished',
+                self.worker.subname, t.name,
+            )  # fmt: skip
+        self.reload()
+        if should_restart_for_two_phase(self.two_phase_state, self.table_states()):
+            self.worker.log.info(restart_for_two_phase_message(self.worker.subname))
+            raise _Restart()
+
+
+class ApplyWorker:
+    """Streams one subscription's changes from its publisher and applies them to the target (see module doc).
+
+    ``stop`` ends :meth:`run` cleanly; ``spool_dir`` holds streamed transactions (default: a per-user directory
+    under the system temporary directory). ``retry_initial``/``retry_max`` bound the exponential backoff between
+    failed sessions.
+    """
+
+    def __init__(
+        self,
+        target_conninfo: str,
+        subname: str,
+        *,
+        stop: threading.Event | None = None,
+        spool_dir: Path | None = None,
+        logger: logging.Logger | None = None,
+        retry_initial: float = 0.5,
+        retry_max: float = 30.0,
+    ) -> None:
+        self.target_conninfo = target_conninfo
+        self.subname = subname
+        self.stop = stop if stop is not None else threading.Event()
+        self.spool_dir = spool_dir or default_spool_dir()
+        self.log = logger or log
+        self.retry_initial = retry_initial
+        self.retry_max = retry_max
+        self.catalog = Catalog.connect(target_conninfo)
+        self.stats = WorkerStats()
+        self._failures = 0
+        self._target: Target | None = None
+        self._repl: ReplicationConnection | None = None
+
+    # --- the outer loop ----------------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Stream and apply until stopped, disabled or dropped; raise :class:`ApplyWorkerError` when waiting cannot
+        help. Reconnects with exponential backoff through publisher and target restarts."""
+        try:
+            sub = self.catalog.require(self.subname)
+        except CatalogError as exc:
+            raise ApplyWorkerError(str(exc)) from exc
+        except psycopg.Error as exc:
+            raise ApplyWorkerError(f"cannot read the catalog on the target: {exc}") from exc
+        Spool(self.spool_dir, sub.subid).cleanup()
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(self._retryable),
+            wait=self._backoff,
+            sleep=self._sleep,
+            before_sleep=self._before_sleep,
+            reraise=True,
+        )
+        try:
+            while True:
+                outcome = retrying(self._attempt)
+                if outcome is not _Outcome.RESTART:
+                    return
+        finally:
+            self.catalog.engine.dispose()
+
+    def _attempt(self) -> _Outcome:
+        if self.stop.is_set():
+            return _Outcome.STOPPED
+        try:
+            return self._session()
+        except _Restart:
+            return _Outcome.RESTART
+        except _Ended as end:
+            return end.outcome
+        except (ApplyError, ProtocolError) as exc:
+            return self._apply_failed(exc)
+
+    def _apply_failed(self, exc: ApplierError) -> _Outcome:
+        """Record an apply error; disable the subscription if it says so (behaviour 101), else let it retry."""
+        self.stats.errors += 1
+        self.stats.last_error = str(exc)
+        ctx: ErrorContext | None = exc.context if isinstance(exc, ApplyError) else None
+        self.log.error('logical replication apply worker for subscription "%s": %s', self.subname, exc)
+        try:
+            sub = self.catalog.get(self.subname)
+            if sub is None:
+                return _Outcome.DROPPED
+            message = exc.message if isinstance(exc, ApplyError) else str(exc)
+            if ctx is not None:
+                self.catalog.record_error(sub.subid, message, remote_xid=ctx.xid, finish_lsn=ctx.finish_lsn,
+                                          message_type=ctx.message_type, relation=ctx.relation)  # fmt: skip
+            else:
+                self.catalog.record_error(sub.subid, message)
+            if sub.subdisableonerr:
+                self.catalog.update_subscription(sub.subid, subenabled=False)
+                self.log.info('subscription "%s" has been disabled because of an error', self.subname)
+                return _Outcome.DISABLED
+        except psycopg.Error as db_exc:  # the target is down: retry anyway
+            self.log.warning("could not record the error in the catalog: %s", db_exc)
+        raise exc
+
+    def _retryable(self, exc: BaseException) -> bool:
+        if isinstance(exc, ApplyWorkerError | CatalogError):
+            return False
+        return isinstance(exc, ApplierError | psycopg.Error | OSError)
+
+    def _backoff(self, retry_state: Any) -> float:
+        """Exponential with jitter from ``retry_initial`` to ``retry_max``; reset by a session that made
+        progress, so an occasional failure after hours of work is retried quickly."""
+        wait = tenacity.wait_exponential_jitter(initial=self.retry_initial, max=self.retry_max)
+        return float(wait(SimpleNamespace(attempt_number=max(self._failures, 1))))  # type: ignore[arg-type]
+
+    def _sleep(self, seconds: float) -> None:
+        self.stop.wait(seconds)
+
+    def _before_sleep(self, retry_state: tenacity.RetryCallState) -> None:
+        exc = retry_state.outcome.exception() if retry_state.outcome else None
+        self._failures += 1
+        if not isinstance(exc, ApplyError | ProtocolError):
+            self.stats.errors += 1
+            self.stats.last_error = str(exc)
+            self.log.warning("logical replication apply worker for subscription \"%s\" will retry: %s",
+                             self.subname, exc)  # fmt: skip
+
+    # --- one session ---------------------------------------------------------------------------------------------
+    def _session(self) -> _Outcome:
+        sub = self.catalog.get(self.subname)
+        if sub is None:
+            return _Outcome.DROPPED
+        if not sub.subenabled:
+            self.log.info('logical replication apply worker for subscription "%s" will stop because the '
+                          "subscription was disabled", self.subname)  # fmt: skip
+            return _Outcome.DISABLED
+        if not sub.subslotname:
+            raise ApplyWorkerError(
+                f'subscription "{sub.subname}" has no replication slot set: '
+                f"set one with applier alter {sub.subname} --set slot_name=NAME"
+            )
+        self.stats.sessions += 1
+        tables = _CatalogTables(self, sub)
+        target = self._connect_target(sub)
+        tables.target = target
+        spool = Spool(self.spool_dir, sub.subid)
+        repl: ReplicationConnection | None = None
+        applier: Applier | None = None
+        try:
+            self.catalog.reconcile_prepared(sub.subid)
+            spool.cleanup()
+            start_lsn = target.origin_progress(sub.origin_name)
+            tracker = FeedbackTracker(start_lsn)
+            two_phase = stream_two_phase(sub.subtwophasestate, tables.table_states())
+            repl = self._connect_publisher(sub, start_lsn, two_phase)
+            if two_phase and sub.subtwophasestate == TwoPhaseState.PENDING:
+                self.catalog.update_subscription(sub.subid, subtwophasestate=TwoPhaseState.ENABLED.value)
+                tables.two_phase_state = TwoPhaseState.ENABLED.value
+            self.log.info('logical replication apply worker for subscription "%s" has started streaming at %s%s',
+                          sub.subname, format_lsn(start_lsn), " with two_phase" if two_phase else "")  # fmt: skip
+            self.stats.started_streaming.set()
+            skip = SkipState(sub.subskiplsn or 0, sub.subname)
+            applier = Applier(
+                subid=sub.subid, subname=sub.subname, target=target, tracker=tracker, spool=spool,
+                tables=tables, skip=skip, clear_skip_lsn=self.catalog.clear_skip_lsn, logger=self.log,
+            )  # fmt: skip
+            return self._stream(sub, repl, target, applier, tracker, tables, skip)
+        finally:
+            if applier is not None:
+                self.stats.transactions += applier.transactions
+                if applier.transactions:
+                    self._failures = 0
+            if target.in_transaction or target.pipeline.pending:
+                target.abort()
+            target.close()
+            if repl is not None:
+                repl.close()
+            spool.cleanup()
+
+    def _connect_target(self, sub: Subscription) -> Target:
+        try:
+            return Target.connect(self.target_conninfo, origin=sub.origin_name,
+                                  application_name=f"applier {sub.subname}", binary=sub.subbinary)  # fmt: skip
+        except psycopg.errors.UndefinedObject as exc:
+            raise ApplyWorkerError(
+                f'replication origin "{sub.origin_name}" of subscription "{sub.subname}" does not exist on the '
+                f"target ({exc}): drop and create the subscription again"
+            ) from exc
+        except psycopg.errors.InsufficientPrivilege as exc:
+            raise ApplyWorkerError(
+                f"the target role may not run an apply session ({exc}): connect as a superuser, or grant it "
+                "SET ON PARAMETER session_replication_role and the pg_replication_origin_* functions"
+            ) from exc
+
+    def _connect_publisher(self, sub: Subscription, start_lsn: int, two_phase: bool) -> ReplicationConnection:
+        repl = ReplicationConnection.open(sub.subconninfo, application_name=sub.subname)
+        try:
+            repl.identify_system()
+            origin = sub.suborigin if sub.suborigin in ("any", "none") else None
+            options = StreamOptions(
+                publications=list(sub.subpublications),
+                streaming="on" if sub.substream in ("on", "parallel") else "off",
+                two_phase=two_phase,
+                origin=origin,  # type: ignore[arg-type]
+                binary=sub.subbinary,
+            )
+            repl.start_replication(sub.subslotname or sub.subname, start_lsn, options)
+        except ReplicationConnectionError as exc:
+            repl.close()
+            if exc.sqlstate == "42704":  # undefined_object: the slot is gone
+                raise ApplyWorkerError(
+                    f'{exc}: the subscription\'s slot "{sub.subslotname}" does not exist on the publisher; '
+                    f"create it (or drop and create the subscription)"
+                ) from exc
+            raise
+        except BaseException:
+            repl.close()
+            raise
+        return repl
+
+    def _stream(self, sub: Subscription, repl: ReplicationConnection, target: Target, applier: Applier,
+                tracker: FeedbackTracker, tables: _CatalogTables, skip: SkipState) -> _Outcome:  # fmt: skip
+        decoder = MessageDecoder()
+        last_status = 0.0
+        last_flush_poll = 0.0
+        last_reread = time.monotonic()
+        read = repl.read
+        handle = applier.handle
+        decode = decoder.decode
+        stats = self.stats
+        while True:
+            if self.stop.is_set():
+                return self._stop_session(repl, target, applier, tracker)
+            force = False
+            timeout = 0.2 if tracker.pending else 1.0
+            n = 0
+            while n < BURST:
+                item = read(timeout if n == 0 else 0)
+                if item is None:
+                    break
+                n += 1
+                if item.__class__ is XLogData:
+                    tracker.received(max(item.data_start, item.wal_end))
+                    payload = item.payload
+                    handle(decode(payload), payload)
+                elif item.__class__ is PrimaryKeepalive:
+                    tracker.received(item.wal_end)
+                    if item.reply_requested:
+                        force = True
+            stats.messages += n
+            if target.pipeline.pending:
+                target.pipeline.poll()
+            now = time.monotonic()
+            if applier.idle:
+                if now - last_reread >= REREAD_INTERVAL:
+                    last_reread = now
+                    self._reread(sub, skip, tables, target)
+                if not tables.all_ready or tables.two_phase_state == "p":
+                    tables.after_transaction(tracker.last_received)
+            # feedback (behaviour 9)
+            flush_lsn = None
+            if tracker.pending and (force or now - last_flush_poll >= FLUSH_POLL_INTERVAL):
+                last_flush_poll = now
+                insert_lsn, flush_lsn = target.wal_positions()
+                tracker.resolve(insert_lsn)
+            before = tracker.last_sent
+            pos = tracker.positions(flush_lsn)
+            if force or pos != before or now - last_status >= STATUS_INTERVAL:
+                repl.send_status(pos.write, pos.flush, pos.apply)
+                last_status = now
+
+    def _reread(self, sub: Subscription, skip: SkipState, tables: _CatalogTables, target: Target) -> None:
+        """``maybe_reread_subscription`` (behaviour 52): stop when dropped/disabled, restart when an option the
+        stream depends on changed, pick up a new skip-LSN and table states."""
+        fresh = self.catalog.get(self.subname)
+        if fresh is None or fresh.subid != sub.subid:
+            target.pipeline.drain()
+            self.log.info('logical replication apply worker for subscription "%s" will stop because the '
+                          "subscription was removed", self.subname)  # fmt: skip
+            raise _Ended(_Outcome.DROPPED)
+        if not fresh.subenabled:
+            target.pipeline.drain()
+            self.log.info('logical replication apply worker for subscription "%s" will stop because the '
+                          "subscription was disabled", self.subname)  # fmt: skip
+            raise _Ended(_Outcome.DISABLED)
+        for attr in ("subconninfo", "subslotname", "subbinary", "substream", "suborigin", "subpublications"):
+            if getattr(fresh, attr) != getattr(sub, attr):
+                target.pipeline.drain()
+                self.log.info('logical replication apply worker for subscription "%s" will restart because of a '
+                              "parameter change", self.subname)  # fmt: skip
+                raise _Restart()
+        skip.skip_lsn = fresh.subskiplsn or 0
+        tables.two_phase_state = fresh.subtwophasestate
+        tables.reload()
+
+    def _stop_session(self, repl: ReplicationConnection, target: Target, applier: Applier,
+                      tracker: FeedbackTracker) -> _Outcome:  # fmt: skip
+        """Stop requested: finish what is committed, abandon a half-applied remote transaction (it is re-sent)."""
+        if applier.in_remote_transaction:
+            self.log.info("abandoning remote transaction %s on stop; it will be applied after restart",
+                          applier.remote_xid)  # fmt: skip
+            target.abort()
+            tracker.forget_unconfirmed()
+        else:
+            target.pipeline.drain()
+        try:
+            if tracker.pending and not target.closed:
+                insert_lsn, flush_lsn = target.wal_positions()
+                tracker.resolve(insert_lsn)
+                pos = tracker.positions(flush_lsn)
+            else:
+                pos = tracker.positions(None)
+            repl.send_status(pos.write, pos.flush, pos.apply)
+        except (ApplierError, psycopg.Error) as exc:
+            self.log.debug("final status update failed: %s", exc)
+        return _Outcome.STOPPED
+
+
+class WorkerThread:
+    """Run an :class:`ApplyWorker` in a background thread (tests, the demo): ``stop()`` then ``join()``, which
+    re-raises what the worker raised."""
+
+    def __init__(self, worker: ApplyWorker) -> None:
+        self.worker = worker
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=f"apply-{worker.subname}", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.worker.run()
+        except BaseException as exc:  # noqa: BLE001 - handed to join()
+            self.error = exc
+
+    def start(self) -> WorkerThread:
+        self.thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.worker.stop.set()
+        self.join(timeout)
+
+    def join(self, timeout: float = 30.0) -> None:
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise TimeoutError(f"apply worker for {self.worker.subname} did not stop within {timeout}s")
+        if self.error is not None:
+            raise self.error
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+
+def start_worker(target_conninfo: str, subname: str, **kwargs: Any) -> WorkerThread:
+    """Start an :class:`ApplyWorker` in a thread with its own stop event; ``kwargs`` go to the constructor."""
+    return WorkerThread(ApplyWorker(target_conninfo, subname, **kwargs)).start()
+
+
+__all__ = ["ApplyWorker", "ApplyWorkerError", "TargetConnectionError", "WorkerThread", "start_worker"]
