@@ -1,25 +1,159 @@
-"""Row changes end to end: a real publisher, our worker, a real target."""
+"""Row changes end to end: a real publisher, our apply worker in a thread, a real target (no mocks)."""
 
 from __future__ import annotations
 
 import pytest
 
 from applier.apply.testing import setup_subscription
-from applier.testing import assert_tables_equal, wait_for_catchup
+from applier.testing import assert_tables_equal, wait_for_catchup, wait_until
 
 pytestmark = pytest.mark.core
 
 
-def test_insert_update_delete(pair):
+def both(pair, *statements: str) -> None:
     for db in (pair.publisher, pair.target):
-        db.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
-    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"])
+        for s in statements:
+            db.execute(s)
+
+
+def test_changes_with_each_replica_identity_and_toast(pair):
+    """INSERT (row-by-row and COPY runs), UPDATE incl. key change, DELETE, with replica identity default, index and
+    full (no key on the target, duplicate rows, NULLs), and unchanged TOAST values kept on the target."""
+    both(
+        pair,
+        "CREATE TABLE rd (id int PRIMARY KEY, v text, big text)",
+        "ALTER TABLE rd ALTER COLUMN big SET STORAGE EXTERNAL",
+        "CREATE TABLE ri (k int NOT NULL, v text, other int)",
+        "CREATE UNIQUE INDEX ri_k ON ri (k)",
+        "ALTER TABLE ri REPLICA IDENTITY USING INDEX ri_k",
+        "CREATE TABLE rf (a int, b text)",
+        "ALTER TABLE rf REPLICA IDENTITY FULL",
+    )
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.rd", "public.ri", "public.rf"])
     w = s.start()
     try:
-        pair.publisher.execute("INSERT INTO t SELECT g, 'v' || g FROM generate_series(1, 500) g")
-        pair.publisher.execute("UPDATE t SET v = 'x' WHERE id % 3 = 0")
-        pair.publisher.execute("UPDATE t SET id = id + 1000 WHERE id % 7 = 0")
-        pair.publisher.execute("DELETE FROM t WHERE id % 5 = 0")
+        pub = pair.publisher
+        pub.execute("INSERT INTO rd SELECT g, 'v' || g, repeat(md5(g::text), 200) FROM generate_series(1, 600) g")
+        pub.execute("INSERT INTO rd VALUES (1001, E'tab\\there\\nnewline \\\\ back', NULL)")
+        pub.execute("UPDATE rd SET v = 'changed' WHERE id % 3 = 0")  # big unchanged: sent as 'u'
+        pub.execute("UPDATE rd SET id = id + 10000 WHERE id % 7 = 0")  # key change: old key sent
+        pub.execute("DELETE FROM rd WHERE id % 5 = 0")
+        pub.execute("INSERT INTO ri SELECT g, 'v' || g, g FROM generate_series(1, 50) g")
+        pub.execute("UPDATE ri SET v = NULL, k = k + 100 WHERE k % 2 = 0")
+        pub.execute("DELETE FROM ri WHERE k % 3 = 0")
+        pub.execute("INSERT INTO rf VALUES (1, 'a'), (1, 'a'), (2, NULL), (3, 'c')")
+        pub.execute("UPDATE rf SET b = 'one' WHERE ctid = (SELECT ctid FROM rf WHERE a = 1 LIMIT 1)")
+        pub.execute("UPDATE rf SET a = 20 WHERE b IS NULL")
+        pub.execute("DELETE FROM rf WHERE a = 3")
+        wait_for_catchup(pub, pair.name, timeout=30)
+        assert_tables_equal(pub, pair.target, "public.rd", "public.ri", "public.rf")
+        assert pair.target.scalar("SELECT count(*) FROM rd WHERE big IS NOT NULL AND length(big) = 6400") > 300
+    finally:
+        w.stop()
+
+
+def test_truncate_restart_identity_and_column_mapping_by_name(pair):
+    """TRUNCATE ... RESTART IDENTITY resets the target's own sequence; a CASCADE on the publisher truncates the
+    published tables it lists, never more. Columns map by name: the target has its columns in another order and an
+    extra one that takes its default."""
+    pair.publisher.execute("CREATE TABLE parent (id int PRIMARY KEY, a text, b int)")
+    pair.target.execute("CREATE TABLE parent (b int, extra text DEFAULT 'dflt', id serial PRIMARY KEY, a text)")
+    both(pair, "CREATE TABLE child (id int PRIMARY KEY, pid int REFERENCES parent)")
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.parent", "public.child"])
+    w = s.start()
+    try:
+        pub = pair.publisher
+        pub.execute("INSERT INTO parent SELECT g, 'a' || g, g * 2 FROM generate_series(1, 20) g")
+        pub.execute("INSERT INTO child SELECT g, g FROM generate_series(1, 20) g")
+        wait_for_catchup(pub, pair.name, timeout=30)
+        assert_tables_equal(pub, pair.target, "public.parent", columns=["id", "a", "b"])
+        assert pair.target.scalar("SELECT count(*) FROM parent WHERE extra = 'dflt'") == 20
+        pair.target.execute("SELECT nextval('parent_id_seq')")
+        pub.execute("TRUNCATE parent CASCADE")  # sends both relations with the CASCADE flag
+        pub.execute("INSERT INTO parent VALUES (7, 'again', 1)")
+        wait_for_catchup(pub, pair.name, timeout=30)
+        assert pair.target.query("SELECT id, a, extra FROM parent") == [(7, "again", "dflt")]
+        assert pair.target.scalar("SELECT count(*) FROM child") == 0
+        pair.target.execute("SELECT nextval('parent_id_seq')")
+        pub.execute("TRUNCATE parent, child RESTART IDENTITY")
+        wait_for_catchup(pub, pair.name, timeout=30)
+        assert pair.target.scalar("SELECT count(*) FROM parent") == 0
+        assert pair.target.scalar("SELECT nextval('parent_id_seq')") == 1
+    finally:
+        w.stop()
+
+
+def test_missing_column_then_fixed_and_missing_table(pair):
+    """A published column missing on the target is an error naming table and column; the worker retries and goes
+    on once the column exists. A dropped target table is an error naming it."""
+    pair.publisher.execute("CREATE TABLE t (id int PRIMARY KEY, c1 text, c2 int)")
+    pair.target.execute("CREATE TABLE t (id int PRIMARY KEY, c1 text)")
+    both(pair, "CREATE TABLE gone (id int PRIMARY KEY)")
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t", "public.gone"])
+    w = s.start()
+    try:
+        pair.publisher.execute("INSERT INTO t VALUES (1, 'one', 1)")
+
+        def error_about(text: str):
+            err = s.catalog.last_error(s.sub.subid)
+            return err if err and text in err["message"] else None
+
+        err = wait_until(lambda: error_about('is missing replicated column: "c2"'), timeout=30)
+        assert 'logical replication target relation "public.t"' in err["message"]
+        assert err["message_type"] == "INSERT" and err["relation"] == "public.t"
+        assert err["finish_lsn"] and err["remote_xid"]
+        pair.target.execute("ALTER TABLE t ADD COLUMN c2 int")
+        wait_for_catchup(pair.publisher, pair.name, timeout=30)
+        assert_tables_equal(pair.publisher, pair.target, "public.t")
+
+        pair.target.execute("DROP TABLE gone")
+        pair.publisher.execute("INSERT INTO gone VALUES (1)")
+        err = wait_until(lambda: error_about("does not exist"), timeout=30)
+        assert err["message"] == 'logical replication target relation "public.gone" does not exist'
+    finally:
+        w.stop()
+
+
+def test_conflict_disables_then_skip_lsn_skips_the_transaction(pair):
+    """A unique violation with disable_on_error disables the subscription (the worker returns); SKIP with the
+    finish LSN from the error then drops exactly that transaction and clears the skip-LSN."""
+    both(pair, "CREATE TABLE t (id int PRIMARY KEY, v text)")
+    pair.target.execute("INSERT INTO t VALUES (2, 'local')")
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"], disable_on_error=True)
+    w = s.start()
+    pair.publisher.execute("INSERT INTO t VALUES (1, 'remote')")
+    pair.publisher.execute("INSERT INTO t VALUES (2, 'remote'), (3, 'remote')")
+    w.thread.join(30)
+    assert not w.alive
+    assert not s.refresh().subenabled
+    err = s.catalog.last_error(s.sub.subid)
+    assert "duplicate key value violates unique constraint" in err["message"]
+    assert err["relation"] == "public.t" and err["message_type"] == "INSERT"
+    assert pair.target.query("SELECT id, v FROM t ORDER BY id") == [(1, "remote"), (2, "local")]
+
+    s.catalog.update_subscription(s.sub.subid, subskiplsn=err["finish_lsn"], subenabled=True)
+    w = s.start()
+    try:
+        pair.publisher.execute("INSERT INTO t VALUES (4, 'after')")
+        wait_for_catchup(pair.publisher, pair.name, timeout=30)
+        assert pair.target.query("SELECT id, v FROM t ORDER BY id") == [(1, "remote"), (2, "local"), (4, "after")]
+        assert s.refresh().subskiplsn is None
+    finally:
+        w.stop()
+
+
+def test_binary_subscription(pair):
+    """binary=true: values arrive in the types' binary send format and go in through the local receive function."""
+    both(pair, "CREATE TABLE t (id int PRIMARY KEY, n numeric, ts timestamptz, arr int[], j jsonb, b bytea)")
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"], binary=True)
+    w = s.start()
+    try:
+        pair.publisher.execute(
+            "INSERT INTO t SELECT g, g / 7.0, now(), ARRAY[g, g + 1], jsonb_build_object('g', g), '\\x00ff'::bytea"
+            " FROM generate_series(1, 300) g"
+        )
+        pair.publisher.execute("UPDATE t SET n = -n, arr = NULL WHERE id % 4 = 0")
+        pair.publisher.execute("DELETE FROM t WHERE id % 9 = 0")
         wait_for_catchup(pair.publisher, pair.name, timeout=30)
         assert_tables_equal(pair.publisher, pair.target, "public.t")
     finally:

@@ -260,7 +260,9 @@ class ApplyWorker:
     def _backoff(self, retry_state: Any) -> float:
         """Exponential with jitter from ``retry_initial`` to ``retry_max``; reset by a session that made
         progress, so an occasional failure after hours of work is retried quickly."""
-        wait = tenacity.wait_exponential_jitter(initial=self.retry_initial, max=self.retry_max)
+        wait = tenacity.wait_exponential_jitter(
+            multiplier=self.retry_initial, max=self.retry_max, jitter=self.retry_initial
+        )
         return float(wait(SimpleNamespace(attempt_number=max(self._failures, 1))))  # type: ignore[arg-type]
 
     def _sleep(self, seconds: float) -> None:
