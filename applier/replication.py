@@ -52,6 +52,7 @@ REPLICATION_SESSION_OPTIONS = "-c datestyle=ISO -c intervalstyle=postgres -c ext
 
 _COPY_BOTH = pq.ExecStatus.COPY_BOTH
 _COPY_IN = pq.ExecStatus.COPY_IN
+_COMMAND_OK = pq.ExecStatus.COMMAND_OK
 _FATAL_ERROR = pq.ExecStatus.FATAL_ERROR
 
 
@@ -268,6 +269,7 @@ class ReplicationConnection:
         self._conn: psycopg.Connection[Any] | None = None
         self._pgconn: Any = None
         self._selector: selectors.BaseSelector | None = None
+        self._fd = -1
         self._display: str = ""
         self._streaming = False
         self._ended = False
@@ -317,8 +319,9 @@ class ReplicationConnection:
             ) from None
         self._conn = conn
         self._pgconn = conn.pgconn
+        self._fd = self._pgconn.socket
         self._selector = selectors.DefaultSelector()
-        self._selector.register(self._pgconn.socket, selectors.EVENT_READ)
+        self._selector.register(self._fd, selectors.EVENT_READ)
         return self
 
     def close(self) -> None:
@@ -488,7 +491,7 @@ class ReplicationConnection:
                 deadline = now + max(timeout, 0.0)
             remaining = deadline - now
             if remaining <= 0:
-                if not select.select([pgconn.socket], [], [], 0)[0]:
+                if not select.select([self._fd], [], [], 0)[0]:
                     return None
             elif not self._selector.select(remaining):  # type: ignore[union-attr]
                 return None
@@ -518,7 +521,7 @@ class ReplicationConnection:
             raise self._lost(exc) from None
 
     def _wait_writable(self) -> None:
-        select.select([], [self._pgconn.socket], [], 1.0)
+        select.select([], [self._fd], [], 1.0)
         # Reading while waiting to write: a walsender blocked on its own full send buffer would deadlock us.
         self._pgconn.consume_input()
 
@@ -534,14 +537,23 @@ class ReplicationConnection:
                 f"data stream from publisher has ended: {message}",
                 sqlstate=sqlstate.decode() if sqlstate else None,
             )
-        # CopyDone from the walsender (e.g. it is shutting down): answer with ours, as END of streaming.
         if result is not None and result.status == _COPY_IN:
+            # The walsender sent CopyDone: answer with ours, as the END of streaming.
             try:
                 pgconn.put_copy_end()
                 pgconn.flush()
             except psycopg.OperationalError:
                 pass
-        raise StreamEnded("data stream from publisher has ended (CopyDone)")
+            raise StreamEnded("data stream from publisher has ended: the publisher sent CopyDone")
+        if result is not None and result.status == _COMMAND_OK:
+            # What a walsender does when the server shuts down (WalSndDone), once we confirmed all it sent.
+            tag = (result.command_status or b"").decode("ascii", "replace")
+            raise StreamEnded(
+                f"data stream from publisher has ended: the walsender finished ({tag}); is the publisher "
+                "shutting down?"
+            )
+        status = "no result" if result is None else pq.ExecStatus(result.status).name
+        raise StreamEnded(f"data stream from publisher has ended ({status})")
 
     def _drain_after_failure(self) -> None:
         """consume_input failed: libpq may still hold an error the server sent just before closing."""
