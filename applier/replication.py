@@ -357,6 +357,12 @@ class ReplicationConnection:
         return self._require_conn().info.server_version
 
     @property
+    def encoding(self) -> str:
+        """The Python codec of the connection's client_encoding: names, GIDs and text values arrive in it, so
+        decode with ``MessageDecoder(encoding=rc.encoding)``."""
+        return self._require_conn().info.encoding
+
+    @property
     def backend_pid(self) -> int:
         """The walsender's pid (``pg_stat_replication.pid``)."""
         return self._require_conn().info.backend_pid

@@ -199,6 +199,7 @@ def test_session_is_configured_like_the_native_worker(pair) -> None:
         assert conn.execute("SHOW intervalstyle").fetchone() == ("postgres",)
         assert conn.execute("SHOW extra_float_digits").fetchone() == ("3",)
         assert conn.execute("SHOW client_encoding").fetchone() == ("LATIN1",)
+        assert rc.encoding == "iso8859-1"  # for MessageDecoder(encoding=...)
         # a replication=database walsender: the backend type says so
         assert db.scalar("SELECT backend_type FROM pg_stat_activity WHERE pid = %s", (rc.backend_pid,)) == (
             "walsender"
