@@ -154,7 +154,8 @@ def effective_columns(table: RemoteTable) -> tuple[str, ...]:
 def combined_row_filter(published: Iterable[PublishedRow]) -> str | None:
     """OR the publications' row filters; None (copy every row) if any publication has none.
 
-    Each filter is parenthesised, so ``a OR b AND c`` from one publication cannot bind to another's.
+    Each of several filters is parenthesised, so ``a OR b AND c`` from one publication cannot bind to another's
+    (and :func:`copy_out_sql` parenthesises the whole before AND-ing the page range).
     Identical filters are used once, as natively (``SELECT DISTINCT``).
     """
     filters: list[str] = []
@@ -165,6 +166,8 @@ def combined_row_filter(published: Iterable[PublishedRow]) -> str | None:
             filters.append(row.rowfilter)
     if not filters:
         return None
+    if len(filters) == 1:
+        return filters[0]
     return " OR ".join(f"({f})" for f in filters)
 
 

@@ -1,0 +1,309 @@
+"""The initial copy on real servers with local Spark: type fidelity, snapshot exactness, publication rules,
+exactly-once under retries and a killed process, and the catalog states it leaves behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from applier.testing import table_digest, wait_until
+from state.catalog import Catalog
+from tablesync import InitialCopy, run_initial_copy
+from tablesync.copy import SupersededError, copy_partition
+from tablesync.testing import local_spark, subscribe
+
+pytestmark = [pytest.mark.spark, pytest.mark.core]
+
+SMALL_PARTS = 64 * 1024  # several partitions even for test-sized tables
+
+
+@pytest.fixture(scope="module")
+def spark():
+    """One local session for the module: JVM start-up costs ~15 s on two cores. ``run_initial_copy`` reuses it."""
+    session = local_spark(2)
+    yield session
+    session.stop()
+
+
+def both(pair, ddl: str) -> None:
+    pair.publisher.execute(ddl)
+    pair.target.execute(ddl)
+
+
+def states(pair) -> dict[str, tuple[str, str | None]]:
+    return {
+        r[0]: (r[1], r[2])
+        for r in pair.target.query(
+            "SELECT srremotename, srsubstate::text, srsublsn::text FROM applier.subscription_rel"
+        )
+    }
+
+
+TYPES_DDL = """
+CREATE TYPE mood AS ENUM ('sad', 'ok', 'happy');
+CREATE DOMAIN posint AS integer CHECK (VALUE > 0);
+CREATE TABLE alltypes (
+    id bigint PRIMARY KEY, n numeric, n2 numeric(30, 10), f8 float8, f4 real, i2 smallint, b boolean,
+    tx text, vc varchar(20), ch char(5), j jsonb, js json, ia int[], ta text[], ma mood[], by bytea,
+    ts timestamptz, tsn timestamp, d date, tm time, iv interval, u uuid, ip inet, m mood, p posint,
+    big text, r int4range, pt point
+);
+"""
+
+TYPES_ROWS = """
+INSERT INTO alltypes
+SELECT g,
+       CASE g % 5 WHEN 0 THEN 'NaN'::numeric WHEN 1 THEN (10::numeric ^ 300) + g WHEN 2 THEN -g / 7.0
+                  WHEN 3 THEN 0.000000000000000000000000000001 ELSE NULL END,
+       g / 3.0, CASE WHEN g % 7 = 0 THEN 'Infinity'::float8 ELSE g / 3.0 END, g / 7.0, (g % 30000)::int2, g % 2 = 0,
+       'row ' || g || E' tab\\t nl\\n quote'' bs\\\\ ü', 'vc' || g, 'c' || (g % 10),
+       jsonb_build_object('g', g, 'arr', jsonb_build_array(1, 'two', null), 'f', 1.5e300),
+       ('{"k": ' || g || ',  "dup": 1, "dup": 2}')::json,
+       ARRAY[g, NULL, -g], ARRAY['a', NULL, 'b"c', ''], ARRAY['sad', 'happy']::mood[],
+       decode(md5(g::text), 'hex') || '\\x00ff'::bytea,
+       CASE g % 4 WHEN 0 THEN 'infinity'::timestamptz WHEN 1 THEN '-infinity'::timestamptz
+                  ELSE '2024-02-29 12:34:56.789012+05:30'::timestamptz + g * interval '1 hour' END,
+       '1999-12-31 23:59:59.999999'::timestamp, 'epoch'::date + g, '23:59:59.5', make_interval(0, g, 0, 1, 2),
+       md5(g::text)::uuid, ('10.0.' || (g % 256) || '.1/24')::inet, (ARRAY['sad', 'ok', 'happy'])[1 + g % 3]::mood,
+       1 + g % 100,
+       CASE WHEN g % 50 = 0 THEN (SELECT string_agg(md5(g::text || x::text), '') FROM generate_series(1, 3000) x)
+       END,
+       int4range(g, g + 10), point(g, -g)
+FROM generate_series(1, 3000) g;
+INSERT INTO alltypes (id) VALUES (0);
+"""
+
+
+def test_every_common_type_copies_byte_exact(pair, spark):
+    # Make the target's type OIDs differ from the publisher's, so mood[] must fall back to text.
+    pair.target.execute("CREATE TYPE unrelated AS ENUM ('x'); CREATE TABLE unrelated_t (a int)")
+    both(pair, TYPES_DDL)
+    pair.publisher.execute(TYPES_ROWS)
+    pair.publisher.execute("CREATE TABLE plain (id int, v text)")
+    pair.target.execute("CREATE TABLE plain (id bigint, v text)")  # differing type: text format
+    pair.publisher.execute("INSERT INTO plain SELECT g, repeat('x', g % 100) FROM generate_series(1, 5000) g")
+    pair.publisher.execute("CREATE PUBLICATION pub FOR TABLE alltypes, plain")
+    toast = pair.publisher.scalar(
+        "SELECT reltoastrelid::regclass::text FROM pg_class WHERE oid = 'alltypes'::regclass"
+    )
+    assert pair.publisher.scalar(f"SELECT count(*) FROM {toast}") > 0  # noqa: S608 - big values are out of line
+    subscribe(pair.target.dsn, pair.publisher.dsn, pair.name, ["public.alltypes", "public.plain"])
+
+    result = run_initial_copy(pair.target.dsn, pair.name, progress=False, partition_bytes=SMALL_PARTS)
+
+    assert table_digest(pair.publisher, "public.alltypes") == table_digest(pair.target, "public.alltypes")
+    assert table_digest(pair.publisher, "public.plain") == table_digest(pair.target, "public.plain")
+    at, pl = result.tables["public.alltypes"], result.tables["public.plain"]
+    assert at.rows == 3001 and pl.rows == 5000 and at.partitions > 1
+    assert not at.binary and "mood[]" in (at.text_reason or "")
+    assert not pl.binary and "bigint" in (pl.text_reason or "")
+    lsn = pair.target.scalar(
+        "SELECT %s::pg_lsn::text", (f"{result.snapshot_lsn >> 32:X}/{result.snapshot_lsn & 0xFFFFFFFF:X}",)
+    )
+    assert states(pair) == {"public.alltypes": ("s", lsn), "public.plain": ("s", lsn)}
+    # progress was recorded for `applier status`, and the markers were cleaned up
+    assert pair.target.scalar("SELECT sum(srrows) FROM applier.subscription_rel") == 8001
+    assert pair.target.scalar("SELECT count(*) FROM applier.tablesync_partition") == 0
+
+
+def test_binary_format_when_types_match(pair, spark):
+    both(pair, "CREATE TYPE mood AS ENUM ('sad', 'ok'); CREATE TABLE b (id int, m mood, a int[], n numeric)")
+    pair.publisher.execute(
+        "INSERT INTO b SELECT g, 'ok', ARRAY[g], 'NaN' FROM generate_series(1, 20000) g;"
+        "INSERT INTO b VALUES (NULL, NULL, NULL, NULL)"
+    )
+    pair.publisher.execute("CREATE PUBLICATION pub FOR TABLE b")
+    subscribe(pair.target.dsn, pair.publisher.dsn, pair.name, ["public.b"])
+    result = run_initial_copy(pair.target.dsn, pair.name, progress=False, partition_bytes=SMALL_PARTS)
+    assert result.tables["public.b"].binary and result.tables["public.b"].partitions > 1
+    assert table_digest(pair.publisher, "public.b") == table_digest(pair.target, "public.b")
+
+
+def test_the_copy_is_exactly_the_snapshot(pair, spark):
+    both(pair, "CREATE TABLE s (id int PRIMARY KEY, v text); CREATE TABLE s2 (id int PRIMARY KEY, v text)")
+    pair.publisher.execute("INSERT INTO s SELECT g, 'v' || g FROM generate_series(1, 20000) g")
+    pair.publisher.execute("INSERT INTO s2 SELECT g, 'w' || g FROM generate_series(1, 3000) g")
+    pair.publisher.execute("CREATE PUBLICATION pub FOR TABLE s, s2")
+    subscribe(pair.target.dsn, pair.publisher.dsn, pair.name, ["public.s", "public.s2"])
+    before = {t: table_digest(pair.publisher, t) for t in ("public.s", "public.s2")}
+
+    copier = InitialCopy(pair.target.dsn, pair.name, partition_bytes=SMALL_PARTS)
+    try:
+        copier.load()
+        slot = copier.open_snapshot()
+        assert pair.publisher.scalar(
+            "SELECT temporary FROM pg_replication_slots WHERE slot_name = %s", (slot.slot_name,)
+        )
+        # After the snapshot: new rows (also on pages past the planned size), updates, deletes.
+        pair.publisher.execute("INSERT INTO s SELECT g, 'late' FROM generate_series(20001, 40000) g")
+        pair.publisher.execute("UPDATE s SET v = 'changed' WHERE id % 3 = 0")
+        pair.publisher.execute("DELETE FROM s WHERE id % 5 = 0")
+        # (not TRUNCATE: it is not MVCC-safe, an older snapshot sees the table empty; the stream's TRUNCATE
+        # message then agrees with the copy, as natively)
+        pair.publisher.execute("DELETE FROM s2 WHERE id > 10")
+        copier.plan()
+        assert len(copier.plans["public.s"].ranges) > 1
+        copier.claim()
+        assert copier.copy(spark)
+        result = copier.complete()
+    finally:
+        copier.close()
+    for t in ("public.s", "public.s2"):
+        assert table_digest(pair.target, t) == before[t]
+        assert table_digest(pair.publisher, t) != before[t]
+    assert result.snapshot_lsn == slot.lsn
+    # the temporary slot went away with its connection
+    wait_until(
+        lambda: (
+            not pair.publisher.scalar(
+                "SELECT count(*) FROM pg_replication_slots WHERE slot_name = %s", (slot.slot_name,)
+            )
+        ),
+        what="the temporary slot to be dropped",
+    )
+
+
+def test_row_filters_and_column_lists_are_honoured(pair, spark):
+    ddl = (
+        "CREATE TABLE t (id int, a text, b text, g int GENERATED ALWAYS AS (id * 2) STORED);"
+        "CREATE TABLE u (id int, a text, g int GENERATED ALWAYS AS (id * 3) STORED)"
+    )
+    both(pair, ddl)
+    pair.publisher.execute("INSERT INTO t SELECT g, 'a' || g, 'b' || g FROM generate_series(1, 5000) g")
+    pair.publisher.execute("INSERT INTO u SELECT g, 'u' || g FROM generate_series(1, 5000) g")
+    pair.publisher.execute(
+        "CREATE PUBLICATION p1 FOR TABLE t (id, a) WHERE (id % 2 = 0), u WHERE (id > 4000)"
+    )
+    pair.publisher.execute("CREATE PUBLICATION p2 FOR TABLE t (id, a) WHERE (id < 11 AND a <> 'a3')")
+    pair.publisher.execute("CREATE PUBLICATION p3 FOR TABLES IN SCHEMA public")
+    subscribe(pair.target.dsn, pair.publisher.dsn, pair.name, ["public.t"], publications=["p1", "p2"])
+    subscribe(pair.target.dsn, pair.publisher.dsn, pair.name + "_u", ["public.u"], publications=["p1", "p3"])
+
+    run_initial_copy(pair.target.dsn, pair.name, progress=False, partition_bytes=SMALL_PARTS)
+    run_initial_copy(pair.target.dsn, pair.name + "_u", progress=False)
+
+    expected_t = pair.publisher.query(
+        "SELECT id, a, NULL::text, g FROM t WHERE (id % 2 = 0) OR (id < 11 AND a <> 'a3') ORDER BY id"
+    )
+    assert pair.target.query("SELECT id, a, b, g FROM t ORDER BY id") == expected_t
+    assert len(expected_t) == 2500 + 4  # the even ids, and 1, 5, 7, 9 (3 is filtered out)
+    # u is also in a TABLES IN SCHEMA publication: its row filter is ignored, every row is copied
+    assert table_digest(pair.publisher, "public.u") == table_digest(pair.target, "public.u")
+
+
+def test_different_column_lists_fail_with_the_native_message(pair, spark):
+    both(pair, "CREATE TABLE t (id int, a text, b text)")
+    pair.publisher.execute(
+        "CREATE PUBLICATION p1 FOR TABLE t (id, a); CREATE PUBLICATION p2 FOR TABLE t (id, b)"
+    )
+    subscribe(pair.target.dsn, pair.publisher.dsn, pair.name, ["public.t"], publications=["p1", "p2"])
+    from tablesync import TablesyncError
+
+    with pytest.raises(TablesyncError, match="different column lists"):
+        run_initial_copy(pair.target.dsn, pair.name, progress=False)
+    assert states(pair)["public.t"][0] == "i"  # nothing was claimed
+
+
+def test_a_partition_is_copied_once_however_often_its_task_runs(pair, spark):
+    both(pair, "CREATE TABLE nopk (id int, v text)")  # no key: a duplicate copy would show as extra rows
+    pair.publisher.execute("INSERT INTO nopk SELECT g, md5(g::text) FROM generate_series(1, 30000) g")
+    pair.publisher.execute("CREATE PUBLICATION pub FOR TABLE nopk")
+    subscribe(pair.target.dsn, pair.publisher.dsn, pair.name, ["public.nopk"])
+    copier = InitialCopy(pair.target.dsn, pair.name, partition_bytes=SMALL_PARTS)
+    try:
+        copier.load()
+        copier.open_snapshot()
+        tasks = copier.plan()
+        copier.claim()
+        assert len(tasks) > 2
+        first = copy_partition(tasks[0], pair.publisher.dsn, pair.target.dsn)
+        again = copy_partition(tasks[0], pair.publisher.dsn, pair.target.dsn)  # a retried task
+        assert not first.skipped and again.skipped and again.rows == first.rows > 0
+        assert pair.target.scalar("SELECT count(*) FROM nopk") == first.rows
+        assert copier.copy(spark)  # the whole job, including the partition already done
+        copier.complete()
+        stale = tasks[1].__class__(**{**tasks[1].__dict__, "snapshot": "00000000-00000000-1"})
+        with pytest.raises(SupersededError):  # a task of an older generation never copies
+            copy_partition(stale, pair.publisher.dsn, pair.target.dsn)
+    finally:
+        copier.close()
+    assert table_digest(pair.publisher, "public.nopk") == table_digest(pair.target, "public.nopk")
+
+
+def test_killed_copy_resumes_without_loss_or_duplicates(pair, spark, tmp_path):
+    both(pair, "CREATE TABLE big (id int, v text); CREATE TABLE small (id int)")
+    pair.publisher.execute(
+        "INSERT INTO big SELECT g, repeat(md5(g::text), 3) FROM generate_series(1, 400000) g"
+    )
+    pair.publisher.execute("INSERT INTO small SELECT generate_series(1, 10)")
+    pair.publisher.execute("CREATE PUBLICATION pub FOR TABLE big, small")
+    subscribe(pair.target.dsn, pair.publisher.dsn, pair.name, ["public.big", "public.small"])
+
+    log = open(tmp_path / "child.log", "w")  # noqa: SIM115 - closed below
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tablesync.testing", pair.target.dsn, pair.name, "--partition-bytes", "1048576",
+         "--master", "local[2,4]"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_until(
+            lambda: (
+                child.poll() is not None
+                or pair.target.scalar("SELECT count(*) FROM applier.tablesync_partition WHERE part >= 0") >= 3
+            ),
+            timeout=180,
+            what="some partitions to be committed by the child",
+        )
+        assert child.poll() is None, (tmp_path / "child.log").read_text()
+        os.kill(child.pid, signal.SIGKILL)  # the driver only, as `kill -9 <applier>` would
+        child.wait()
+        done = pair.target.scalar("SELECT count(*) FROM applier.tablesync_partition WHERE part >= 0")
+        assert 0 < pair.target.scalar("SELECT count(*) FROM big") < 400000
+        assert states(pair)["public.big"][0] in ("d", "f")
+    finally:
+        try:
+            os.killpg(child.pid, signal.SIGKILL)  # whatever the kill left behind (JVM, Python workers)
+        except ProcessLookupError:
+            pass
+        log.close()
+    assert done >= 3
+
+    result = run_initial_copy(pair.target.dsn, pair.name, progress=False, partition_bytes=1 << 20)
+    assert result.completed
+    for t in ("public.big", "public.small"):
+        assert table_digest(pair.publisher, t) == table_digest(pair.target, t)
+    assert {s for s, _ in states(pair).values()} == {"s"}
+
+
+def test_finished_tables_are_left_alone_and_f_with_lsn_becomes_s(pair, spark):
+    both(pair, "CREATE TABLE a (id int); CREATE TABLE b (id int)")
+    pair.publisher.execute("INSERT INTO a VALUES (1); INSERT INTO b VALUES (2)")
+    pair.publisher.execute("CREATE PUBLICATION pub FOR TABLE a, b")
+    sub = subscribe(pair.target.dsn, pair.publisher.dsn, pair.name, ["public.a", "public.b"], state="r")
+    cat = Catalog.connect(pair.target.dsn)
+    rel_b = next(r for r in cat.table_states(sub.subid) if r.name == "public.b")
+    cat.set_table_state(sub.subid, rel_b.relid, "f", 0x1234)
+    result = run_initial_copy(pair.target.dsn, pair.name, progress=False)
+    assert result.tables == {} and result.resumed == {"public.b": 0x1234} and result.skipped == ("public.a",)
+    assert states(pair) == {"public.a": ("r", None), "public.b": ("s", "0/1234")}
+    assert pair.target.scalar("SELECT count(*) FROM a") == 0  # nothing copied
+
+
+def test_stop_event_cancels_and_a_later_run_finishes(pair, spark):
+    import threading
+
+    both(pair, "CREATE TABLE t (id int, v text)")
+    pair.publisher.execute("INSERT INTO t SELECT g, md5(g::text) FROM generate_series(1, 100000) g")
+    pair.publisher.execute("CREATE PUBLICATION pub FOR TABLE t")
+    subscribe(pair.target.dsn, pair.publisher.dsn, pair.name, ["public.t"])
+    stop = threading.Event()
+    stop.set()
+    result = run_initial_copy(pair.target.dsn, pair.name, stop=stop, progress=False)
+    assert result.stopped and states(pair)["public.t"][0] == "i"
+    result = run_initial_copy(pair.target.dsn, pair.name, progress=False, partition_bytes=SMALL_PARTS * 4)
+    assert result.completed and result.rows == 100000
+    assert table_digest(pair.publisher, "public.t") == table_digest(pair.target, "public.t")
