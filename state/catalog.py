@@ -57,6 +57,7 @@ class _PgType(UserDefinedType[Any]):
 
 
 class _PgLsnType(_PgType):
+    cache_ok = True  # SQLAlchemy reads it from each class's own namespace
     _spec = "pg_lsn"
 
 
@@ -76,10 +77,12 @@ class PgLsn(TypeDecorator[int]):
 class PgChar(_PgType):
     """PostgreSQL's one-byte ``"char"``, the type of pg_subscription's state columns."""
 
+    cache_ok = True
     _spec = '"char"'
 
 
 class RegClass(_PgType):
+    cache_ok = True
     _spec = "regclass"
 
 
