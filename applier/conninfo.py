@@ -1,0 +1,106 @@
+"""Connection strings as the command line meets them: where the target's comes from, and keeping passwords out of
+the catalog and of every message.
+
+The target is ``--target CONNINFO`` or, without it, libpq's own defaults (``PGHOST``, ``PGDATABASE``, ``PGUSER``,
+``PGPASSWORD``, ``~/.pgpass``, ``PGSERVICE``...), exactly as ``psql`` behaves: an empty conninfo string hands every
+choice to libpq, so we add no rules of our own.
+
+A publisher's conninfo is stored in ``applier.subscription.subconninfo`` *without* its password (PostgreSQL stores
+it with one; we do not want a secret in a table every reader of the target can see). ``applier run`` then finds the
+password where libpq looks for it: ``~/.pgpass`` / ``PGPASSFILE``, ``PGPASSWORD``, or a ``passfile`` or ``service``
+named in the conninfo.
+"""
+
+from __future__ import annotations
+
+import re
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from applier.errors import ApplierError
+
+__all__ = [
+    "ConninfoError",
+    "describe",
+    "has_password",
+    "parse",
+    "scrub",
+    "target_conninfo",
+    "without_password",
+]
+
+
+class ConninfoError(ApplierError):
+    """A connection string libpq cannot parse; the message never contains its password."""
+
+
+def target_conninfo(option: str | None) -> str:
+    """The target's conninfo: ``--target`` if given, else ``""``, which makes libpq use the ``PG*`` environment,
+    the service file and its compiled-in defaults, as psql does."""
+    return option or ""
+
+
+def parse(conninfo: str, what: str) -> dict[str, str]:
+    """The conninfo's parameters (``what`` names it in the error: "publisher", "target")."""
+    try:
+        return {k: str(v) for k, v in conninfo_to_dict(conninfo).items() if v is not None}
+    except psycopg.Error as exc:
+        raise ConninfoError(
+            f"invalid {what} connection string: {scrub(str(exc), conninfo)}"
+            " (expected a libpq conninfo such as 'host=h dbname=d user=u' or a URI postgresql://u@h/d)"
+        ) from None
+
+
+def has_password(conninfo: str) -> bool:
+    try:
+        return bool(conninfo_to_dict(conninfo).get("password"))
+    except psycopg.Error:
+        return False
+
+
+def without_password(conninfo: str, what: str = "publisher") -> str:
+    """``conninfo`` in key=value form without its password: what ``subconninfo`` stores and messages show."""
+    params = parse(conninfo, what)
+    params.pop("password", None)
+    return make_conninfo("", **params)
+
+
+def describe(conninfo: str) -> str:
+    """A password-free rendering for messages; ``""`` (the environment) and unparsable strings say so."""
+    if not conninfo.strip():
+        return "from the PG* environment"
+    try:
+        return without_password(conninfo)
+    except ConninfoError:
+        return "unparsable connection string"
+
+
+_PASSWORD_KV = re.compile(r"""password\s*=\s*('(?:[^'\\]|\\.)*'|\S+)""", re.IGNORECASE)
+_URI_PASSWORD = re.compile(r"://[^:/@\s]*:([^@\s]+)@")
+
+
+def _secrets(conninfo: str) -> list[str]:
+    """Every text that may be (part of) the password in ``conninfo``, longest first.
+
+    A parsable string has exactly one password. An unparsable one is what libpq's error messages quote fragments of
+    (``missing "=" after "y"``), so everything after ``password=`` and the userinfo of a URI count, piece by piece.
+    """
+    try:
+        value = conninfo_to_dict(conninfo).get("password")
+        return [str(value)] if value else []
+    except psycopg.Error:
+        pass
+    found: list[str] = []
+    for m in _PASSWORD_KV.finditer(conninfo):
+        found += [m.group(1), m.group(1).strip("'"), *conninfo[m.start(1) :].split()]
+    found += [m.group(1) for m in _URI_PASSWORD.finditer(conninfo)]
+    return sorted({s for s in found if s}, key=len, reverse=True)
+
+
+def scrub(text: str, *conninfos: str) -> str:
+    """``text`` with every possible password of ``conninfos`` replaced by ``********``."""
+    for conninfo in conninfos:
+        for secret in _secrets(conninfo):
+            text = text.replace(secret, "********")
+    return text
