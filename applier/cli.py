@@ -1,0 +1,228 @@
+"""The ``applier`` command line (DESIGN.md, "Command line": its names are a fixed interface).
+
+Options follow CREATE / ALTER / DROP SUBSCRIPTION's names. The target comes from ``--target`` (accepted before or
+after the subcommand) or, as for psql, from the ``PG*`` environment. This module only parses and prints; the work is
+in :mod:`applier.subscriptions` and :mod:`applier.runner`.
+
+Exit status: 0 success, 1 a refused or failed command (the message says what is wrong and what to do), 2 a usage
+error (argparse's convention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from applier.conninfo import scrub, target_conninfo
+from applier.errors import ApplierError
+
+__all__ = ["build_parser", "main"]
+
+_TARGET_HELP = "target database (libpq conninfo or URI); default: the PG* environment, as for psql"
+
+
+def _info(message: str) -> None:
+    print(message, flush=True)
+
+
+def _warn(message: str) -> None:
+    print(f"WARNING: {message}", file=sys.stderr, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line; each option's help is one line."""
+    # --target is accepted before the subcommand (as DESIGN.md writes it) and after it (as people type it)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--target", metavar="CONNINFO", default=argparse.SUPPRESS, help=_TARGET_HELP)
+
+    parser = argparse.ArgumentParser(
+        prog="applier",
+        description="A subscriber-side PostgreSQL logical-replication apply worker with two-phase commit.",
+    )
+    parser.add_argument("--target", metavar="CONNINFO", default=None, help=_TARGET_HELP)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "create", parents=[common], help="create a subscription (catalog rows, origin and slot)"
+    )
+    p.add_argument("name", metavar="NAME", help="subscription name (also the default slot name)")
+    p.add_argument(
+        "--publisher",
+        required=True,
+        metavar="CONNINFO",
+        help="publisher connection string; a password in it is used now but never stored",
+    )
+    p.add_argument(
+        "--publication",
+        required=True,
+        action="append",
+        metavar="PUB",
+        dest="publications",
+        help="publication to subscribe to (repeat for several)",
+    )
+    p.add_argument(
+        "--two-phase",
+        action="store_true",
+        help="replicate prepared transactions at PREPARE (enabled once every table is ready)",
+    )
+    p.add_argument(
+        "--streaming",
+        choices=("off", "on", "parallel"),
+        default="off",
+        help="how large in-progress transactions are sent: off (at commit), on or parallel (streamed)",
+    )
+    p.add_argument(
+        "--no-copy-data",
+        dest="copy_data",
+        action="store_false",
+        help="do not copy existing rows: tables start ready (two-phase then starts enabled)",
+    )
+    p.add_argument("--binary", action="store_true", help="exchange column values in binary format")
+    p.add_argument(
+        "--origin",
+        choices=("any", "none"),
+        default="any",
+        help="none: only changes made on the publisher itself, not ones it replicated from elsewhere",
+    )
+    p.add_argument(
+        "--disable-on-error",
+        action="store_true",
+        help="disable the subscription when applying fails, instead of retrying",
+    )
+    p.add_argument("--slot-name", metavar="SLOT", help="replication slot on the publisher (default: NAME)")
+    p.add_argument(
+        "--no-create-slot",
+        dest="create_slot",
+        action="store_false",
+        help="use an existing slot instead of creating one",
+    )
+    p.add_argument("--disabled", action="store_true", help="create the subscription disabled (run skips it)")
+
+    p = sub.add_parser(
+        "run", parents=[common], help="run subscriptions until SIGTERM/Ctrl-C (initial copy, then streaming)"
+    )
+    p.add_argument(
+        "names", nargs="*", metavar="NAME", help="subscriptions to run (default: every enabled one)"
+    )
+
+    p = sub.add_parser("status", parents=[common], help="show subscriptions: tables, positions, lag, errors")
+    p.add_argument("name", nargs="?", metavar="NAME", help="only this subscription")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+
+    p = sub.add_parser(
+        "alter", parents=[common], help="enable, disable, change options, skip a transaction, refresh"
+    )
+    p.add_argument("name", metavar="NAME", help="subscription name")
+    action = p.add_mutually_exclusive_group(required=True)
+    action.add_argument("--enable", action="store_true", help="enable the subscription (applier run runs it)")
+    action.add_argument("--disable", action="store_true", help="disable it; a running worker stops")
+    action.add_argument(
+        "--skip-lsn", metavar="LSN", help="skip the remote transaction that finishes at LSN (NONE resets)"
+    )
+    action.add_argument(
+        "--set",
+        nargs="+",
+        action="extend",
+        metavar="OPTION=VALUE",
+        dest="set_options",
+        help="two_phase, streaming, binary, disable_on_error, origin or slot_name",
+    )
+    action.add_argument(
+        "--refresh-publication",
+        action="store_true",
+        help="add newly published tables and remove unpublished ones",
+    )
+    p.add_argument(
+        "--no-copy-data",
+        dest="copy_data",
+        action="store_false",
+        help="with --refresh-publication: new tables start ready, without copying their rows",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="with --set two_phase=off: roll back this subscription's prepared transactions",
+    )
+
+    p = sub.add_parser(
+        "drop", parents=[common], help="drop a subscription: its slot, origin and catalog rows"
+    )
+    p.add_argument("name", metavar="NAME", help="subscription name")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="roll back its prepared transactions; if the publisher is unreachable, drop local state only",
+    )
+
+    # the demo parses its own options (applier demo --help)
+    sub.add_parser("demo", add_help=False, help="the whole product on two embedded PostgreSQL 18 servers")
+    return parser
+
+
+def _dispatch(args: argparse.Namespace, extra: list[str], parser: argparse.ArgumentParser) -> int:
+    if args.command == "demo":
+        from applier.demo import main as demo
+
+        return demo(extra)
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    from applier import subscriptions as subs
+
+    target = target_conninfo(args.target)
+    console = subs.Console(_info, _warn)
+    if args.command == "create":
+        subs.create(
+            target,
+            subs.CreateOptions(
+                name=args.name, publisher=args.publisher, publications=tuple(args.publications),
+                two_phase=args.two_phase, streaming=args.streaming, copy_data=args.copy_data, binary=args.binary,
+                origin=args.origin, disable_on_error=args.disable_on_error, slot_name=args.slot_name,
+                create_slot=args.create_slot, enabled=not args.disabled,
+            ),
+            console,
+        )  # fmt: skip
+    elif args.command == "run":
+        from applier import runner
+
+        runner.configure_logging(target)
+        return runner.run(target, args.names)
+    elif args.command == "status":
+        entries = subs.status(target, args.name)
+        print(json.dumps({"subscriptions": entries}, indent=2) if args.json else subs.format_status(entries))
+    elif args.command == "alter":
+        if not args.copy_data and not args.refresh_publication:
+            parser.error("--no-copy-data only goes with --refresh-publication")
+        if args.force and not args.set_options:
+            parser.error("--force only goes with --set two_phase=off")
+        if args.enable or args.disable:
+            subs.set_enabled(target, args.name, args.enable, console)
+        elif args.skip_lsn is not None:
+            subs.set_skip_lsn(target, args.name, args.skip_lsn, console)
+        elif args.set_options:
+            subs.alter_options(target, args.name, args.set_options, force=args.force, console=console)
+        else:
+            subs.refresh_publication(target, args.name, copy_data=args.copy_data, console=console)
+    elif args.command == "drop":
+        subs.drop(target, args.name, force=args.force, console=console)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console-script entry point; returns the exit status."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    secrets = [c for c in (args.target, getattr(args, "publisher", None)) if c]
+    try:
+        return _dispatch(args, extra, parser)
+    except ApplierError as exc:
+        print(f"ERROR: {scrub(str(exc), *secrets)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

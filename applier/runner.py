@@ -1,0 +1,306 @@
+"""``applier run``: one worker process per subscription, each holding its subscription's lock for its whole life.
+
+Why processes (``spawn``) and not threads: a worker decodes and applies in Python, so subscriptions side by side
+only use more than one core as separate processes; one that dies (or leaks) cannot take the others with it; and
+``spawn`` starts each from a clean interpreter, so no connection or lock is ever inherited across a fork.
+
+Each worker first takes the subscription's advisory lock on the target (:class:`~applier.subscriptions.SubscriptionLock`)
+and keeps it until it exits, so a second ``run`` of the same subscription is refused with the holder's name, and
+``drop`` / ``alter --set two_phase`` never act under it. It then runs the initial copy if any table still needs one
+(``i``/``d``/``f``) and streams with :class:`~applier.apply.worker.ApplyWorker` until told to stop, the subscription is
+disabled, or an error it cannot recover from.
+
+Signals: SIGTERM or SIGINT (Ctrl-C) in the parent sets one shared stop event; the workers finish what they are doing
+and exit; ``run`` exits 0. A second signal terminates workers that have not stopped yet. Workers ignore SIGINT (the
+terminal sends it to the whole process group, and the parent coordinates); a SIGTERM sent to a worker directly
+stops just that worker, cleanly.
+
+Exit status: 0 when every worker stopped cleanly (signal, or subscription disabled), 1 if any failed; each failure
+is logged as it happens and summed up at the end. A failed worker does not stop the others: subscriptions are
+independent, as in PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+from applier.apply.worker import ApplyWorker
+from applier.conninfo import scrub
+from applier.errors import ApplierError
+from applier.subscriptions import (
+    SubscriptionBusy,
+    SubscriptionError,
+    SubscriptionLock,
+    open_catalog,
+    require_subscription,
+    target_errors,
+)
+from state.catalog import Catalog, Subscription
+from state.tables import SyncState
+
+__all__ = ["COPY_STATES", "WorkerOutcome", "configure_logging", "run", "worker_main"]
+
+#: Tables in these states need the initial copy before streaming starts (DESIGN.md, "The life of a subscription").
+COPY_STATES = frozenset({SyncState.INIT, SyncState.DATASYNC, SyncState.FINISHEDCOPY})
+#: How often a worker checks that its lock's session is still alive (it dies with a target restart).
+LOCK_CHECK_INTERVAL = 5.0
+
+_SPAWN = multiprocessing.get_context("spawn")
+log = logging.getLogger("applier.run")
+
+
+@dataclass(frozen=True)
+class WorkerOutcome:
+    """What a worker reports to the parent as it exits."""
+
+    subname: str
+    ok: bool
+    message: str
+
+
+# --- logging ---------------------------------------------------------------------------------------------------
+
+
+class _ScrubPasswords(logging.Filter):
+    """Last line of defence: no log line carries the target's password, whatever a library put in a message."""
+
+    def __init__(self, *conninfos: str) -> None:
+        super().__init__()
+        self.conninfos = [c for c in conninfos if c]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.conninfos:
+            record.msg = scrub(record.getMessage(), *self.conninfos)
+            record.args = None
+        return True
+
+
+def configure_logging(target: str, level: str | int | None = None) -> None:
+    """One line per event: time, level, process and subscription, message. ``APPLIER_LOG_LEVEL`` overrides INFO."""
+    level = level or os.environ.get("APPLIER_LOG_LEVEL", "INFO").upper()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)s %(processName)s[%(process)d] %(message)s")
+    )
+    handler.addFilter(_ScrubPasswords(target))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    for noisy in ("py4j", "sqlalchemy.engine"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+# --- the parent --------------------------------------------------------------------------------------------------
+
+
+def _select(catalog: Catalog, names: Sequence[str]) -> list[Subscription]:
+    """The named subscriptions (each must exist and be enabled), or every enabled one."""
+    if names:
+        subs = [require_subscription(catalog, n) for n in dict.fromkeys(names)]
+        disabled = [s.subname for s in subs if not s.subenabled]
+        if disabled:
+            raise SubscriptionError(
+                f"subscription {', '.join(disabled)} is disabled, so it is not run",
+                f"enable it first: applier alter {disabled[0]} --enable",
+            )
+        return subs
+    subs = [s for s in catalog.list() if s.subenabled]
+    if not subs:
+        raise SubscriptionError(
+            "nothing to run: the target has no enabled subscription",
+            "create one (applier create NAME --publisher ... --publication ...) or enable one "
+            "(applier alter NAME --enable)",
+        )
+    return subs
+
+
+def run(target: str, names: Sequence[str] = ()) -> int:
+    """Run the subscriptions until SIGTERM/SIGINT or until every worker has stopped; return the exit status."""
+    catalog = open_catalog(target, create=True)  # also upgrades an older catalog before any worker reads it
+    with target_errors(target):
+        subs = _select(catalog, names)
+    catalog.engine.dispose()
+
+    stop = _SPAWN.Event()
+    workers: dict[Any, tuple[str, Any, multiprocessing.connection.Connection]] = {}
+    for sub in subs:
+        receiver, sender = _SPAWN.Pipe(duplex=False)
+        proc = _SPAWN.Process(
+            target=worker_main,
+            args=(target, sub.subname, stop, sender, logging.getLogger().level),
+            name=f"applier:{sub.subname}",
+        )
+        proc.start()
+        sender.close()
+        workers[proc.sentinel] = (sub.subname, proc, receiver)
+    log.info("running %d subscription(s): %s", len(subs), ", ".join(s.subname for s in subs))
+
+    signals_seen = 0
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        nonlocal signals_seen
+        signals_seen += 1
+        if signals_seen == 1:
+            log.info("%s received: stopping the workers", signal.Signals(signum).name)
+            stop.set()
+        else:
+            log.warning("%s received again: terminating the workers", signal.Signals(signum).name)
+            for _, proc, _ in workers.values():
+                proc.terminate()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    outcomes: list[WorkerOutcome] = []
+    try:
+        while workers:
+            for sentinel in multiprocessing.connection.wait(list(workers)):
+                subname, proc, receiver = workers.pop(sentinel)  # type: ignore[call-overload]
+                proc.join()
+                outcome = _outcome(subname, proc.exitcode, receiver)
+                outcomes.append(outcome)
+                if not outcome.ok:
+                    log.error('worker for subscription "%s" failed: %s', subname, outcome.message)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    failed = [o for o in outcomes if not o.ok]
+    if failed:
+        for o in failed:
+            print(f'applier run: subscription "{o.subname}": {o.message}', file=sys.stderr)
+        return 1
+    log.info("all workers stopped")
+    return 0
+
+
+def _outcome(
+    subname: str, exitcode: int | None, receiver: multiprocessing.connection.Connection
+) -> WorkerOutcome:
+    try:
+        if receiver.poll():
+            result: WorkerOutcome = receiver.recv()
+            return result
+    except (EOFError, OSError):
+        pass
+    finally:
+        receiver.close()
+    return WorkerOutcome(subname, False, f"the worker process exited with status {exitcode} without a report")
+
+
+# --- the worker --------------------------------------------------------------------------------------------------
+
+
+def worker_main(target: str, subname: str, stop_all: Any, report: multiprocessing.connection.Connection,
+                log_level: int) -> None:  # fmt: skip
+    """Entry point of a worker process (spawned: it imports everything afresh)."""
+    configure_logging(target, log_level)
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    threading.Thread(target=lambda: (stop_all.wait(), stop.set()), name="stop-bridge", daemon=True).start()
+    wlog = logging.getLogger(f"applier.worker.{subname}")
+    try:
+        message = _serve(target, subname, stop, wlog)
+        outcome = WorkerOutcome(subname, True, message)
+    except SubscriptionBusy as exc:
+        outcome = WorkerOutcome(subname, False, str(exc))
+    except ApplierError as exc:
+        wlog.error('subscription "%s": %s', subname, str(exc).replace("\n", " "))
+        outcome = WorkerOutcome(subname, False, str(exc))
+    except Exception as exc:  # a bug: keep the traceback in the log, give the parent one line
+        wlog.exception('worker for subscription "%s" failed unexpectedly', subname)
+        outcome = WorkerOutcome(subname, False, f"internal error: {type(exc).__name__}: {exc}")
+    report.send(outcome)
+    report.close()
+    sys.exit(0 if outcome.ok else 1)
+
+
+def _serve(target: str, subname: str, stop: threading.Event, wlog: logging.Logger) -> str:
+    """Take the lock, copy what needs copying, stream; return why it stopped."""
+    catalog = open_catalog(target)
+    with target_errors(target):
+        sub = require_subscription(catalog, subname)
+    lock = SubscriptionLock(target, sub, "run")
+    lock.acquire()
+    watchdog = _LockWatchdog(lock, stop, wlog)
+    watchdog.start()
+    try:
+        wlog.info('worker for subscription "%s" (subid %d) started', subname, sub.subid)
+        with target_errors(target):
+            to_copy = [t.name for t in catalog.table_states(sub.subid) if t.state in COPY_STATES]
+        if to_copy and not stop.is_set():
+            wlog.info(
+                'subscription "%s": initial copy of %d table(s): %s',
+                subname,
+                len(to_copy),
+                ", ".join(to_copy),
+            )
+            from tablesync import run_initial_copy  # imported only when needed: it brings Spark along
+
+            run_initial_copy(target, subname, stop=stop, progress=sys.stderr.isatty())
+        if not stop.is_set():
+            ApplyWorker(target, subname, stop=stop, logger=wlog).run()
+    finally:
+        watchdog.finish()
+        lock.release()
+        catalog.engine.dispose()
+    if watchdog.lost is not None:
+        raise SubscriptionError(watchdog.lost)
+    with target_errors(target):
+        current = catalog.get(subname)
+    if current is None:
+        reason = "the subscription was dropped"
+    elif not current.subenabled:
+        reason = "the subscription is disabled"
+    else:
+        reason = "asked to stop"
+    wlog.info('worker for subscription "%s" stopped: %s', subname, reason)
+    return reason
+
+
+class _LockWatchdog(threading.Thread):
+    """Keeps the worker's lock: an advisory lock dies with its session, e.g. when the target restarts, while the
+    worker itself reconnects and carries on. Then take it again; if another process got it first, stop this worker
+    (two workers must never apply the same subscription) and say who has it."""
+
+    def __init__(self, lock: SubscriptionLock, stop: threading.Event, wlog: logging.Logger) -> None:
+        super().__init__(name="lock-watchdog", daemon=True)
+        self.lock = lock
+        self.stop = stop
+        self.log = wlog
+        self.lost: str | None = None
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.wait(LOCK_CHECK_INTERVAL):
+            if self.lock.holds():
+                continue
+            self.log.warning('lost the session holding the lock of subscription "%s"; taking it again',
+                             self.lock.sub.subname)  # fmt: skip
+            backoff = 1.0
+            while not self._done.is_set():
+                try:
+                    self.lock.reacquire()
+                    self.log.info('lock of subscription "%s" taken again', self.lock.sub.subname)
+                    break
+                except SubscriptionBusy as exc:
+                    self.lost = (
+                        f"another process took over while the target connection was down: {exc.message}"
+                    )
+                    self.stop.set()
+                    return
+                except SubscriptionError:
+                    self._done.wait(backoff)
+                    backoff = min(backoff * 2, 30.0)
+
+    def finish(self) -> None:
+        self._done.set()
+        self.join(timeout=10)
