@@ -120,21 +120,27 @@ class _Fixed:
         self.size = s.size
         self.fields = tuple((name, struct.calcsize(">" + code)) for name, code in fields)
 
-    def unpack(self, buf: bytes, off: int, msg_type: str) -> tuple[int, ...]:
+    def unpack(self, buf: bytes, off: int, msg_type: str, what: str = "") -> tuple[int, ...]:
+        """Unpack the run at ``off``; ``what`` prefixes the field names in errors (e.g. "column 3 ")."""
         try:
             return self._unpack_from(buf, off)
         except struct.error:
-            raise self.truncated(buf, off, msg_type) from None
+            raise self.truncated(buf, off, msg_type, what) from None
 
-    def truncated(self, buf: bytes, off: int, msg_type: str) -> DecodeError:
+    def truncated(self, buf: bytes, off: int, msg_type: str, what: str = "") -> DecodeError:
         """The DecodeError for a buffer that ends inside this run, naming the first field that does not fit."""
         n = len(buf)
         for name, width in self.fields:
             if off + width > n:
-                left = max(n - off, 0)
-                return DecodeError(msg_type, off, f"truncated: {name} needs {width} bytes, {left} left")
+                return DecodeError(
+                    msg_type, off, f"truncated: {what}{name} needs {_nbytes(width)}, {n - off} left"
+                )
             off += width
         raise AssertionError("_Fixed.truncated called on a buffer that is long enough")  # pragma: no cover
+
+
+def _nbytes(n: int) -> str:
+    return "1 byte" if n == 1 else f"{n} bytes"
 
 
 def _string(buf: bytes, off: int, msg_type: str, field: str, encoding: str) -> tuple[str, int]:
@@ -324,8 +330,8 @@ _BEGIN = _Fixed(("final_lsn", "Q"), ("commit_time", "q"), ("xid", "I"))
 _COMMIT = _Fixed(("flags", "B"), ("commit_lsn", "Q"), ("end_lsn", "Q"), ("commit_time", "q"))
 _ORIGIN = _Fixed(("origin_lsn", "Q"))
 _RELATION_TAIL = _Fixed(("replident", "B"), ("natts", "H"))
-_COLUMN_FLAGS = _Fixed(("column flags", "B"))
-_COLUMN_TYPE = _Fixed(("column type oid", "I"), ("column typmod", "i"))
+_COLUMN_FLAGS = _Fixed(("flags", "B"))
+_COLUMN_TYPE = _Fixed(("type oid", "I"), ("typmod", "i"))
 _TYPE = _Fixed(("type oid", "I"))
 _TRUNCATE = _Fixed(("nrelids", "i"), ("flags", "B"))
 _MESSAGE = _Fixed(("flags", "B"), ("lsn", "Q"))
@@ -391,10 +397,10 @@ def _decode_relation(buf: bytes, in_stream: bool, encoding: str) -> Relation:
     replident, natts = _RELATION_TAIL.unpack(buf, off, t)
     off += 3
     columns = []
-    for _ in range(natts):
-        (flags,) = _COLUMN_FLAGS.unpack(buf, off, t)
-        name, off = _string(buf, off + 1, t, f"column {len(columns) + 1} name", encoding)
-        type_oid, typmod = _COLUMN_TYPE.unpack(buf, off, t)
+    for i in range(natts):
+        (flags,) = _COLUMN_FLAGS.unpack(buf, off, t, f"column {i + 1} ")
+        name, off = _string(buf, off + 1, t, f"column {i + 1} name", encoding)
+        type_oid, typmod = _COLUMN_TYPE.unpack(buf, off, t, f"column {i + 1} ")
         off += 8
         columns.append(RelationColumn(flags, name, type_oid, typmod))
     if off != len(buf):
