@@ -33,7 +33,9 @@ def test_changes_with_each_replica_identity_and_toast(pair):
     w = s.start()
     try:
         pub = pair.publisher
-        pub.execute("INSERT INTO rd SELECT g, 'v' || g, repeat(md5(g::text), 200) FROM generate_series(1, 600) g")
+        pub.execute(
+            "INSERT INTO rd SELECT g, 'v' || g, repeat(md5(g::text), 200) FROM generate_series(1, 600) g"
+        )
         pub.execute("INSERT INTO rd VALUES (1001, E'tab\\there\\nnewline \\\\ back', NULL)")
         pub.execute("UPDATE rd SET v = 'changed' WHERE id % 3 = 0")  # big unchanged: sent as 'u'
         pub.execute("UPDATE rd SET id = id + 10000 WHERE id % 7 = 0")  # key change: old key sent
@@ -47,7 +49,9 @@ def test_changes_with_each_replica_identity_and_toast(pair):
         pub.execute("DELETE FROM rf WHERE a = 3")
         wait_for_catchup(pub, pair.name, timeout=30)
         assert_tables_equal(pub, pair.target, "public.rd", "public.ri", "public.rf")
-        assert pair.target.scalar("SELECT count(*) FROM rd WHERE big IS NOT NULL AND length(big) = 6400") > 300
+        assert (
+            pair.target.scalar("SELECT count(*) FROM rd WHERE big IS NOT NULL AND length(big) = 6400") > 300
+        )
     finally:
         w.stop()
 
@@ -57,7 +61,9 @@ def test_truncate_restart_identity_and_column_mapping_by_name(pair):
     published tables it lists, never more. Columns map by name: the target has its columns in another order and an
     extra one that takes its default."""
     pair.publisher.execute("CREATE TABLE parent (id int PRIMARY KEY, a text, b int)")
-    pair.target.execute("CREATE TABLE parent (b int, extra text DEFAULT 'dflt', id serial PRIMARY KEY, a text)")
+    pair.target.execute(
+        "CREATE TABLE parent (b int, extra text DEFAULT 'dflt', id serial PRIMARY KEY, a text)"
+    )
     both(pair, "CREATE TABLE child (id int PRIMARY KEY, pid int REFERENCES parent)")
     s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.parent", "public.child"])
     w = s.start()
@@ -136,7 +142,11 @@ def test_conflict_disables_then_skip_lsn_skips_the_transaction(pair):
     try:
         pair.publisher.execute("INSERT INTO t VALUES (4, 'after')")
         wait_for_catchup(pair.publisher, pair.name, timeout=30)
-        assert pair.target.query("SELECT id, v FROM t ORDER BY id") == [(1, "remote"), (2, "local"), (4, "after")]
+        assert pair.target.query("SELECT id, v FROM t ORDER BY id") == [
+            (1, "remote"),
+            (2, "local"),
+            (4, "after"),
+        ]
         assert s.refresh().subskiplsn is None
     finally:
         w.stop()

@@ -163,6 +163,11 @@ class Pipeline:
             res = pgconn.get_result()
             if head is _SYNC:
                 if res is None:
+                    if pgconn.status == pq.ConnStatus.BAD:
+                        raise TargetConnectionError(
+                            "connection to the target was lost: "
+                            + (pgconn.error_message or b"").decode("utf-8", "replace").strip()
+                        )
                     continue
                 if res.status != _S.PIPELINE_SYNC:  # pragma: no cover - protocol confusion
                     raise TargetConnectionError(
@@ -231,7 +236,7 @@ class Pipeline:
     def discard(self) -> None:
         """After an error: read and drop everything still pending, ignoring errors; leave pipeline mode."""
         try:
-            while self._pending:
+            while self._pending and self.pgconn.status == pq.ConnStatus.OK:
                 try:
                     self.drain()
                 except ApplyError:

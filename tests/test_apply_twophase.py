@@ -1,0 +1,129 @@
+"""Two-phase commit end to end (behaviours 55-67): prepared transactions become local prepared transactions named
+``pg_gid_<subid>_<xid>``, finished by COMMIT/ROLLBACK PREPARED, exactly once across a target crash."""
+
+from __future__ import annotations
+
+import pytest
+
+from applier.apply.testing import setup_subscription
+from applier.testing import assert_tables_equal, wait_for_catchup, wait_until
+
+pytestmark = pytest.mark.core
+
+
+def both(pair, *statements: str) -> None:
+    for db in (pair.publisher, pair.target):
+        for s in statements:
+            db.execute(s)
+
+
+def prepare(db, gid: str, *statements: str) -> None:
+    with db.connect() as conn:
+        conn.execute("BEGIN")
+        for s in statements:
+            conn.execute(s)
+        conn.execute(f"PREPARE TRANSACTION '{gid}'")
+
+
+def ours(s) -> list[str]:
+    return [r[0] for r in s.target.query("SELECT gid FROM pg_prepared_xacts WHERE gid LIKE %s ORDER BY 1",
+                                         (f"pg\\_gid\\_{s.sub.subid}\\_%",))]  # fmt: skip
+
+
+def test_prepare_commit_rollback_and_empty_prepare(pair):
+    both(pair, "CREATE TABLE t (id int PRIMARY KEY, v text)")
+    pair.publisher.execute("CREATE TABLE unpublished (id int)")
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"], two_phase_state="e")
+    w = s.start()
+    try:
+        pub = pair.publisher
+        prepare(pub, "a", "INSERT INTO t VALUES (1, 'a'), (2, 'a')", "UPDATE t SET v = 'a2' WHERE id = 2")
+        xid_a = pub.scalar("SELECT transaction FROM pg_prepared_xacts WHERE gid = 'a'")
+        wait_until(
+            lambda: ours(s) == [f"pg_gid_{s.sub.subid}_{xid_a}"], timeout=30, what="local prepare of a"
+        )
+        assert pair.target.scalar("SELECT count(*) FROM t") == 0  # invisible until COMMIT PREPARED
+        record = s.catalog.prepared_record(f"pg_gid_{s.sub.subid}_{xid_a}")
+        assert record is not None and record.remote_xid == int(xid_a)
+
+        prepare(pub, "b", "INSERT INTO t VALUES (3, 'b')")
+        prepare(pub, "empty", "INSERT INTO unpublished VALUES (1)")  # nothing for us: still prepared
+        wait_until(lambda: len(ours(s)) == 3, timeout=30, what="three local prepared transactions")
+
+        pub.execute("COMMIT PREPARED 'a'")
+        pub.execute("ROLLBACK PREPARED 'b'")
+        pub.execute("COMMIT PREPARED 'empty'")
+        wait_for_catchup(pub, pair.name, timeout=30)
+        assert ours(s) == []
+        assert pair.target.query("SELECT id, v FROM t ORDER BY id") == [(1, "a"), (2, "a2")]
+        assert_tables_equal(pub, pair.target, "public.t")
+        assert pair.target.scalar("SELECT count(*) FROM applier.prepared_xact") == 0
+    finally:
+        w.stop()
+
+
+def test_enabling_two_phase_and_prepares_from_before(pair):
+    """Tri-state ``p`` with every table ready: the worker streams with two_phase and records ``e``. Transactions
+    prepared before two-phase was enabled arrive whole at COMMIT PREPARED (Begin Prepare..Prepare + Commit
+    Prepared), and their ROLLBACK PREPARED, whose prepare we never saw, is skipped silently."""
+    both(pair, "CREATE TABLE t (id int PRIMARY KEY, v text)")
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"], two_phase_state="d")
+    pub = pair.publisher
+    w = s.start()
+    try:
+        prepare(pub, "early_commit", "INSERT INTO t VALUES (1, 'early')")
+        prepare(pub, "early_rollback", "INSERT INTO t VALUES (2, 'never')")
+        pub.execute("INSERT INTO t VALUES (3, 'plain')")
+        lsn = wait_for_catchup(pub, pair.name, timeout=30)
+        wait_until(lambda: pub.scalar("SELECT confirmed_flush_lsn >= %s::pg_lsn FROM pg_replication_slots"
+                                      " WHERE slot_name = %s", (lsn, pair.name)), timeout=30)  # fmt: skip
+    finally:
+        w.stop()
+    s.catalog.update_subscription(s.sub.subid, subtwophasestate="p")
+    w = s.start()
+    try:
+        wait_until(lambda: s.refresh().subtwophasestate == "e", timeout=30, what="two-phase enabled")
+        pub.execute("COMMIT PREPARED 'early_commit'")
+        pub.execute("ROLLBACK PREPARED 'early_rollback'")
+        prepare(pub, "late", "INSERT INTO t VALUES (4, 'late')")
+        wait_until(lambda: len(ours(s)) == 1, timeout=30, what="local prepare of late")
+        pub.execute("COMMIT PREPARED 'late'")
+        wait_for_catchup(pub, pair.name, timeout=30)
+        assert pair.target.query("SELECT id, v FROM t ORDER BY id") == [
+            (1, "early"),
+            (3, "plain"),
+            (4, "late"),
+        ]
+        assert ours(s) == []
+        assert w.alive and w.worker.stats.errors == 0, w.worker.stats.last_error
+    finally:
+        w.stop()
+
+
+def test_target_crash_between_prepare_and_commit_prepared_is_exactly_once(pair):
+    """An immediate stop of the target after the local PREPARE: the prepared transaction and the origin's
+    progress survive together, the worker reconnects, and COMMIT PREPARED applies the rows once. Committed
+    transactions in flight at the crash are applied once too (the table has no key, so a duplicate would show)."""
+    both(pair, "CREATE TABLE t (id int, v text)", "CREATE TABLE k (id int PRIMARY KEY)")
+    pair.publisher.execute("ALTER TABLE t REPLICA IDENTITY FULL")
+    s = setup_subscription(
+        pair.publisher, pair.target, pair.name, ["public.t", "public.k"], two_phase_state="e"
+    )
+    pub = pair.publisher
+    w = s.start()
+    try:
+        prepare(pub, "p1", "INSERT INTO t VALUES (1, 'prepared')", "INSERT INTO k VALUES (1)")
+        wait_until(lambda: len(ours(s)) == 1, timeout=30, what="local prepare")
+        with pub.connect() as conn:
+            for i in range(100, 160):
+                conn.execute("INSERT INTO t VALUES (%s, 'committed')", (i,))
+        pair.target.cluster.crash()
+        pair.target.cluster.start()
+        assert len(ours(s)) == 1
+        pub.execute("COMMIT PREPARED 'p1'")
+        wait_for_catchup(pub, pair.name, timeout=60)
+        assert ours(s) == []
+        assert_tables_equal(pub, pair.target, "public.t", "public.k")
+        assert pair.target.scalar("SELECT count(*) FROM t") == 61
+    finally:
+        w.stop()
