@@ -198,7 +198,7 @@ def _bad_value_length(buf: bytes, off: int, msg_type: str, col: int, length: int
     )
 
 
-# Fast construction for the per-row objects. The dataclasses are frozen, so their generated ``__init__`` goes
+# Fast construction for the per-row objects (and the XLogData around each). The dataclasses are frozen, so their generated ``__init__`` goes
 # through ``object.__setattr__`` per field plus ``TupleData.__post_init__``: about 300 ns per object, more than
 # decoding a column. Setting the slots through their descriptors gives an identical object in half the time. The
 # decoder guarantees what ``__post_init__`` checks (one kind per value). The assertions keep this honest if a field
@@ -212,6 +212,7 @@ def _check_fast_constructors() -> None:
         (Insert, ("xid", "relid", "new")),
         (Update, ("xid", "relid", "old_kind", "old", "new")),
         (Delete, ("xid", "relid", "old_kind", "old")),
+        (XLogData, ("data_start", "wal_end", "send_time", "payload")),
     ):
         if tuple(f.name for f in dataclasses.fields(cls)) != names:
             raise RuntimeError(
@@ -234,6 +235,10 @@ _set_del_xid = Delete.xid.__set__  # type: ignore[attr-defined]
 _set_del_relid = Delete.relid.__set__  # type: ignore[attr-defined]
 _set_del_old_kind = Delete.old_kind.__set__  # type: ignore[attr-defined]
 _set_del_old = Delete.old.__set__  # type: ignore[attr-defined]
+_set_xl_data_start = XLogData.data_start.__set__  # type: ignore[attr-defined]
+_set_xl_wal_end = XLogData.wal_end.__set__  # type: ignore[attr-defined]
+_set_xl_send_time = XLogData.send_time.__set__  # type: ignore[attr-defined]
+_set_xl_payload = XLogData.payload.__set__  # type: ignore[attr-defined]
 
 
 def _make_tuple(kinds: bytes, values: tuple[bytes | None, ...]) -> TupleData:
@@ -269,6 +274,15 @@ def _make_delete(xid: int | None, relid: int, old_kind: str, old: TupleData) -> 
     _set_del_relid(m, relid)
     _set_del_old_kind(m, old_kind)
     _set_del_old(m, old)
+    return m
+
+
+def _make_xlogdata(data_start: int, wal_end: int, send_time: int, payload: bytes) -> XLogData:
+    m = _new(XLogData)
+    _set_xl_data_start(m, data_start)
+    _set_xl_wal_end(m, wal_end)
+    _set_xl_send_time(m, send_time)
+    _set_xl_payload(m, payload)
     return m
 
 
@@ -747,7 +761,7 @@ def decode_envelope(buf: Buffer) -> XLogData | PrimaryKeepalive | StandbyStatusU
             raise _XLOG_DATA.truncated(buf, 1, "XLogData") from None
         if len(buf) == 25:
             raise DecodeError("XLogData", 25, "no logical replication message after the XLogData header")
-        return XLogData(data_start, wal_end, send_time, buf[25:])
+        return _make_xlogdata(data_start, wal_end, send_time, buf[25:])
     if t == 107:  # 'k'
         wal_end, send_time, reply = _KEEPALIVE.unpack(buf, 1, "Primary Keepalive")
         if len(buf) != 18:
