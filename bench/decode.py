@@ -115,12 +115,22 @@ def best_rate(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mode", choices=[*MODES, "all"], default="all", help="what to time (default: all)")
+    parser.add_argument(
+        "--mode",
+        choices=[*MODES, "all", "server"],
+        default="all",
+        help="what to time (default: all); 'server' streams from a live PostgreSQL 18 (bench/decode_server.py)",
+    )
     parser.add_argument("--rows", type=int, default=500_000, help="rows in the insert transaction (500000)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per mode; the best is reported (3)")
+    from decode_server import add_server_arguments, main_server  # bench/ is sys.path[0] when run as a script
+
+    add_server_arguments(parser)
     args = parser.parse_args(argv)
     if args.rows < 1 or args.repeat < 1:
         parser.error("--rows and --repeat must be positive")
+    if args.mode == "server":  # not part of "all": it starts a server and takes half a minute
+        return main_server(args)
 
     t0 = time.perf_counter()
     payloads = build_insert_stream(args.rows)

@@ -193,14 +193,16 @@ def format_report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rows", type=int, default=DEFAULT_ROWS, help="rows in the one transaction")
-    parser.add_argument("--pg", default="18", help="server version (15, 16, 18) or a bindir")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of server mode beyond ``--rows`` (which ``bench/decode.py`` already has)."""
+    parser.add_argument(
+        "--pg", default="18", help="server mode: server version (15, 16, 18) or a bindir (18)"
+    )
+    parser.add_argument("--json", action="store_true", help="server mode: print the result as JSON")
 
 
 def main_server(args: argparse.Namespace) -> int:
-    """Entry point for ``bench/decode.py --mode server``."""
+    """Entry point for ``bench/decode.py --mode server``: uses ``args.rows``, ``args.pg`` and ``args.json``."""
     result = run_server_benchmark(args.rows, version=args.pg)
     print(json.dumps(result, indent=2) if args.json else format_report(result))
     return 0
@@ -208,7 +210,8 @@ def main_server(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
+    parser.add_argument("--rows", type=int, default=DEFAULT_ROWS, help="rows in the one transaction (500000)")
+    add_server_arguments(parser)
     return main_server(parser.parse_args(argv))
 
 
