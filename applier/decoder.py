@@ -87,10 +87,6 @@ MESSAGE_TYPE_NAMES: dict[int, str] = {
     ord("p"): "Stream Prepare",
 }
 
-_KIND_NULL = ord("n")
-_KIND_UNCHANGED = ord("u")
-_KIND_TEXT = ord("t")
-_KIND_BINARY = ord("b")
 _MARK_NEW = ord("N")
 _MARK_KEY = ord("K")
 _MARK_OLD = ord("O")
@@ -111,13 +107,12 @@ class _Fixed:
     off and where it starts, rather than just "struct.error".
     """
 
-    __slots__ = ("_unpack_from", "fields", "size")
+    __slots__ = ("_unpack_from", "fields")
 
     def __init__(self, *fields: tuple[str, str]) -> None:
         fmt = ">" + "".join(code for _, code in fields)
         s = struct.Struct(fmt)
         self._unpack_from = s.unpack_from
-        self.size = s.size
         self.fields = tuple((name, struct.calcsize(">" + code)) for name, code in fields)
 
     def unpack(self, buf: bytes, off: int, msg_type: str, what: str = "") -> tuple[int, ...]:
@@ -198,11 +193,11 @@ def _bad_value_length(buf: bytes, off: int, msg_type: str, col: int, length: int
     )
 
 
-# Fast construction for the per-row objects (and the XLogData around each). The dataclasses are frozen, so their generated ``__init__`` goes
-# through ``object.__setattr__`` per field plus ``TupleData.__post_init__``: about 300 ns per object, more than
-# decoding a column. Setting the slots through their descriptors gives an identical object in half the time. The
-# decoder guarantees what ``__post_init__`` checks (one kind per value). The assertions keep this honest if a field
-# is ever added to these classes.
+# Fast construction for the per-row objects and the XLogData around each. The dataclasses are frozen, so their
+# generated ``__init__`` goes through ``object.__setattr__`` per field (plus ``TupleData.__post_init__``): about
+# 300 ns per object, more than decoding a column. Setting the slots through their descriptors builds an identical,
+# equal object in half the time. The decoder guarantees what ``__post_init__`` checks (one kind per value), and
+# ``_check_fast_constructors`` fails at import if a field is ever added to or renamed in these classes.
 _new = object.__new__
 
 
@@ -505,7 +500,7 @@ def _decode_truncate(buf: bytes, in_stream: bool, encoding: str) -> Truncate:
     return Truncate(xid, flags, relids)
 
 
-def _decode_message_message(buf: bytes, in_stream: bool, encoding: str) -> Message:
+def _decode_logical_decoding_message(buf: bytes, in_stream: bool, encoding: str) -> Message:
     t = "Message"
     xid, off = _xid_prefix(buf, in_stream, t)
     flags, lsn = _MESSAGE.unpack(buf, off, t)
@@ -653,7 +648,7 @@ _HANDLER_BY_TYPE: dict[str, _Handler] = {
     "U": _decode_update,
     "D": _decode_delete,
     "T": _decode_truncate,
-    "M": _decode_message_message,
+    "M": _decode_logical_decoding_message,
     "S": _decode_stream_start,
     "E": _decode_stream_stop,
     "c": _decode_stream_commit,

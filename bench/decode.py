@@ -9,8 +9,8 @@ pgoutput sends them without ``binary``), Commit — and times:
   with every CopyData from the walsender).
 
 Run: ``.venv/bin/python bench/decode.py [--mode message|envelope|all] [--rows N] [--repeat R]``. Each mode prints
-one line with the best of ``--repeat`` runs, as messages/s of wall-clock and of CPU time. Other modes (e.g. decoding a live server's stream) plug in as further
-``--mode`` choices in ``MODES``.
+one line with the best of ``--repeat`` runs, as messages/s of wall-clock and of CPU time (on a shared machine the
+wall clock mostly measures the neighbours). Other modes plug in as further ``--mode`` choices.
 """
 
 from __future__ import annotations
