@@ -280,9 +280,7 @@ class ReplicationConnection:
         cls, conninfo: str, *, application_name: str | None = None, client_encoding: str = "UTF8"
     ) -> ReplicationConnection:
         """``ReplicationConnection.open(...)`` is ``ReplicationConnection()`` followed by :meth:`connect`."""
-        self = cls()
-        self.connect(conninfo, application_name=application_name, client_encoding=client_encoding)
-        return self
+        return cls().connect(conninfo, application_name=application_name, client_encoding=client_encoding)
 
     def connect(
         self, conninfo: str, *, application_name: str | None = None, client_encoding: str = "UTF8"
