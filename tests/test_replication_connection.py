@@ -10,6 +10,7 @@ import traceback
 from collections.abc import Iterator
 
 import psycopg
+import psycopg.sql
 import pytest
 
 from applier.decoder import MessageDecoder
@@ -343,6 +344,22 @@ def test_stream_a_small_workload(pair) -> None:
     assert ins1.relid == ins2.relid == rel.relid  # type: ignore[union-attr]
     assert ins1.new.values == (b"1", b"one")  # type: ignore[union-attr]
     assert ins2.new.kinds == b"tn" and ins2.new.values == (b"2", None)  # type: ignore[union-attr]
+
+
+def test_publication_names_with_quotes_and_backslashes_reach_pgoutput(pair) -> None:
+    """The walsender's grammar has no E'' strings (libpq's PQescapeLiteral would emit one for a backslash): our
+    plain quoting is the one that works."""
+    db = pair.publisher
+    odd = 'back\\slash it\'s "q"'
+    db.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
+    with db.connect() as conn:
+        conn.execute(psycopg.sql.SQL("CREATE PUBLICATION {} FOR TABLE t").format(psycopg.sql.Identifier(odd)))
+    with ReplicationConnection().connect(db.dsn) as rc:
+        slot = rc.create_slot(pair.name, temporary=True)
+        db.execute("INSERT INTO t VALUES (1, 'x')")
+        stop = _current_lsn(db)
+        rc.start_replication(pair.name, slot.consistent_point, StreamOptions([odd]))
+        assert [type(m) for _, m in _read_until(rc, stop)] == [Begin, Relation, Insert, Commit]
 
 
 def test_feedback_moves_confirmed_flush_to_exactly_what_we_report(pair) -> None:
