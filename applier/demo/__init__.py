@@ -11,6 +11,7 @@ table by table.
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import shutil
 import signal
@@ -27,7 +28,7 @@ from rich.live import Live
 from rich.table import Table
 
 from applier.demo.dataset import TABLES, create_schema, populate
-from applier.demo.view import Watcher, plain_line, render
+from applier.demo.view import Snapshot, Watcher, plain_line, render
 from applier.demo.workload import LiveWorkload
 from applier.subscriptions import CreateOptions, create
 from applier.testing import PostgresCluster, find_binaries, table_digest, wait_until
@@ -49,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plain", action="store_true", help="plain log lines even on a terminal")
     p.add_argument("--spark-master", default=None, help="Spark master for the copy (default local[*])")
     p.add_argument("--workdir", type=Path, default=None, help="where the servers' data directories go")
+    p.add_argument("--capture", type=Path, default=None,
+                   help="write one frame of the live view to DIR/demo-live.svg and .txt (for docs)")  # fmt: skip
     return p
 
 
@@ -68,6 +71,8 @@ class Demo:
                                                  settings={"logical_decoding_work_mem": "1MB"})  # fmt: skip
         self.target_cluster = PostgresCluster(binaries, name="demo-target", datadir=self.workdir / "target")
         self.worker: subprocess.Popen[bytes] | None = None
+        self.best: Snapshot | None = None
+        self._score: tuple[bool, bool] = (False, False)
 
     def say(self, text: str) -> None:
         if self.plain:
@@ -141,21 +146,44 @@ class Demo:
                 while time.monotonic() < deadline:
                     self._check_worker()
                     if time.monotonic() - last >= 2.0:
-                        print(plain_line(watcher.snapshot()), flush=True)
+                        print(plain_line(self._keep(watcher.snapshot())), flush=True)
                         last = time.monotonic()
                     time.sleep(0.2)
             else:
                 with Live(render(watcher.snapshot()), console=self.console, refresh_per_second=4) as live:
                     while time.monotonic() < deadline:
                         self._check_worker()
-                        live.update(render(watcher.snapshot()))
+                        live.update(render(self._keep(watcher.snapshot())))
                         time.sleep(0.25)
         finally:
             workload.stop_event.set()
             workload.join(timeout=60)
         if workload.error is not None:
             raise RuntimeError(f"the demo workload failed: {workload.error}")
+        if a.capture is not None and self.best is not None:
+            self._capture(a.capture, self.best)
         return self._finish(watcher)
+
+    def _keep(self, snap: Snapshot) -> Snapshot:
+        """Remember the most telling frame for ``--capture``: two-phase enabled with transactions prepared on both
+        servers at once."""
+        score = (
+            snap.status["two_phase"] == "e",
+            min(len(snap.publisher_prepared), len(snap.target_prepared)) > 0,
+        )
+        if self.best is None or score >= self._score:
+            self.best, self._score = snap, score
+        return snap
+
+    def _capture(self, directory: Path, snap: Snapshot) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        rec = Console(record=True, width=120, file=io.StringIO(), force_terminal=True)
+        rec.print(render(snap))
+        rec.save_svg(str(directory / "demo-live.svg"), title="applier demo")
+        rec = Console(record=True, width=120, file=io.StringIO())
+        rec.print(render(snap))
+        rec.save_text(str(directory / "demo-live.txt"))
+        self.say(f"captured the live view to {directory}/demo-live.svg and .txt")
 
     def _check_worker(self) -> None:
         if self.worker is not None and self.worker.poll() is not None:

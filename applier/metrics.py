@@ -1,0 +1,143 @@
+"""Prometheus metrics for ``applier run --metrics-port N``.
+
+Two kinds of numbers, gathered two ways:
+
+* **Events counted by the workers** (transactions applied by kind, rows by operation, apply errors and conflicts by
+  kind, rows/bytes copied by tablesync). ``run`` uses one process per subscription, so these use
+  ``prometheus_client``'s multi-process mode: :func:`enable_multiprocess` points ``PROMETHEUS_MULTIPROC_DIR`` at a
+  private directory *before* the workers start, each worker's counters live in memory-mapped files there, and the
+  parent's HTTP endpoint sums them. Without ``--metrics-port`` the counters are plain in-process objects (cheap).
+* **Positions read at scrape time** (received/flushed/applied LSN, lag in bytes and seconds, prepared transactions
+  pending, table states): a collector queries the target's catalog and origin and the publisher's slot, the same
+  sources as ``applier status``, so the numbers are what the servers say, not what a worker believes.
+
+Names follow Prometheus conventions: ``applier_`` prefix, ``_total`` for counters, base units (bytes, seconds).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from applier.lsn import parse_lsn
+
+log = logging.getLogger("applier.metrics")
+
+TRANSACTIONS = Counter(
+    "applier_transactions_applied_total",
+    "Remote transactions finished on the target, by kind "
+    "(commit, prepare, commit_prepared, rollback_prepared, stream_commit, stream_prepare, stream_abort, skipped).",
+    ["subscription", "kind"],
+)
+ROWS = Counter(
+    "applier_rows_applied_total",
+    "Row changes applied on the target, by operation (insert, update, delete, truncate).",
+    ["subscription", "operation"],
+)
+ERRORS = Counter(
+    "applier_apply_errors_total",
+    "Errors that rolled back a local transaction (the worker retries or disables), by kind.",
+    ["subscription", "kind"],
+)
+CONFLICTS = Counter(
+    "applier_conflicts_total",
+    "Conflicts met while applying, by kind (update_missing, delete_missing, insert_exists, ...).",
+    ["subscription", "kind"],
+)
+COPIED_ROWS = Counter(
+    "applier_tablesync_rows_copied_total", "Rows copied by the initial copy.", ["subscription"]
+)
+COPIED_BYTES = Counter(
+    "applier_tablesync_bytes_copied_total", "COPY bytes moved by the initial copy.", ["subscription"]
+)
+
+
+def enable_multiprocess() -> str:
+    """Make counters of processes started from now on shared through a private directory; return it.
+
+    Must run before the worker processes start (they read the variable when they import prometheus_client).
+    """
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not path:
+        path = tempfile.mkdtemp(prefix="applier-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    return path
+
+
+class PositionCollector(Collector):
+    """Scrape-time gauges from the servers, one label set per subscription."""
+
+    def __init__(self, target: str, names: Sequence[str]) -> None:
+        self.target, self.names = target, list(names)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        from applier.subscriptions import status  # the same view as `applier status`
+
+        gauges = {
+            "received": GaugeMetricFamily("applier_received_lsn", "Last WAL position received (as reported).", labels=["subscription"]),
+            "flushed": GaugeMetricFamily("applier_flushed_lsn", "WAL position whose changes are durable on the target.", labels=["subscription"]),
+            "applied": GaugeMetricFamily("applier_applied_lsn", "End of the last remote transaction applied (origin progress).", labels=["subscription"]),
+            "lag_bytes": GaugeMetricFamily("applier_lag_bytes", "Publisher WAL position minus the applied position.", labels=["subscription"]),
+            "lag_seconds": GaugeMetricFamily("applier_lag_seconds", "Replay lag reported by the publisher.", labels=["subscription"]),
+            "prepared": GaugeMetricFamily("applier_prepared_transactions_pending", "Transactions prepared on the target awaiting COMMIT/ROLLBACK PREPARED.", labels=["subscription"]),
+            "enabled": GaugeMetricFamily("applier_subscription_enabled", "1 when the subscription is enabled.", labels=["subscription"]),
+            "two_phase": GaugeMetricFamily("applier_two_phase_state", "Two-phase tri-state, one series per state (1 = current).", labels=["subscription", "state"]),
+            "tables": GaugeMetricFamily("applier_tables", "Tables per sync state.", labels=["subscription", "state"]),
+            "up": GaugeMetricFamily("applier_publisher_up", "1 when the publisher answered the scrape.", labels=["subscription"]),
+        }  # fmt: skip
+        try:
+            entries = status(self.target, None)
+        except Exception as exc:  # noqa: BLE001 - a scrape must not crash the worker; say why in the log
+            log.warning("metrics: cannot read status from the target: %s", exc)
+            return
+        for st in entries:
+            if self.names and st["name"] not in self.names:
+                continue
+            name = st["name"]
+            rep: dict[str, Any] = st.get("replication", {})
+            for key, field in (
+                ("received", "received_lsn"),
+                ("flushed", "flushed_lsn"),
+                ("applied", "origin_lsn"),
+            ):
+                if rep.get(field):
+                    gauges[key].add_metric([name], parse_lsn(rep[field]))
+            if rep.get("lag_bytes") is not None:
+                gauges["lag_bytes"].add_metric([name], rep["lag_bytes"])
+            if rep.get("lag_seconds") is not None:
+                gauges["lag_seconds"].add_metric([name], rep["lag_seconds"])
+            gauges["up"].add_metric([name], 1 if rep.get("publisher_reachable") else 0)
+            gauges["prepared"].add_metric([name], len(st["prepared"]))
+            gauges["enabled"].add_metric([name], 1 if st["enabled"] else 0)
+            for state in ("d", "p", "e"):
+                gauges["two_phase"].add_metric([name, state], 1 if st["two_phase"] == state else 0)
+            counts: dict[str, int] = {}
+            for t in st["tables"]:
+                counts[t["state"]] = counts.get(t["state"], 0) + 1
+            for state in "idfsr":
+                gauges["tables"].add_metric([name, state], counts.get(state, 0))
+        yield from gauges.values()
+
+
+def serve(port: int, target: str, names: Sequence[str] = (), *, addr: str = "127.0.0.1") -> CollectorRegistry:
+    """Serve ``/metrics`` on ``addr:port`` from a background thread: worker counters plus scrape-time positions."""
+    registry = CollectorRegistry()
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        multiprocess.MultiProcessCollector(registry)
+    else:
+        from prometheus_client import REGISTRY
+
+        registry = REGISTRY
+    registry.register(PositionCollector(target, names))
+    start_http_server(port, addr=addr, registry=registry)
+    log.info("metrics on http://%s:%d/metrics", addr, port)
+    return registry
