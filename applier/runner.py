@@ -228,7 +228,7 @@ def _serve(target: str, subname: str, stop: threading.Event, wlog: logging.Logge
     catalog = open_catalog(target)
     with target_errors(target):
         sub = require_subscription(catalog, subname)
-    lock = SubscriptionLock(target, sub, "run")
+    lock = SubscriptionLock(target, sub, "run", pid=os.getppid())  # name the `applier run` users see
     lock.acquire()
     watchdog = _LockWatchdog(lock, stop, wlog)
     watchdog.start()

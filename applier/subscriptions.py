@@ -212,11 +212,15 @@ class SubscriptionLock:
     is refused can be told who holds it. Use as a context manager, or :meth:`acquire` / :meth:`release`.
     """
 
-    def __init__(self, target: str, sub: Subscription, purpose: str) -> None:
+    def __init__(self, target: str, sub: Subscription, purpose: str, *, pid: int | None = None) -> None:
+        """``pid`` is the process to name to others (default: this one; a run worker names its ``applier run``
+        parent, the process a user would stop)."""
         self.target = target
         self.sub = sub
         self.purpose = purpose
-        self.application_name = f"applier[{os.getpid()}@{socket.gethostname()}] {purpose} {sub.subname}"[:63]
+        self.application_name = (
+            f"applier[{pid or os.getpid()}@{socket.gethostname()}] {purpose} {sub.subname}"[:63]
+        )
         self._conn: psycopg.Connection[Any] | None = None
 
     def _connect(self) -> psycopg.Connection[Any]:
