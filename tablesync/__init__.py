@@ -2,18 +2,32 @@
 
 Entry point: :func:`run_initial_copy`. See :mod:`tablesync.initial` for the steps and their guarantees,
 :mod:`tablesync.planner` for the partitioning and the publication rules, :mod:`tablesync.copy` for one partition.
+
+The heavier modules are imported lazily: Spark's Python workers import :mod:`tablesync.copy` (and so this package)
+for every executor process, and should not pay for SQLAlchemy, the catalog and pyspark's session code.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-from tablesync.initial import CopyResult, InitialCopy, TableCopy, TablesyncError, describe
-from tablesync.planner import DEFAULT_PARTITION_BYTES
-from tablesync.progress import CopyProgress
+if TYPE_CHECKING:
+    from tablesync.initial import CopyResult, InitialCopy, TableCopy, TablesyncError, describe
 
 __all__ = ["CopyResult", "InitialCopy", "TableCopy", "TablesyncError", "describe", "run_initial_copy"]
+
+#: 32 MiB, as :data:`tablesync.planner.DEFAULT_PARTITION_BYTES` (repeated here to keep this import light).
+_DEFAULT_PARTITION_BYTES = 32 * 1024 * 1024
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("CopyResult", "InitialCopy", "TableCopy", "TablesyncError", "describe"):
+        from tablesync import initial
+
+        return getattr(initial, name)
+    raise AttributeError(f"module 'tablesync' has no attribute {name!r}")
 
 
 def run_initial_copy(
@@ -24,7 +38,7 @@ def run_initial_copy(
     spark_master: str | None = None,
     spark_conf: Mapping[str, str] | None = None,
     progress: bool | None = None,
-    partition_bytes: int = DEFAULT_PARTITION_BYTES,
+    partition_bytes: int = _DEFAULT_PARTITION_BYTES,
 ) -> CopyResult:
     """Copy every table of subscription ``subname`` that is in state ``i``/``d``/``f``, at one snapshot.
 
@@ -38,6 +52,9 @@ def run_initial_copy(
     when neither is given); default ``local[*,4]``. ``progress``: None = bars on a terminal (stderr), plain lines
     otherwise; True = bars; False = silent. Raises :class:`TablesyncError` when the copy fails.
     """
+    from tablesync.initial import InitialCopy
+    from tablesync.progress import CopyProgress
+
     reporter = CopyProgress.for_setting(progress)
     copier = InitialCopy(
         target_conninfo, subname, stop=stop, reporter=reporter, partition_bytes=partition_bytes

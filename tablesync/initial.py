@@ -40,7 +40,8 @@ import sqlalchemy as sa
 from psycopg import sql
 
 from applier.errors import ApplierError
-from applier.lsn import format_lsn, parse_lsn
+from applier.lsn import format_lsn
+from applier.replication import ReplicationConnection, ReplicationConnectionError
 from state.catalog import Catalog, RelState, Subscription
 from tablesync import job as spark_job
 from tablesync.copy import CLAIM_PART, connect
@@ -109,7 +110,7 @@ class CopyResult:
 
 @dataclass
 class _SnapshotSlot:
-    conn: psycopg.Connection[Any]
+    conn: ReplicationConnection
     slot_name: str
     lsn: int
     snapshot: str
@@ -190,27 +191,30 @@ class InitialCopy:
     def open_snapshot(self) -> _SnapshotSlot:
         """Create the temporary slot with an exported snapshot; keep its connection idle until :meth:`close`."""
         name = f"applier_{self.subid}_sync_{os.getpid()}_{secrets.token_hex(3)}"
-        conn = psycopg.connect(
-            self.publisher_conninfo, replication="database", autocommit=True, prepare_threshold=None,
-            fallback_application_name=f"{self.subname}_tablesync",
-        )  # fmt: skip
+        try:
+            conn = ReplicationConnection.open(
+                self.publisher_conninfo, application_name=f"{self.subname}_tablesync"
+            )
+        except ReplicationConnectionError as exc:
+            raise TablesyncError(f"initial copy of {self.subname!r}: {exc}") from exc
         done = threading.Event()
         watcher = threading.Thread(target=self._explain_slot_wait, args=(done,), daemon=True)
         watcher.start()
         try:
-            row = conn.execute(
-                sql.SQL("CREATE_REPLICATION_SLOT {} TEMPORARY LOGICAL pgoutput (SNAPSHOT 'export')").format(
-                    sql.Identifier(name)
-                )
-            ).fetchone()
-        except BaseException:
+            info = conn.create_slot(name, temporary=True, snapshot="export")
+        except BaseException as exc:
             conn.close()
+            if isinstance(exc, ReplicationConnectionError):
+                raise TablesyncError(f"initial copy of {self.subname!r}: {exc}") from exc
             raise
         finally:
             done.set()
-        assert row is not None
-        self.slot = _SnapshotSlot(conn, row[0], parse_lsn(row[1]), row[2])
-        self.reporter.note(f"snapshot {row[2]} taken at {row[1]} (temporary slot {row[0]})")
+        assert info.snapshot_name is not None
+        self.slot = _SnapshotSlot(conn, info.slot_name, info.consistent_point, info.snapshot_name)
+        self.reporter.note(
+            f"snapshot {info.snapshot_name} taken at {format_lsn(info.consistent_point)} "
+            f"(temporary slot {info.slot_name})"
+        )
         return self.slot
 
     def _explain_slot_wait(self, done: threading.Event) -> None:
@@ -445,11 +449,11 @@ class InitialCopy:
                     self.reporter.note(f"Spark Connect: {handle.remote}")
                 if not self.copy(handle.session):
                     return self.result(stopped=True)
+                return self.complete()  # before stopping Spark: the tables are ready a little sooner
             finally:
                 if handle.created:
                     with contextlib.suppress(Exception):
                         handle.session.stop()
-            return self.complete()
         finally:
             self.close()
 

@@ -121,6 +121,8 @@ def spark_session(
         # The caller's session (a test module's, a notebook's): use it and leave it running.
         active = SparkSession.builder.getOrCreate()
         return SparkHandle(active, False, None, _ui_url(active))
+    # pyspark leaves this set in the process after any Connect session, and then refuses to build a classic one.
+    os.environ.pop("SPARK_CONNECT_MODE_ENABLED", None)
     # Python workers must run this interpreter (the one that has tablesync, psycopg, tenacity installed).
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)

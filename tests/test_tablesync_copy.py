@@ -16,7 +16,7 @@ from tablesync import InitialCopy, run_initial_copy
 from tablesync.copy import SupersededError, copy_partition
 from tablesync.testing import local_spark, subscribe
 
-pytestmark = [pytest.mark.spark, pytest.mark.core]
+pytestmark = [pytest.mark.spark]
 
 SMALL_PARTS = 64 * 1024  # several partitions even for test-sized tables
 
@@ -78,6 +78,7 @@ INSERT INTO alltypes (id) VALUES (0);
 """
 
 
+@pytest.mark.core
 def test_every_common_type_copies_byte_exact(pair, spark):
     # Make the target's type OIDs differ from the publisher's, so mood[] must fall back to text.
     pair.target.execute("CREATE TYPE unrelated AS ENUM ('x'); CREATE TABLE unrelated_t (a int)")
@@ -110,6 +111,7 @@ def test_every_common_type_copies_byte_exact(pair, spark):
     assert pair.target.scalar("SELECT count(*) FROM applier.tablesync_partition") == 0
 
 
+@pytest.mark.core
 def test_binary_format_when_types_match(pair, spark):
     both(pair, "CREATE TYPE mood AS ENUM ('sad', 'ok'); CREATE TABLE b (id int, m mood, a int[], n numeric)")
     pair.publisher.execute(
@@ -123,6 +125,7 @@ def test_binary_format_when_types_match(pair, spark):
     assert table_digest(pair.publisher, "public.b") == table_digest(pair.target, "public.b")
 
 
+@pytest.mark.core
 def test_the_copy_is_exactly_the_snapshot(pair, spark):
     both(pair, "CREATE TABLE s (id int PRIMARY KEY, v text); CREATE TABLE s2 (id int PRIMARY KEY, v text)")
     pair.publisher.execute("INSERT INTO s SELECT g, 'v' || g FROM generate_series(1, 20000) g")
@@ -167,6 +170,7 @@ def test_the_copy_is_exactly_the_snapshot(pair, spark):
     )
 
 
+@pytest.mark.core
 def test_row_filters_and_column_lists_are_honoured(pair, spark):
     ddl = (
         "CREATE TABLE t (id int, a text, b text, g int GENERATED ALWAYS AS (id * 2) STORED);"
@@ -195,6 +199,7 @@ def test_row_filters_and_column_lists_are_honoured(pair, spark):
     assert table_digest(pair.publisher, "public.u") == table_digest(pair.target, "public.u")
 
 
+@pytest.mark.core
 def test_different_column_lists_fail_with_the_native_message(pair, spark):
     both(pair, "CREATE TABLE t (id int, a text, b text)")
     pair.publisher.execute(
@@ -208,6 +213,7 @@ def test_different_column_lists_fail_with_the_native_message(pair, spark):
     assert states(pair)["public.t"][0] == "i"  # nothing was claimed
 
 
+@pytest.mark.core
 def test_a_partition_is_copied_once_however_often_its_task_runs(pair, spark):
     both(pair, "CREATE TABLE nopk (id int, v text)")  # no key: a duplicate copy would show as extra rows
     pair.publisher.execute("INSERT INTO nopk SELECT g, md5(g::text) FROM generate_series(1, 30000) g")
@@ -234,6 +240,7 @@ def test_a_partition_is_copied_once_however_often_its_task_runs(pair, spark):
     assert table_digest(pair.publisher, "public.nopk") == table_digest(pair.target, "public.nopk")
 
 
+@pytest.mark.slow  # a second JVM in a child process: run once (PostgreSQL 18), not in the per-version core set
 def test_killed_copy_resumes_without_loss_or_duplicates(pair, spark, tmp_path):
     both(pair, "CREATE TABLE big (id int, v text); CREATE TABLE small (id int)")
     pair.publisher.execute(
@@ -279,6 +286,7 @@ def test_killed_copy_resumes_without_loss_or_duplicates(pair, spark, tmp_path):
     assert {s for s, _ in states(pair).values()} == {"s"}
 
 
+@pytest.mark.core
 def test_finished_tables_are_left_alone_and_f_with_lsn_becomes_s(pair, spark):
     both(pair, "CREATE TABLE a (id int); CREATE TABLE b (id int)")
     pair.publisher.execute("INSERT INTO a VALUES (1); INSERT INTO b VALUES (2)")
@@ -293,6 +301,7 @@ def test_finished_tables_are_left_alone_and_f_with_lsn_becomes_s(pair, spark):
     assert pair.target.scalar("SELECT count(*) FROM a") == 0  # nothing copied
 
 
+@pytest.mark.core
 def test_stop_event_cancels_and_a_later_run_finishes(pair, spark):
     import threading
 

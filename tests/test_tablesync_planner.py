@@ -179,3 +179,13 @@ def test_tasks_are_biggest_first_and_numbered():
     assert tasks[-1].relname == "ts.small" and tasks[-1].nparts == 1
     assert all(t.snapshot == "S-1" and t.subid == 7 for t in tasks)
     assert tasks[0].lock_target == 'LOCK TABLE "ts"."tg""t" IN ROW EXCLUSIVE MODE'
+
+
+def test_the_package_default_partition_size_is_the_planners():
+    import inspect
+
+    import tablesync
+    from tablesync.planner import DEFAULT_PARTITION_BYTES
+
+    default = inspect.signature(tablesync.run_initial_copy).parameters["partition_bytes"].default
+    assert default == DEFAULT_PARTITION_BYTES

@@ -1,0 +1,246 @@
+"""Initial-sync benchmark: PostgreSQL's native tablesync against our Spark copy, on the same data in the same run.
+
+Cases: ``one`` — one table of ``--rows`` rows (5,000,000 for the headline figure); ``many`` — ``--tables`` tables
+of ``--rows-per-table`` rows. Three clusters: the publisher, a native subscriber, and our target.
+
+* Native: ``CREATE SUBSCRIPTION ... WITH (copy_data = true)`` on the native cluster, timed from that statement
+  until every ``pg_subscription_rel.srsubstate`` is ``r`` (polled every 10 ms). Defaults as shipped
+  (``max_sync_workers_per_subscription = 2``, text COPY unless ``--native-binary``).
+* Ours: the catalog rows are written, then a fresh process runs the copy (``python -m tablesync.testing``), timed
+  from launch to exit: interpreter, imports, Spark/JVM start-up, the snapshot, the job and the catalog updates are
+  all included. It ends with the tables in ``s`` (the apply loop turns them ``r`` when it streams past Y).
+
+Each side's result is verified outside the timed part (row count and an order-independent hash per table).
+MB/s is the publisher's heap size (``pg_relation_size``) over the elapsed time, for both sides.
+
+    .venv/bin/python bench/tablesync_bench.py                       # quick: small sizes
+    .venv/bin/python bench/tablesync_bench.py --rows 5000000 --tables 100 --rows-per-table 20000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from psycopg import sql
+
+from applier.testing.cluster import Database, PostgresCluster, find_binaries
+from tablesync.testing import subscribe
+
+ROW_DDL = "(id bigint PRIMARY KEY, a integer, b text, c timestamptz, d numeric, e jsonb)"
+ROW_FILL = (
+    "INSERT INTO {tbl} SELECT g, g %% 1000, md5(g::text) || md5((g + 1)::text), now() - g * interval '1 s',"
+    " g / 7.0, jsonb_build_object('g', g, 's', 'x') FROM generate_series(1, %s) g"
+)
+
+
+@dataclass
+class Outcome:
+    case: str
+    side: str
+    tables: int
+    rows: int
+    heap_mb: float
+    seconds: float
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.rows / self.seconds
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.heap_mb / self.seconds
+
+
+def table_names(case: str, ntables: int) -> list[str]:
+    return ["big"] if case == "one" else [f"t{i:03d}" for i in range(ntables)]
+
+
+def create_tables(db: Database, names: list[str]) -> None:
+    with db.connect() as c:
+        for n in names:
+            c.execute(sql.SQL("CREATE TABLE {} " + ROW_DDL).format(sql.Identifier(n)))  # noqa: S608
+
+
+def fill(db: Database, names: list[str], rows: int) -> None:
+    with db.connect() as c:
+        for n in names:
+            c.execute(sql.SQL(ROW_FILL).format(tbl=sql.Identifier(n)), (rows,))  # type: ignore[arg-type]
+        c.execute("VACUUM ANALYZE")
+        c.execute("CHECKPOINT")
+
+
+def fingerprint(db: Database, names: list[str]) -> dict[str, tuple[int, str]]:
+    """Count and an order-independent hash of every row's text, computed by the server."""
+    out = {}
+    with db.connect() as c:
+        for n in names:
+            q = sql.SQL(
+                "SELECT count(*), coalesce(sum(hashtextextended(r_::text, 0)::numeric), 0)::text FROM {} r_"
+            )
+            out[n] = tuple(c.execute(q.format(sql.Identifier(n))).fetchone())  # type: ignore[arg-type]
+    return out
+
+
+def heap_mb(db: Database, names: list[str]) -> float:
+    with db.connect() as c:
+        return (
+            sum(
+                c.execute("SELECT pg_relation_size(%s::regclass)", (f"public.{n}",)).fetchone()[0]  # type: ignore[index]
+                for n in names
+            )
+            / 1e6
+        )
+
+
+def run_native(pub: Database, native: PostgresCluster, dbname: str, names: list[str], binary: bool) -> float:
+    db = native.create_database(dbname)
+    create_tables(db, names)
+    with db.connect() as c:
+        started = time.monotonic()
+        c.execute(
+            sql.SQL(
+                "CREATE SUBSCRIPTION {} CONNECTION {} PUBLICATION pub"
+                " WITH (copy_data = true, streaming = off, binary = {})"
+            ).format(sql.Identifier(dbname), sql.Literal(pub.dsn), sql.SQL("true" if binary else "false"))
+        )
+        while True:
+            pending = c.execute(
+                "SELECT count(*) FROM pg_subscription_rel WHERE srsubstate <> 'r'"
+            ).fetchone()[0]  # type: ignore[index]
+            total = c.execute("SELECT count(*) FROM pg_subscription_rel").fetchone()[0]  # type: ignore[index]
+            if total == len(names) and pending == 0:
+                break
+            time.sleep(0.01)
+        elapsed = time.monotonic() - started
+        c.execute(sql.SQL("ALTER SUBSCRIPTION {} DISABLE").format(sql.Identifier(dbname)))
+        c.execute(sql.SQL("ALTER SUBSCRIPTION {} SET (slot_name = NONE)").format(sql.Identifier(dbname)))
+        c.execute(sql.SQL("DROP SUBSCRIPTION {}").format(sql.Identifier(dbname)))
+    pub.execute(
+        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s", (dbname,)
+    )
+    return elapsed
+
+
+def run_ours(pub: Database, target: PostgresCluster, dbname: str, names: list[str], master: str) -> float:
+    db = target.create_database(dbname)
+    create_tables(db, names)
+    subscribe(db.dsn, pub.dsn, dbname, [f"public.{n}" for n in names])
+    env = dict(os.environ, PYSPARK_PYTHON=sys.executable)
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "tablesync.testing", db.dsn, dbname, "--master", master],
+        env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    elapsed = time.monotonic() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"our copy failed:\n{proc.stdout}\n{proc.stderr[-5000:]}")
+    return elapsed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--case", choices=["one", "many", "all"], default="all")
+    ap.add_argument("--rows", type=int, default=300_000, help="rows of the single table (headline: 5000000)")
+    ap.add_argument("--tables", type=int, default=20, help="tables in the many-table case")
+    ap.add_argument("--rows-per-table", type=int, default=5_000)
+    ap.add_argument("--repeat", type=int, default=1, help="alternating runs per case")
+    ap.add_argument(
+        "--pg", default=None, help="server version (15, 16, 18) or bindir; default APPLIER_TEST_PG or 18"
+    )
+    ap.add_argument("--master", default="local[*,4]")
+    ap.add_argument("--native-binary", action="store_true", help="native subscription with binary = true")
+    ap.add_argument("--durable", action="store_true", help="fsync on (default off, as in the tests)")
+    ap.add_argument("--json", type=Path, default=Path("bench/out/tablesync.json"))
+    args = ap.parse_args()
+
+    binaries = find_binaries(args.pg)
+    settings = {
+        "max_sync_workers_per_subscription": "2",
+        "max_wal_size": "4GB",
+        "checkpoint_timeout": "30min",
+    }
+    clusters = [PostgresCluster(binaries, name=n, settings=settings, durable=args.durable) for n in ("pub", "native", "ours")]  # fmt: skip
+    outcomes: list[Outcome] = []
+    try:
+        pubc, native, ours = (c.start() for c in clusters)
+        cases = ["one", "many"] if args.case == "all" else [args.case]
+        for case in cases:
+            names = table_names(case, args.tables)
+            rows = args.rows if case == "one" else args.rows_per_table
+            pub = pubc.create_database(f"src_{case}")
+            create_tables(pub, names)
+            t0 = time.monotonic()
+            fill(pub, names, rows)
+            pub.execute("CREATE PUBLICATION pub FOR ALL TABLES")
+            expected = fingerprint(pub, names)
+            mb = heap_mb(pub, names)
+            total_rows = rows * len(names)
+            print(f"== {case}: {len(names)} table(s), {total_rows:,} rows, {mb:.1f} MB heap "
+                  f"(loaded in {time.monotonic() - t0:.1f}s)", flush=True)  # fmt: skip
+            for i in range(args.repeat):
+                order = (
+                    [("native", native), ("ours", ours)]
+                    if i % 2 == 0
+                    else [("ours", ours), ("native", native)]
+                )
+                for side, cluster in order:
+                    dbname = f"{side}_{case}_{i}"
+                    if side == "native":
+                        secs = run_native(pub, cluster, dbname, names, args.native_binary)
+                    else:
+                        secs = run_ours(pub, cluster, dbname, names, args.master)
+                    got = fingerprint(cluster.database(dbname), names)
+                    if got != expected:
+                        raise SystemExit(
+                            f"{side} {case}: copy differs from the publisher: {got} vs {expected}"
+                        )
+                    o = Outcome(case, side, len(names), total_rows, mb, secs)
+                    outcomes.append(o)
+                    print(f"   {side:<6} {secs:7.2f}s  {o.rows_per_s:>10,.0f} rows/s  {o.mb_per_s:7.1f} MB/s  (verified)",
+                          flush=True)  # fmt: skip
+                    cluster.drop_database(dbname)
+        print(
+            "\n| case | tables | rows | heap MB | native s | ours s | native MB/s | ours MB/s | native/ours time |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
+        for case in cases:
+            nat = [o for o in outcomes if o.case == case and o.side == "native"]
+            our = [o for o in outcomes if o.case == case and o.side == "ours"]
+            ns, os_ = (
+                sorted(o.seconds for o in nat)[len(nat) // 2],
+                sorted(o.seconds for o in our)[len(our) // 2],
+            )
+            o = nat[0]
+            print(f"| {case} | {o.tables} | {o.rows:,} | {o.heap_mb:.0f} | {ns:.1f} | {os_:.1f} | "
+                  f"{o.heap_mb / ns:.1f} | {o.heap_mb / os_:.1f} | {ns / os_:.2f}× |")  # fmt: skip
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(
+            json.dumps(
+                {
+                    "pg": binaries.major,
+                    "master": args.master,
+                    "native_binary": args.native_binary,
+                    "durable": args.durable,
+                    "cpus": os.cpu_count(),
+                    "outcomes": [
+                        asdict(o) | {"rows_per_s": o.rows_per_s, "mb_per_s": o.mb_per_s} for o in outcomes
+                    ],
+                },
+                indent=2,
+            )  # fmt: skip
+        )
+    finally:
+        for c in clusters:
+            c.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
