@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "names", nargs="*", metavar="NAME", help="subscriptions to run (default: every enabled one)"
     )
+    p.add_argument(
+        "--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on 127.0.0.1:PORT"
+    )
 
     p = sub.add_parser("status", parents=[common], help="show subscriptions: tables, positions, lag, errors")
     p.add_argument("name", nargs="?", metavar="NAME", help="only this subscription")
@@ -187,7 +190,7 @@ def _dispatch(args: argparse.Namespace, extra: list[str], parser: argparse.Argum
         from applier import runner
 
         runner.configure_logging(target)
-        return runner.run(target, args.names)
+        return runner.run(target, args.names, metrics_port=args.metrics_port)
     elif args.command == "status":
         entries = subs.status(target, args.name)
         print(json.dumps({"subscriptions": entries}, indent=2) if args.json else subs.format_status(entries))

@@ -124,12 +124,17 @@ def _select(catalog: Catalog, names: Sequence[str]) -> list[Subscription]:
     return subs
 
 
-def run(target: str, names: Sequence[str] = ()) -> int:
-    """Run the subscriptions until SIGTERM/SIGINT or until every worker has stopped; return the exit status."""
+def run(target: str, names: Sequence[str] = (), *, metrics_port: int | None = None) -> int:
+    """Run the subscriptions until SIGTERM/SIGINT or until every worker has stopped; return the exit status.
+
+    ``metrics_port``: serve Prometheus metrics (:mod:`applier.metrics`) on 127.0.0.1:PORT for as long as this runs.
+    """
     catalog = open_catalog(target, create=True)  # also upgrades an older catalog before any worker reads it
     with target_errors(target):
         subs = _select(catalog, names)
     catalog.engine.dispose()
+    if metrics_port is not None:
+        _serve_metrics(metrics_port, target, [s.subname for s in subs])
 
     stop = _SPAWN.Event()
     workers: dict[Any, tuple[str, Any, multiprocessing.connection.Connection]] = {}
@@ -179,6 +184,19 @@ def run(target: str, names: Sequence[str] = ()) -> int:
         return 1
     log.info("all workers stopped")
     return 0
+
+
+def _serve_metrics(port: int, target: str, names: list[str]) -> None:
+    from applier import metrics
+
+    metrics.enable_multiprocess()  # before the workers start: they count into its directory
+    try:
+        metrics.serve(port, target, names)
+    except OSError as exc:
+        raise SubscriptionError(
+            f"cannot serve metrics on 127.0.0.1:{port}: {exc.strerror or exc}",
+            "choose another --metrics-port",
+        ) from None
 
 
 def _outcome(

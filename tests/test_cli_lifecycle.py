@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from test_cli_common import (
 
 from applier.subscriptions import LOCK_NAMESPACE
 from applier.testing import Database, assert_tables_equal, wait_until
+from applier.testing.cluster import free_port
 from state.catalog import Catalog
 
 StartRun = Callable[..., subprocess.Popen[str]]
@@ -33,12 +35,12 @@ StartRun = Callable[..., subprocess.Popen[str]]
 
 @pytest.fixture
 def start_run(tmp_path: Path) -> Iterator[StartRun]:
-    """Start ``applier run NAME...`` in the background (output to a log file); stopped with SIGTERM at the end."""
+    """Start ``applier run ARGS...`` in the background (output to a log file); stopped with SIGTERM at the end."""
     procs: list[subprocess.Popen[str]] = []
 
-    def start(target: Database, *names: str) -> subprocess.Popen[str]:
+    def start(target: Database, *args: str) -> subprocess.Popen[str]:
         log = open(tmp_path / f"run-{len(procs)}.log", "w+")  # closed with the process below
-        proc = subprocess.Popen([*APPLIER, "--target", target.dsn, "run", *names], stdout=log,
+        proc = subprocess.Popen([*APPLIER, "--target", target.dsn, "run", *args], stdout=log,
                                 stderr=subprocess.STDOUT, text=True)  # fmt: skip
         proc.log = log  # type: ignore[attr-defined]
         procs.append(proc)
@@ -172,7 +174,8 @@ def test_one_run_per_subscription_and_side_by_side(pair, start_run: StartRun) ->
     create(pair, "sa", "--no-copy-data", "--slot-name", "slot_a", publication="pub_a")
     create(pair, "sb", "--no-copy-data", "--two-phase", "--slot-name", "slot_b", publication="pub_b")
     ids = {n: catalog_row(pair.target, n)["subid"] for n in ("sa", "sb")}
-    run_a = start_run(pair.target, "sa")
+    port = free_port()
+    run_a = start_run(pair.target, "sa", "--metrics-port", str(port))
     run_b = start_run(pair.target, "sb")
     for proc, name in ((run_a, "sa"), (run_b, "sb")):
         wait_until(
@@ -195,6 +198,9 @@ def test_one_run_per_subscription_and_side_by_side(pair, start_run: StartRun) ->
     )
     pair.publisher.execute("COMMIT PREPARED 'b1'")
     wait_until(lambda: pair.target.scalar("SELECT count(*) FROM b") == 1, what="sb to commit prepared")
+    metrics = wait_until(lambda: _scrape(port), what="metrics")
+    assert 'applier_subscription_enabled{subscription="sa"} 1.0' in metrics
+    assert 'applier_tables{state="r",subscription="sa"} 1.0' in metrics
     assert (stop(run_a), stop(run_b)) == (0, 0)
     assert "stopped: asked to stop" in run_log(run_a)
     for name, slot in (("sa", "slot_a"), ("sb", "slot_b")):
@@ -221,6 +227,11 @@ def test_status_reports_prepared_transactions_and_the_last_error(pair) -> None:
     assert s["last_error"]["remote_xid"] == 901 and s["last_error"]["relation"] == "public.t1"
     assert s["replication"]["publisher_reachable"] and s["replication"]["slot_exists"]
     pair.target.execute(f"ROLLBACK PREPARED 'pg_gid_{subid}_900'")
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return response.read().decode()
 
 
 def _lock_backend(target: Database, subid: int) -> int | None:
