@@ -33,8 +33,8 @@ from psycopg import pq, sql
 
 from applier.apply.context import ApplyError, ErrorContext
 from applier.apply.relmap import LocalColumn, LocalTable, RelMapEntry
-from applier.lsn import format_lsn, parse_lsn, pg_timestamp_to_datetime
-from applier.messages import KIND_BINARY, KIND_NULL, KIND_UNCHANGED_TOAST, TupleData
+from applier.lsn import parse_lsn
+from applier.messages import KIND_BINARY, KIND_UNCHANGED_TOAST, TupleData
 
 log = logging.getLogger(__name__)
 
@@ -126,10 +126,11 @@ class Pipeline:
         self._pending.append((ctx, on_ok))
 
     def sync(self) -> None:
+        """Mark a sync point. Nothing is flushed here: libpq sends once its buffer fills, and :meth:`poll` /
+        :meth:`drain` flush, so a burst of small transactions goes out in a few large writes."""
         self.enter()
         self.pgconn.pipeline_sync()
         self._pending.append(_SYNC)
-        self._flush_some()
 
     @property
     def pending(self) -> int:
@@ -199,9 +200,13 @@ class Pipeline:
                 raise TargetConnectionError(f"unexpected result status {status!r} in the apply pipeline")
 
     def poll(self) -> None:
-        """Read whatever results have arrived, never blocking. Raises the error of a finished segment."""
+        """Read whatever results have arrived, never blocking. Raises the error of a finished segment.
+
+        Without a sync the server keeps results in its output buffer; a flush request makes it send them."""
         if not self._pending:
             return
+        if self._pending[-1] is not _SYNC:
+            self.pgconn.send_flush_request()
         self._wait(0)
         self._process_available()
 
@@ -274,7 +279,7 @@ class Target:
         self.binary = binary
         self.in_transaction = False
         self._stmt_seq = 0
-        self._xact_setup_prepared = False
+        self._fixed_prepared = False
         self._copy: _CopyRun | None = None
 
     # --- setup -----------------------------------------------------------------------------------------------
@@ -370,27 +375,45 @@ class Target:
     # --- transactions ----------------------------------------------------------------------------------------
     def begin(self, ctx: ErrorContext | None = None) -> None:
         if not self.in_transaction:
-            self.pipeline.send_query(b"BEGIN", None, ctx)
+            self._prepare_fixed(ctx)
+            self.pipeline.send_prepared(b"applier_begin", (), None, ctx)
             self.in_transaction = True
+
+    def _prepare_fixed(self, ctx: ErrorContext | None) -> None:
+        """Statements every transaction uses, prepared once per session."""
+        if not self._fixed_prepared:
+            p = self.pipeline
+            p.send_prepare(b"applier_begin", b"BEGIN", [], ctx)
+            p.send_prepare(b"applier_commit", b"COMMIT", [], ctx)
+            # the wire timestamp (µs since 2000-01-01 UTC) is converted exactly by the server
+            p.send_prepare(
+                b"applier_xact_setup",
+                b"SELECT pg_catalog.pg_replication_origin_xact_setup($1::pg_catalog.pg_lsn,"
+                b" '2000-01-01 00:00:00+00'::timestamptz + $2::bigint * '1 microsecond'::interval)",
+                [], ctx,
+            )  # fmt: skip
+            self._fixed_prepared = True
 
     def _origin_setup(self, lsn: int, ts: int, ctx: ErrorContext | None) -> None:
         """Queue ``pg_replication_origin_xact_setup``: the next commit/prepare records this progress atomically."""
-        if not self._xact_setup_prepared:
-            self.pipeline.send_prepare(
-                b"applier_xact_setup",
-                b"SELECT pg_catalog.pg_replication_origin_xact_setup($1::pg_catalog.pg_lsn, $2::timestamptz)",
-                [], ctx,
-            )  # fmt: skip
-            self._xact_setup_prepared = True
-        stamp = pg_timestamp_to_datetime(ts).isoformat().encode()
-        self.pipeline.send_prepared(b"applier_xact_setup", [format_lsn(lsn).encode(), stamp], None, ctx)
+        self._prepare_fixed(ctx)
+        self.pipeline.send_prepared(
+            b"applier_xact_setup",
+            [f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}".encode(), str(ts).encode()],
+            None,
+            ctx,
+        )
 
     def commit(self, end_lsn: int, ts: int, ctx: ErrorContext | None, on_ok: Callable[[Any], None]) -> None:
-        """Queue origin progress + COMMIT and a sync; ``on_ok`` runs when the commit is confirmed."""
-        self.end_copy()
+        """Queue origin progress + COMMIT; ``on_ok`` runs when the commit is confirmed.
+
+        No sync point: consecutive transactions share a pipeline segment (an explicit COMMIT commits at once),
+        so a burst of small transactions costs no round trip and no extra write each.
+        """
+        if self._copy is not None:
+            self.end_copy()
         self._origin_setup(end_lsn, ts, ctx)
-        self.pipeline.send_query(b"COMMIT", None, ctx, on_ok)
-        self.pipeline.sync()
+        self.pipeline.send_prepared(b"applier_commit", (), None, ctx, on_ok)
         self.in_transaction = False
 
     def prepare(
@@ -474,44 +497,59 @@ class Target:
         vals = sql.SQL(", ").join(_param(i + 1) for i in range(len(entry.names)))
         return sql.SQL("INSERT INTO {} ({}) VALUES ({})").format(_tbl(entry.local), cols, vals), entry.types
 
-    def _where(self, entry: RelMapEntry, search: TupleData, first_param: int) -> tuple[sql.Composable, list[int], list[bytes | None], list[int]]:  # fmt: skip
+    @staticmethod
+    def _search_shape(entry: RelMapEntry, search: TupleData) -> bytes:
+        """Per searched column: ``v`` value, ``n`` NULL, ``u`` unchanged TOAST: the part of a statement-cache key
+        that decides the WHERE clause."""
+        if entry.key_positions is None:
+            return search.kinds.translate(_SHAPE)
+        kinds = search.kinds
+        return bytes([kinds[i] for i in entry.key_positions]).translate(_SHAPE)
+
+    @staticmethod
+    def _search_values(
+        entry: RelMapEntry, search: TupleData, shape: bytes
+    ) -> tuple[list[bytes | None], bytes]:
+        """Parameter values (and their kinds) of the row-identifying condition for ``shape``."""
+        positions = entry.key_positions if entry.key_positions is not None else range(len(entry.names))
+        values = search.values
+        kinds = search.kinds
+        if b"n" not in shape and b"u" not in shape:
+            return [values[i] for i in positions], bytes([kinds[i] for i in positions])
+        used = [i for i, c in zip(positions, shape, strict=True) if c == _V]
+        return [values[i] for i in used], bytes([kinds[i] for i in used])
+
+    @staticmethod
+    def _search_condition(
+        entry: RelMapEntry, shape: bytes, first_param: int
+    ) -> tuple[sql.Composable, list[int]]:
         """The row-identifying condition: local key columns, or every sent column for a FULL publisher.
 
         NULLs become ``IS NULL`` (so the condition equals ``IS NOT DISTINCT FROM`` but stays indexable);
-        unchanged-TOAST markers are left out. Returns (condition, types, params, param kinds).
+        unchanged-TOAST markers are left out. Returns (condition, parameter types).
         """
+        positions = entry.key_positions if entry.key_positions is not None else range(len(entry.names))
         conds: list[sql.Composable] = []
         types: list[int] = []
-        params: list[bytes | None] = []
-        kinds: list[int] = []
-        positions = entry.key_positions if entry.key_positions is not None else range(len(entry.names))
         n = first_param
-        for i in positions:
-            kind = search.kinds[i]
-            if kind == KIND_UNCHANGED_TOAST:
-                continue
+        for i, c in zip(positions, shape, strict=True):
             col = sql.Identifier(entry.names[i])
-            if kind == KIND_NULL:
+            if c == _N:
                 conds.append(sql.SQL("{} IS NULL").format(col))
-                continue
-            conds.append(sql.SQL("{} = {}").format(col, _param(n)))
-            n += 1
-            types.append(entry.types[i])
-            params.append(search.values[i])
-            kinds.append(kind)
+            elif c == _V:
+                conds.append(sql.SQL("{} = {}").format(col, _param(n)))
+                types.append(entry.types[i])
+                n += 1
         cond = sql.SQL(" AND ").join(conds) if conds else sql.SQL("true")
-        return cond, types, params, kinds
-
-    def _row_target(self, entry: RelMapEntry, cond: sql.Composable) -> sql.Composable:
-        """WHERE clause that hits at most one row: the key, or the first full match (``LIMIT 1``)."""
-        if entry.key_positions is not None:
-            return cond
-        sub = sql.SQL("SELECT {cols} FROM {only}{tbl} WHERE {cond} LIMIT 1 FOR UPDATE").format(
-            cols=sql.SQL("ctid" if entry.relkind == "r" else "tableoid, ctid"),
-            only=_only(entry), tbl=_tbl(entry.local), cond=cond,
-        )  # fmt: skip
-        lhs = sql.SQL("ctid" if entry.relkind == "r" else "(tableoid, ctid)")
-        return sql.SQL("{} = ({})").format(lhs, sub)
+        if entry.key_positions is None:
+            # no key: the first matching row, as RelationFindReplTupleSeq does (duplicates stay duplicates)
+            sub = sql.SQL("SELECT {cols} FROM {only}{tbl} WHERE {cond} LIMIT 1 FOR UPDATE").format(
+                cols=sql.SQL("ctid" if entry.relkind == "r" else "tableoid, ctid"),
+                only=_only(entry), tbl=_tbl(entry.local), cond=cond,
+            )  # fmt: skip
+            lhs = sql.SQL("ctid" if entry.relkind == "r" else "(tableoid, ctid)")
+            cond = sql.SQL("{} = ({})").format(lhs, sub)
+        return cond, types
 
     @staticmethod
     def _shape(t: TupleData) -> bytes:
@@ -521,56 +559,66 @@ class Target:
     def update(
         self, entry: RelMapEntry, old: TupleData | None, new: TupleData, ctx: ErrorContext | None
     ) -> None:
-        self.end_copy()
+        """UPDATE the row found by the old key (or the new tuple's key when the key did not change, behaviour
+        45); unchanged-TOAST columns are left out of SET, so they keep the target's value (behaviour 46)."""
+        if self._copy is not None:
+            self.end_copy()
         search = old if old is not None else new
         unchanged = KIND_UNCHANGED_TOAST in new.kinds
-        full = entry.key_positions is None
-        key = ("U", self._shape(new) if unchanged else None, self._shape(search) if full else
-               bytes(search.kinds[i] == KIND_NULL for i in entry.key_positions))  # type: ignore[union-attr]  # fmt: skip
-        set_pos = (
+        shape = self._search_shape(entry, search)
+        key = ("U", self._shape(new) if unchanged else None, shape)
+        name = entry.statements.get(key)
+        set_pos: Sequence[int] = (
             [i for i, k in enumerate(new.kinds) if k != KIND_UNCHANGED_TOAST]
             if unchanged
             else range(len(new))
         )
-        cond, wtypes, wparams, wkinds = self._where(entry, search, len(set_pos) + 1)
+        if name is None:
 
-        def build() -> tuple[sql.Composable, Sequence[int]]:
-            sets = sql.SQL(", ").join(
-                sql.SQL("{} = {}").format(sql.Identifier(entry.names[i]), _param(j + 1))
-                for j, i in enumerate(set_pos)
-            )
-            q = sql.SQL("UPDATE {only}{tbl} SET {sets} WHERE {where}").format(
-                only=_only(entry), tbl=_tbl(entry.local), sets=sets, where=self._row_target(entry, cond)
-            )
-            return q, [entry.types[i] for i in set_pos] + wtypes  # fmt: skip
+            def build() -> tuple[sql.Composable, Sequence[int]]:
+                cond, wtypes = self._search_condition(entry, shape, len(set_pos) + 1)
+                sets = sql.SQL(", ").join(
+                    sql.SQL("{} = {}").format(sql.Identifier(entry.names[i]), _param(j + 1))
+                    for j, i in enumerate(set_pos)
+                )
+                q = sql.SQL("UPDATE {only}{tbl} SET {sets} WHERE {where}").format(
+                    only=_only(entry), tbl=_tbl(entry.local), sets=sets, where=cond
+                )
+                return q, [entry.types[i] for i in set_pos] + wtypes
 
-        name = self._statement(entry, key, build, ctx)
+            name = self._statement(entry, key, build, ctx)
+        wparams, wkinds = self._search_values(entry, search, shape)
         values = new.values
         params = ([values[i] for i in set_pos] if unchanged else list(values)) + wparams
         formats = None
         if self.binary:
-            kinds = [new.kinds[i] for i in set_pos] + wkinds
+            kinds = bytes([new.kinds[i] for i in set_pos]) + wkinds
             if KIND_BINARY in kinds:
                 formats = [1 if k == KIND_BINARY else 0 for k in kinds]
-        self.pipeline.send_prepared(name, params, formats, ctx, _missing_row_logger("update", entry, ctx))
+        self.pipeline.send_prepared(name, params, formats, ctx, _missing_row_check("update", entry, ctx))
 
     def delete(self, entry: RelMapEntry, old: TupleData, ctx: ErrorContext | None) -> None:
-        self.end_copy()
-        full = entry.key_positions is None
-        key = ("D", self._shape(old) if full else None)
-        cond, wtypes, wparams, wkinds = self._where(entry, old, 1)
+        """DELETE the row found by the old key or, for a FULL publisher without a local key, the first match."""
+        if self._copy is not None:
+            self.end_copy()
+        shape = self._search_shape(entry, old)
+        key = ("D", shape)
+        name = entry.statements.get(key)
+        if name is None:
 
-        def build() -> tuple[sql.Composable, Sequence[int]]:
-            q = sql.SQL("DELETE FROM {only}{tbl} WHERE {where}").format(
-                only=_only(entry), tbl=_tbl(entry.local), where=self._row_target(entry, cond)
-            )
-            return q, wtypes  # fmt: skip
+            def build() -> tuple[sql.Composable, Sequence[int]]:
+                cond, wtypes = self._search_condition(entry, shape, 1)
+                q = sql.SQL("DELETE FROM {only}{tbl} WHERE {where}").format(
+                    only=_only(entry), tbl=_tbl(entry.local), where=cond
+                )
+                return q, wtypes
 
-        name = self._statement(entry, key, build, ctx)
+            name = self._statement(entry, key, build, ctx)
+        wparams, wkinds = self._search_values(entry, old, shape)
         formats = (
             [1 if k == KIND_BINARY else 0 for k in wkinds] if self.binary and KIND_BINARY in wkinds else None
         )
-        self.pipeline.send_prepared(name, wparams, formats, ctx, _missing_row_logger("delete", entry, ctx))
+        self.pipeline.send_prepared(name, wparams, formats, ctx, _missing_row_check("delete", entry, ctx))
 
     def truncate(
         self, entries: Sequence[RelMapEntry], restart_identity: bool, ctx: ErrorContext | None
@@ -631,6 +679,8 @@ class Target:
 
 
 _SHAPE = bytes.maketrans(b"tb", b"vv")
+_V = ord("v")
+_N = ord("n")
 
 
 class _CopyRun:
@@ -698,13 +748,16 @@ class _CopyRun:
             raise error
 
 
-def _missing_row_logger(op: str, entry: RelMapEntry, ctx: ErrorContext | None) -> Callable[[Any], None]:
-    """A missing row on UPDATE/DELETE is not an error (behaviour 47): PostgreSQL ≤17 logs it at DEBUG1."""
+def _missing_row_check(op: str, entry: RelMapEntry, ctx: ErrorContext | None) -> Callable[[Any], None] | None:
+    """A missing row on UPDATE/DELETE is not an error (behaviour 47): PostgreSQL ≤17 logs it at DEBUG1, and so
+    do we (the check costs a closure per row, so it exists only while DEBUG is on)."""
+    if not log.isEnabledFor(logging.DEBUG):
+        return None
 
     def check(res: Any) -> None:
-        if res is not None and res.command_tuples == 0 and log.isEnabledFor(logging.DEBUG):
+        if res is not None and res.command_tuples == 0:
             log.debug(
-                "logical replication did not find row to be %sd in replication target relation \"%s\"%s",
+                'logical replication did not find row to be %sd in replication target relation "%s"%s',
                 op, entry.display, f" ({ctx.describe()})" if ctx else "",
             )  # fmt: skip
 

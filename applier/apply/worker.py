@@ -27,6 +27,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import psycopg
+import sqlalchemy.exc
 import tenacity
 
 from applier.apply.context import ApplyError, ErrorContext
@@ -194,13 +195,6 @@ class ApplyWorker:
     def run(self) -> None:
         """Stream and apply until stopped, disabled or dropped; raise :class:`ApplyWorkerError` when waiting cannot
         help. Reconnects with exponential backoff through publisher and target restarts."""
-        try:
-            sub = self.catalog.require(self.subname)
-        except CatalogError as exc:
-            raise ApplyWorkerError(str(exc)) from exc
-        except psycopg.Error as exc:
-            raise ApplyWorkerError(f"cannot read the catalog on the target: {exc}") from exc
-        Spool(self.spool_dir, sub.subid).cleanup()
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(self._retryable),
             wait=self._backoff,
@@ -248,14 +242,15 @@ class ApplyWorker:
                 self.catalog.update_subscription(sub.subid, subenabled=False)
                 self.log.info('subscription "%s" has been disabled because of an error', self.subname)
                 return _Outcome.DISABLED
-        except psycopg.Error as db_exc:  # the target is down: retry anyway
+        except (psycopg.Error, sqlalchemy.exc.DBAPIError) as db_exc:  # the target is down: retry anyway
             self.log.warning("could not record the error in the catalog: %s", db_exc)
         raise exc
 
     def _retryable(self, exc: BaseException) -> bool:
         if isinstance(exc, ApplyWorkerError | CatalogError):
             return False
-        return isinstance(exc, ApplierError | psycopg.Error | OSError)
+        # SQLAlchemy wraps the catalog's driver errors (a target restarting shows up there first)
+        return isinstance(exc, ApplierError | psycopg.Error | sqlalchemy.exc.DBAPIError | OSError)
 
     def _backoff(self, retry_state: Any) -> float:
         """Exponential with jitter from ``retry_initial`` to ``retry_max``; reset by a session that made
@@ -279,8 +274,13 @@ class ApplyWorker:
 
     # --- one session ---------------------------------------------------------------------------------------------
     def _session(self) -> _Outcome:
-        sub = self.catalog.get(self.subname)
+        sub = self.catalog.get(self.subname) if self.catalog.exists() else None
         if sub is None:
+            if self.stats.sessions == 0:
+                raise ApplyWorkerError(
+                    f'subscription "{self.subname}" does not exist on the target (see: applier status; '
+                    f"create it with applier create {self.subname} ...)"
+                )
             return _Outcome.DROPPED
         if not sub.subenabled:
             self.log.info('logical replication apply worker for subscription "%s" will stop because the '
