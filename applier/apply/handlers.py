@@ -34,6 +34,8 @@ from applier.decoder import decode_message
 from applier.errors import ProtocolError
 from applier.lsn import format_lsn
 from applier.messages import (
+    KIND_BINARY,
+    KIND_UNCHANGED_TOAST,
     Begin,
     BeginPrepare,
     Commit,
@@ -233,6 +235,8 @@ class Applier:
     def _clear_skip_lsn_in_transaction(self, finish_lsn: int, ctx: ErrorContext) -> None:
         """``clear_subscription_skip_lsn`` inside the local transaction being committed (behaviours 99-100)."""
         skip_lsn = self.skip.skip_lsn
+        if not skip_lsn:
+            return
         outcome = skiprules.on_transaction_end(skip_lsn, finish_lsn, True)
         if not outcome.clears:
             return
@@ -327,19 +331,24 @@ class Applier:
             return
         if self.skipping:
             return
-        entry = self._entry(m.relid, "INSERT")
-        if not self._applies(entry):
-            return
-        if self._run_entry is not entry:
+        entry = self.entries.get(m.relid)
+        if entry is None or entry is not self._run_entry:
+            # a new run: the relation's applicability cannot change within a transaction, so it is checked
+            # once per run, not per row
+            entry = self._entry(m.relid, "INSERT")
+            if not self._applies(entry):
+                return
             self._flush_run()
             ctx = self._change_context("INSERT", entry)
             self._begin_local(ctx)
             self._run_entry = entry
             self._run_ctx = ctx
         target = self.target
-        if target.copy_entry is entry:
-            if Target.copy_eligible(m.new):
-                target.insert(entry, m.new, self._run_ctx)
+        copy = target.copy_run
+        if copy is not None and copy.entry is entry:
+            kinds = m.new.kinds
+            if KIND_BINARY not in kinds and KIND_UNCHANGED_TOAST not in kinds:
+                copy.add(m.new)
                 return
             target.end_copy()  # keep the order: this row goes after everything already copied
         rows = self._run_rows

@@ -665,6 +665,11 @@ class Target:
         """The relation an open COPY writes into, if any."""
         return None if self._copy is None else self._copy.entry
 
+    @property
+    def copy_run(self) -> _CopyRun | None:
+        """The open COPY, if any (its ``add`` takes rows directly)."""
+        return self._copy
+
     def end_copy(self) -> None:
         copy = self._copy
         if copy is None:
@@ -679,6 +684,18 @@ class Target:
 
 
 _SHAPE = bytes.maketrans(b"tb", b"vv")
+_COPY_CHUNK = 1 << 18
+
+
+def _copy_escape(v: bytes | None) -> bytes:
+    """One value in COPY text format. UTF-8 continuation bytes are never ASCII, so escaping byte-wise is exact."""
+    if v is None:
+        return b"\\N"
+    if b"\\" in v or b"\t" in v or b"\n" in v or b"\r" in v:
+        return v.replace(b"\\", b"\\\\").replace(b"\t", b"\\t").replace(b"\n", b"\\n").replace(b"\r", b"\\r")
+    return v
+
+
 _V = ord("v")
 _N = ord("n")
 
@@ -697,27 +714,25 @@ class _CopyRun:
         return Target.copy_eligible(t)
 
     def add(self, t: TupleData) -> None:
-        buf = self.buf
-        first = True
-        for v in t.values:
-            if not first:
-                buf += b"\t"
-            first = False
-            if v is None:
-                buf += b"\\N"
-            elif b"\\" in v or b"\t" in v or b"\n" in v or b"\r" in v:
-                # UTF-8 continuation bytes are never ASCII, so escaping byte-wise is exact
-                buf += (
-                    v.replace(b"\\", b"\\\\")
-                    .replace(b"\t", b"\\t")
-                    .replace(b"\n", b"\\n")
-                    .replace(b"\r", b"\\r")
-                )
-            else:
-                buf += v
-        buf += b"\n"
+        """Append one row in COPY text format (tab-separated, ``\\N`` for NULL, backslash escapes)."""
+        values = t.values
+        if None not in values:
+            line = b"\t".join(values)
+            # fast path: nothing to escape (the only tabs are our separators)
+            if (
+                b"\\" not in line
+                and b"\n" not in line
+                and b"\r" not in line
+                and line.count(b"\t") == len(values) - 1
+            ):
+                self.buf += line + b"\n"
+                self.rows += 1
+                if len(self.buf) >= _COPY_CHUNK:
+                    self._send()
+                return
+        self.buf += b"\t".join([_copy_escape(v) for v in values]) + b"\n"
         self.rows += 1
-        if len(buf) >= 1 << 18:
+        if len(self.buf) >= _COPY_CHUNK:
             self._send()
 
     def _send(self) -> None:

@@ -107,16 +107,17 @@ class _CatalogTables(TableStates):
         self.two_phase_state = sub.subtwophasestate
         self.by_oid: dict[int, RelState] = {}
         self._checked: dict[int, int] = {}
+        self.all_ready = False
         self.target: Target | None = None
         self.reload()
 
     def reload(self) -> None:
-        self.by_oid = {r.relid: r for r in self.catalog.table_states(self.subid)}
-        self._checked.clear()
+        self._set({r.relid: r for r in self.catalog.table_states(self.subid)})
 
-    @property
-    def all_ready(self) -> bool:
-        return all(r.state == "r" for r in self.by_oid.values())
+    def _set(self, by_oid: dict[int, RelState]) -> None:
+        self.by_oid = by_oid
+        self._checked.clear()
+        self.all_ready = all(r.state == "r" for r in by_oid.values())
 
     def table_states(self) -> list[TableState]:
         return [
@@ -131,7 +132,9 @@ class _CatalogTables(TableStates):
         if self._checked.get(local_oid) != remote_final_lsn:
             self._checked[local_oid] = remote_final_lsn
             fresh = {r.relid: r for r in self.catalog.table_states(self.subid)}
-            self.by_oid.update(fresh)
+            checked = dict(self._checked)
+            self._set(fresh)
+            self._checked = checked
             rel = fresh.get(local_oid)
         if rel is None:
             return False
