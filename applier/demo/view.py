@@ -9,6 +9,7 @@ transactions are paired across the servers by the publisher's xid, which is part
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,8 +72,8 @@ class Watcher:
         if self._last_commits is not None and now > self._last_commits[0]:
             self._rate = (commits - self._last_commits[1]) / (now - self._last_commits[0])
         self._last_commits = (now, commits)
-        return Snapshot(now - self.started, st, pub_prepared, tgt_prepared, commits, self._rate, self.workload,
-                        list(self.history))  # fmt: skip
+        return Snapshot(now - self.started, st, pub_prepared, tgt_prepared, commits, self._rate,
+                        dataclasses.replace(self.workload), list(self.history))  # fmt: skip
 
 
 def _lag(st: dict[str, Any]) -> str:
