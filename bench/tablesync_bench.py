@@ -160,6 +160,20 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=Path("bench/out/tablesync.json"))
     args = ap.parse_args()
 
+    from tablesync.job import class_data_sharing_options
+
+    cds = class_data_sharing_options()
+    print(
+        "Spark class-data-sharing archive: "
+        + (
+            "present"
+            if "SharedArchiveFile" in cds
+            else "absent (this run's first JVM writes it at exit)"
+            if cds
+            else "off"
+        ),
+        flush=True,
+    )
     binaries = find_binaries(args.pg)
     settings = {
         "max_sync_workers_per_subscription": "2",
