@@ -23,23 +23,32 @@ background processes on a 2-core machine and a way for settings to drift apart.
 Clocks. ``apply`` is from the moment the subscriber's slot turns active on the publisher (``START_REPLICATION``
 accepted: the worker is connected and has read its state) until the marker is visible; that point exists for both
 and leaves out start-up costs that are not apply work — a Python interpreter plus ``applier run`` spawning its worker
-process (~1-2 s) vs a forked background worker. ``start`` (launch to slot active) is reported separately.
+process (1-4 s on this loaded machine) vs a forked background worker. ``start`` (launch to slot active) is reported separately.
 
 Settings (both clusters ``durable=True``, i.e. fsync on, as in production): ``autovacuum = off``, ``max_wal_size =
 8GB`` and ``checkpoint_timeout = 1h``, so neither an autovacuum run nor a checkpoint lands at random inside one
 subscriber's timed window (explicit CHECKPOINTs come before each run instead). The publisher runs with ``fsync =
 off``: it only affects how fast the (untimed) workload is generated — its WAL, full-page writes included, is the
-same — and 20,000 prepared transactions at two flushes each would otherwise take minutes to *generate* here.
+same — and thousands of prepared transactions at two flushes each would otherwise take minutes to *generate*.
 
-Workloads: ``inserts`` (N transactions of 10,000-row INSERT ... SELECT), ``small`` (N transactions of one UPDATE +
-one INSERT), ``prepared`` (the same as prepared transactions, every 10th rolled back; two-phase on both sides),
-``streamed`` (one N-row INSERT, streamed: the publisher database's ``logical_decoding_work_mem`` is lowered so it
-streams, checked in ``pg_stat_replication_slots.stream_txns``). Peak RSS of our worker process (``VmHWM`` of the
-process ``applier run`` spawns) and of the native apply worker are read from ``/proc`` before they stop.
+Workloads (default sizes; flags change each): ``inserts`` (30 transactions of a 10,000-row INSERT ... SELECT),
+``small`` (20,000 transactions of one UPDATE + one INSERT), ``prepared`` (3,000 of the same as prepared transactions,
+every 10th rolled back; two-phase on both sides; fsync-bound, hence fewer), ``streamed`` (one 1,000,000-row INSERT,
+streamed: the publisher database's ``logical_decoding_work_mem`` is lowered to 16MB so that it streams, which
+``pg_stat_replication_slots.stream_txns`` confirms). Peak RSS of our worker process (``VmHWM`` of the process
+``applier run`` spawns) and of the native apply worker are read from ``/proc`` before they stop.
+
+Besides the rates, each side's costs per unit are reported, because on a shared machine they are steadier than
+wall-clock rates and say *why* a rate is what it is: CPU of the apply process(es) from slot active to the marker (ours:
+the Python worker and the target backend it drives), CPU of the publisher's walsender, and what the target wrote
+while that side ran alone (local transaction ends and WAL bytes from ``pg_waldump --stats``, WAL fsyncs from
+``pg_stat_io``). ``--target-conf fsync=off`` shows what is CPU and what is flush; ``--profile-dir`` runs our worker
+under py-spy (``--idle``, so waits show) and prints where the apply loop's time goes.
 
     .venv/bin/python bench/apply_bench.py --quick             # ~1 minute, one repetition, small sizes
     .venv/bin/python bench/apply_bench.py                     # default sizes, 3 repetitions (~10 minutes)
     .venv/bin/python bench/apply_bench.py --workloads small --reps 1 --profile-dir bench/out/prof   # py-spy
+    .venv/bin/python bench/apply_bench.py --workloads prepared --reps 1 --target-conf fsync=off     # CPU only
 """
 
 from __future__ import annotations
@@ -113,14 +122,14 @@ class Sizes:
     insert_txns: int = 30
     insert_rows: int = 10_000
     small_txns: int = 20_000
-    prepared_txns: int = 20_000
+    # Fewer than the small ones: with fsync on, both subscribers flush twice per prepared transaction (PREPARE and
+    # COMMIT PREPARED), ~150-250 transactions/s on this machine's disk, so 20,000 would take minutes per side.
+    prepared_txns: int = 3_000
     stream_rows: int = 1_000_000
     stream_work_mem: str = "16MB"
 
 
-QUICK = Sizes(
-    insert_txns=5, small_txns=5_000, prepared_txns=500, stream_rows=100_000, stream_work_mem="1MB"
-)
+QUICK = Sizes(insert_txns=5, small_txns=5_000, prepared_txns=500, stream_rows=100_000, stream_work_mem="1MB")
 
 
 @dataclass(frozen=True)
@@ -835,6 +844,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--stream-rows", type=int)
     ap.add_argument("--stream-work-mem", help="publisher logical_decoding_work_mem for the streamed workload")
     ap.add_argument("--pg", default="18", help="server version (15, 16, 18) or a bindir")
+    ap.add_argument("--target-conf", action="append", default=[], metavar="NAME=VALUE",
+                    help="extra postgresql.conf setting for the target cluster (both subscribers), e.g. fsync=off "
+                    "to see what is CPU and what is flush; such runs are not the headline figures")  # fmt: skip
     ap.add_argument(
         "--timeout", type=float, default=900.0, help="seconds one subscriber may take for one backlog"
     )
@@ -875,7 +887,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     binaries = find_binaries(args.pg)
     pubc = PostgresCluster(binaries, name="abench-pub", durable=True, settings={**common, "fsync": "off"})
-    tgtc = PostgresCluster(binaries, name="abench-tgt", durable=True, settings=common)
+    extra = dict(item.split("=", 1) for item in args.target_conf)
+    tgtc = PostgresCluster(binaries, name="abench-tgt", durable=True, settings={**common, **extra})
     results: list[RepResult] = []
     versions: dict[str, str] = {}
     summaries: list[Summary] = []
@@ -898,7 +911,8 @@ def main(argv: list[str] | None = None) -> int:
     load_at_end = loadavg()
     header = (f"{started:%Y-%m-%d %H:%M} UTC; PostgreSQL {versions['postgresql']}; Python {versions['python']}; "
               f"psycopg {versions['psycopg']}; commit {versions['commit']}; {versions['cpus']} CPUs; "
-              f"load average at start {load_at_start[0]:.1f}, at end {load_at_end[0]:.1f}")  # fmt: skip
+              f"load average at start {load_at_start[0]:.1f}, at end {load_at_end[0]:.1f}"
+              + (f"; target settings {', '.join(args.target_conf)}" if args.target_conf else ""))  # fmt: skip
     print()
     print(header)
     print(render(summaries, md=False))
