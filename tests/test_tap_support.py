@@ -1,0 +1,252 @@
+"""Shared helpers for the ports of PostgreSQL's subscription TAP tests (``tests/test_tap_0NN_*.py``).
+
+This module holds no tests. It exists so that every port reads like the Perl file it comes from: ``psql`` runs a
+script the way ``safe_psql`` does, :func:`prepared_count` is the TAP tests' ``SELECT count(*) FROM
+pg_prepared_xacts``, :func:`catchup` is ``wait_for_catchup``, and :class:`CliApplier` is the applier as a separate
+OS process (``python -m applier.cli run``) for the scenarios that ``kill -9`` it.
+
+Why a module-scoped database pair (:func:`module_pair`) rather than the per-test ``pair`` fixture: a TAP file is
+one long scenario on one pair of nodes, and most of its sections only look at their own keys. Sharing the
+databases, the subscription and the running worker across the sections of one file keeps the port faithful (later
+sections run against a worker that went through the earlier ones, crashes included) and saves the per-test setup.
+
+The clusters are shared by the whole test session, so ``pg_prepared_xacts`` is counted for the current database
+only (the TAP nodes hold one database each, so this is the same number), and ``logical_decoding_work_mem`` is set
+per publisher database (``ALTER DATABASE``: walsenders read it at connection) instead of server-wide, so nothing
+has to be restored afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from applier.subscriptions import LOCK_NAMESPACE
+from applier.testing import Database, PostgresCluster, wait_for_catchup, wait_until
+from applier.testing.pytest_plugin import ReplicationPair, drop_our_origins
+
+__all__ = [
+    "CliApplier",
+    "catchup",
+    "extra_database",
+    "module_pair",
+    "prepared_count",
+    "psql",
+    "restart_if_down",
+    "set_decoding_work_mem",
+    "stream_txns",
+    "walsender_pid",
+]
+
+_counter = itertools.count(1)
+
+#: Generous, because the 2-core CI machine is shared and crash recovery of a cluster can take seconds.
+TIMEOUT = 90.0
+
+
+def psql(db: Database, script: str) -> None:
+    """Run ``script`` statement by statement on one autocommit connection, as ``safe_psql`` does:
+    ``BEGIN; ...; PREPARE TRANSACTION 'x'; COMMIT PREPARED 'x';`` works (sent as one query string it would be an
+    implicit transaction block, where COMMIT PREPARED is refused). Statements are split at ``;``, which the
+    scripts of these tests never contain inside a literal."""
+    with db.connect() as conn:
+        for statement in script.split(";"):
+            if statement.strip():
+                conn.execute(statement)  # type: ignore[arg-type]  # literal test SQL
+
+
+def prepared_count(db: Database) -> int:
+    """``SELECT count(*) FROM pg_prepared_xacts`` restricted to ``db`` (the clusters are shared)."""
+    return int(db.scalar("SELECT count(*) FROM pg_prepared_xacts WHERE database = current_database()"))
+
+
+def catchup(publisher: Database, application_name: str) -> str:
+    """``$node_publisher->wait_for_catchup($appname)``."""
+    return wait_for_catchup(publisher, application_name, timeout=TIMEOUT)
+
+
+def walsender_pid(publisher: Database, application_name: str) -> int | None:
+    """The pid of the streaming walsender serving ``application_name`` (TAP tests compare it to see a restart)."""
+    pid = publisher.cluster.scalar(
+        "SELECT pid FROM pg_stat_replication WHERE application_name = %s AND state = 'streaming'",
+        (application_name,),
+    )
+    return int(pid) if pid is not None else None
+
+
+def wait_for_new_walsender(publisher: Database, application_name: str, old_pid: int | None) -> None:
+    """``poll_query_until(... pid != $oldpid ...)``: the subscriber reconnected after an option change."""
+    wait_until(
+        lambda: (pid := walsender_pid(publisher, application_name)) is not None and pid != old_pid,
+        timeout=TIMEOUT,
+        what=f"{application_name} to restart streaming",
+    )
+
+
+def stream_txns(publisher: Database, slot_name: str) -> int:
+    """How many transactions the slot has streamed so far (proves a workload really streamed)."""
+    return int(
+        publisher.scalar(
+            "SELECT coalesce(sum(stream_txns), 0) FROM pg_stat_replication_slots WHERE slot_name = %s",
+            (slot_name,),
+        )
+    )
+
+
+def set_decoding_work_mem(publisher: Database, value: str = "64kB") -> None:
+    """``logical_decoding_work_mem = 64kB`` for walsenders of this database only; set it before they start."""
+    publisher.execute(
+        sql.SQL("ALTER DATABASE {} SET logical_decoding_work_mem = {}").format(
+            sql.Identifier(publisher.name), sql.Literal(value)
+        )
+    )
+
+
+def restart_if_down(cluster: PostgresCluster) -> None:
+    """A test that crashed a server and failed before restarting it must not break the tests after it."""
+    try:
+        cluster.scalar("SELECT 1")
+    except psycopg.Error:
+        cluster.start()
+
+
+def _drop(cluster: PostgresCluster, db: Database) -> None:
+    restart_if_down(cluster)
+    with contextlib.suppress(psycopg.Error):
+        drop_our_origins(db)
+    cluster.drop_database(db.name)
+
+
+@contextlib.contextmanager
+def module_pair(
+    publisher_cluster: PostgresCluster, target_cluster: PostgresCluster, label: str
+) -> Iterator[ReplicationPair]:
+    """Fresh publisher and target databases named after ``label``, dropped afterwards together with their
+    slots, prepared transactions and our replication origins (what the ``pair`` fixture does per test)."""
+    name = f"m{os.getpid() % 10000}_{next(_counter)}_{label}"[:60]
+    pub = publisher_cluster.create_database(name)
+    try:
+        tgt = target_cluster.create_database(name)
+    except BaseException:
+        publisher_cluster.drop_database(name)
+        raise
+    try:
+        yield ReplicationPair(pub, tgt, name)
+    finally:
+        try:
+            _drop(target_cluster, tgt)
+        finally:
+            _drop(publisher_cluster, pub)
+
+
+@contextlib.contextmanager
+def extra_database(cluster: PostgresCluster, label: str) -> Iterator[Database]:
+    """One more throwaway database (node C of a cascade), dropped with its slots, prepared transactions and
+    our replication origins."""
+    db = cluster.create_database(f"x{os.getpid() % 10000}_{next(_counter)}_{label}"[:60])
+    try:
+        yield db
+    finally:
+        _drop(cluster, db)
+
+
+class CliApplier:
+    """``applier --target DSN run NAME`` as its own process group, so that :meth:`kill9` is a real ``kill -9`` of
+    the applier (parent and worker process alike) and :meth:`start` a cold restart of the command users run."""
+
+    def __init__(self, target: Database, subname: str, *, env: dict[str, str] | None = None) -> None:
+        self.target = target
+        self.subname = subname
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = Path(tempfile.mkstemp(prefix=f"applier-{subname[:20]}-", suffix=".log")[1])
+        self.starts = 0
+
+    def start(self) -> CliApplier:
+        """Start ``run`` once the previous process's sessions are gone (its advisory lock on the target would
+        make the new one refuse to start, which is right, but not what these tests are about)."""
+        self.wait_sessions_gone()
+        self.starts += 1
+        with self.log.open("ab") as log:
+            log.write(f"--- start {self.starts} ---\n".encode())
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "applier.cli", "--target", self.target.dsn, "run", self.subname],
+                stdout=log, stderr=log, start_new_session=True, env=self.env, cwd=Path(__file__).parent.parent,
+            )  # fmt: skip
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill9(self) -> None:
+        """SIGKILL the whole process group: the ``run`` parent and its spawned worker die at once, mid-whatever."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        self.proc = None
+
+    def stop(self) -> int | None:
+        """SIGTERM (a clean stop), escalating to SIGKILL; returns the exit status."""
+        if self.proc is None:
+            return None
+        proc, self.proc = self.proc, None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            return proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            return proc.wait(timeout=30)
+
+    def wait_exit(self, timeout: float = TIMEOUT) -> int:
+        """Wait for the process to end by itself (e.g. its subscription was disabled); its exit status."""
+        assert self.proc is not None, "not running"
+        proc, self.proc = self.proc, None
+        return proc.wait(timeout=timeout)
+
+    def wait_sessions_gone(self) -> None:
+        """No target session of an earlier process of this subscription left: neither its apply session nor
+        the one holding its advisory lock (a killed client's backend exits only when it notices)."""
+        wait_until(
+            lambda: self.target.scalar(
+                "SELECT NOT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = current_database()"
+                "                   AND application_name = 'applier ' || %(name)s)"
+                " AND NOT EXISTS (SELECT 1 FROM pg_locks l JOIN applier.subscription s ON l.objid = s.subid::oid"
+                "                 WHERE l.locktype = 'advisory' AND l.classid = %(ns)s::oid AND l.objsubid = 2"
+                "                   AND s.subname = %(name)s)",
+                {"name": self.subname, "ns": LOCK_NAMESPACE},
+            ),
+            timeout=TIMEOUT,
+            what=f"the target sessions of the previous applier process of {self.subname} to end",
+        )
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def close(self) -> None:
+        self.stop()
+        with contextlib.suppress(OSError):
+            self.log.unlink()
+
+    def __enter__(self) -> CliApplier:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
