@@ -33,7 +33,7 @@ from psycopg import pq, sql
 
 from applier.apply.context import ApplyError, ErrorContext
 from applier.apply.relmap import LocalColumn, LocalTable, RelMapEntry
-from applier.lsn import parse_lsn
+from applier.lsn import format_lsn, now_pg_timestamp, parse_lsn
 from applier.messages import KIND_BINARY, KIND_UNCHANGED_TOAST, TupleData
 
 log = logging.getLogger(__name__)
@@ -439,6 +439,24 @@ class Target:
         stmt = sql.SQL(verb).format(sql.Literal(gid)).as_bytes(self.conn)
         self.pipeline.send_query(stmt, None, ctx, on_ok)
         self.pipeline.sync()
+
+    def mark_ready(self, subid: int, tables: Sequence[tuple[int, str, int | None]], origin_lsn: int) -> None:
+        """Set table states and advance the session's origin to ``origin_lsn`` in one local transaction, and wait
+        for it. Only between remote transactions (nothing else may be open)."""
+        ctx = ErrorContext(f"applier_{subid}", "COMMIT")
+        self.begin(ctx)
+        for relid, state, lsn in tables:
+            self.pipeline.send_query(
+                b"UPDATE applier.subscription_rel SET srsubstate = $1::\"char\", srsublsn = $2::pg_catalog.pg_lsn,"
+                b" srupdated = now() WHERE subid = $3::bigint AND srrelid = $4::oid::regclass",
+                [state.encode(), None if lsn is None else format_lsn(lsn).encode(), str(subid).encode(),
+                 str(relid).encode()],
+                ctx,
+            )  # fmt: skip
+        self._origin_setup(origin_lsn, now_pg_timestamp(), ctx)
+        self.pipeline.send_prepared(b"applier_commit", (), None, ctx)
+        self.in_transaction = False
+        self.pipeline.drain()
 
     def prepared_exists(self, gid: str) -> bool:
         return bool(self.query("SELECT 1 FROM pg_catalog.pg_prepared_xacts WHERE gid = %s", (gid,)))

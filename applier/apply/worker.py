@@ -149,13 +149,22 @@ class _CatalogTables(TableStates):
             # fail, the stream would restart before it and must still skip what the copy holds.
             self.target.pipeline.drain()
         by_name = {r.name: r for r in self.by_oid.values()}
-        for t in process_syncing_tables(self.table_states(), current_lsn):
-            rel = by_name[t.name]
-            self.catalog.set_table_state(self.subid, rel.relid, t.state.value, t.lsn)
-            self.worker.log.info(
-                'logical replication table synchronization for subscription "%s", table "%s" has finished',
-                self.worker.subname, t.name,
-            )  # fmt: skip
+        ready = process_syncing_tables(self.table_states(), current_lsn)
+        if ready:
+            if self.target is None:  # pragma: no cover - always set while streaming
+                raise RuntimeError("sync-state pass without a target session")
+            # In the apply session, with the origin advanced to current_lsn in the same transaction: a table
+            # becomes ready at L only together with "the stream resumes after L". Otherwise a restart would
+            # resume before L and re-send transactions this table skipped (its copy holds them) into a table
+            # that now takes everything.
+            self.target.mark_ready(
+                self.subid, [(by_name[t.name].relid, t.state.value, t.lsn) for t in ready], current_lsn
+            )
+            for t in ready:
+                self.worker.log.info(
+                    'logical replication table synchronization for subscription "%s", table "%s" has finished',
+                    self.worker.subname, t.name,
+                )  # fmt: skip
         self.reload()
         if should_restart_for_two_phase(self.two_phase_state, self.table_states()):
             self.worker.log.info(restart_for_two_phase_message(self.worker.subname))
