@@ -150,7 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p = sub.add_parser(
-        "drop", parents=[common], help="drop a subscription: its slot, origin and catalog rows"
+        "drop",
+        parents=[common],
+        help="drop a subscription: its slot, origin and catalog rows",
+        description="Drop the subscription's slot(s) on the publisher, then its origin and catalog rows on the "
+        "target. Stop its applier run first. Unlike PostgreSQL's DROP SUBSCRIPTION, which leaves the "
+        "subscription's prepared transactions behind on the target, drop refuses while any exist (they hold locks "
+        "and nothing would ever finish them); --force rolls them back.",
     )
     p.add_argument("name", metavar="NAME", help="subscription name")
     p.add_argument(

@@ -138,18 +138,6 @@ def run(target: str, names: Sequence[str] = (), *, metrics_port: int | None = No
 
     stop = _SPAWN.Event()
     workers: dict[Any, tuple[str, Any, multiprocessing.connection.Connection]] = {}
-    for sub in subs:
-        receiver, sender = _SPAWN.Pipe(duplex=False)
-        proc = _SPAWN.Process(
-            target=worker_main,
-            args=(target, sub.subname, stop, sender, logging.getLogger().level),
-            name=f"applier:{sub.subname}",
-        )
-        proc.start()
-        sender.close()
-        workers[proc.sentinel] = (sub.subname, proc, receiver)
-    log.info("running %d subscription(s): %s", len(subs), ", ".join(s.subname for s in subs))
-
     signals_seen = 0
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
@@ -163,9 +151,21 @@ def run(target: str, names: Sequence[str] = (), *, metrics_port: int | None = No
             for _, proc, _ in workers.values():
                 proc.terminate()
 
+    # installed before the first worker starts, so that no signal can end us and orphan a worker
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     outcomes: list[WorkerOutcome] = []
     try:
+        for sub in subs:
+            receiver, sender = _SPAWN.Pipe(duplex=False)
+            proc = _SPAWN.Process(
+                target=worker_main,
+                args=(target, sub.subname, stop, sender, logging.getLogger().level),
+                name=f"applier:{sub.subname}",
+            )
+            proc.start()
+            sender.close()
+            workers[proc.sentinel] = (sub.subname, proc, receiver)
+        log.info("running %d subscription(s): %s", len(subs), ", ".join(s.subname for s in subs))
         while workers:
             for sentinel in multiprocessing.connection.wait(list(workers)):
                 subname, proc, receiver = workers.pop(sentinel)  # type: ignore[call-overload]
@@ -223,7 +223,7 @@ def worker_main(target: str, subname: str, stop_all: Any, report: multiprocessin
     stop = threading.Event()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    threading.Thread(target=lambda: (stop_all.wait(), stop.set()), name="stop-bridge", daemon=True).start()
+    threading.Thread(target=_stop_bridge, args=(stop_all, stop), name="stop-bridge", daemon=True).start()
     wlog = logging.getLogger(f"applier.worker.{subname}")
     try:
         message = _serve(target, subname, stop, wlog)
@@ -239,6 +239,17 @@ def worker_main(target: str, subname: str, stop_all: Any, report: multiprocessin
     report.send(outcome)
     report.close()
     sys.exit(0 if outcome.ok else 1)
+
+
+def _stop_bridge(stop_all: Any, stop: threading.Event) -> None:
+    """Pass the parent's stop on to this worker; and stop too if the parent dies (``kill -9``), rather than go on
+    as an orphan holding the subscription's lock that nobody can stop with ``applier run``'s signals."""
+    parent = multiprocessing.parent_process()
+    while not stop_all.wait(timeout=1.0):
+        if parent is not None and not parent.is_alive():
+            logging.getLogger("applier.run").warning("the applier run process has gone: stopping this worker")
+            break
+    stop.set()
 
 
 def _serve(target: str, subname: str, stop: threading.Event, wlog: logging.Logger) -> str:

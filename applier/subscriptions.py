@@ -111,12 +111,22 @@ def _db_error(exc: BaseException) -> BaseException:
     return getattr(exc, "orig", None) or exc
 
 
+def _is_connection_failure(exc: BaseException) -> bool:
+    """libpq's own failures carry no SQLSTATE; the server's connection errors are class 08 (57P0x: shutting down)."""
+    state = getattr(exc, "sqlstate", None)
+    return state is None or state.startswith(("08", "57P"))
+
+
 @contextlib.contextmanager
 def target_errors(target: str) -> Iterator[None]:
     """Turn a failure to reach or use the target into a message that says which target and what to check."""
     try:
         yield
     except sa.exc.OperationalError as exc:
+        if not _is_connection_failure(_db_error(exc)):
+            raise SubscriptionError(
+                f"the target failed: {scrub(str(_db_error(exc)), target).strip()}"
+            ) from None
         raise SubscriptionError(
             f"could not connect to the target ({describe(target)}): {scrub(str(_db_error(exc)), target).strip()}",
             "pass --target CONNINFO, or set PGHOST, PGPORT, PGDATABASE, PGUSER (and PGPASSWORD or ~/.pgpass) "
@@ -308,11 +318,12 @@ def _holder(catalog: Catalog, subid: int) -> LockHolder | None:
 # --- the publisher ---------------------------------------------------------------------------------------------
 
 
-def connect_publisher(conninfo: str, application_name: str, *, doing: str) -> ReplicationConnection:
+def connect_publisher(conninfo: str, command: str, subname: str, *, doing: str) -> ReplicationConnection:
     """A replication connection to the publisher (it also answers SQL); ``doing`` says in the error what could not
-    be done without it."""
+    be done without it. Its application_name is ``applier <command> <subname>``, not the subscription's own name,
+    which belongs to the worker's stream (pg_stat_replication and synchronous_standby_names match on it)."""
     try:
-        return ReplicationConnection.open(conninfo, application_name=application_name)
+        return ReplicationConnection.open(conninfo, application_name=f"applier {command} {subname}"[:63])
     except ReplicationConnectionError as exc:
         raise SubscriptionError(
             f"{exc} (needed to {doing})",
@@ -428,7 +439,7 @@ def create(target: str, opts: CreateOptions, console: Console = QUIET) -> Subscr
                 "choose another name, or remove the old one first: applier drop " + opts.name,
             )
 
-    with connect_publisher(opts.publisher, opts.name, doing="create the subscription") as pub:
+    with connect_publisher(opts.publisher, "create", opts.name, doing="create the subscription") as pub:
         tables = _check_publisher(pub, opts)
         with target_errors(target):
             relids = _target_tables(catalog, tables)
@@ -745,7 +756,9 @@ def _two_phase_off(catalog: Catalog, sub: Subscription, target: str, values: dic
         slot_two_phase = False
         if slot is not None:
             pub = stack.enter_context(
-                connect_publisher(sub.subconninfo, sub.subname, doing=f'turn two-phase off on slot "{slot}"')
+                connect_publisher(
+                    sub.subconninfo, "alter", sub.subname, doing=f'turn two-phase off on slot "{slot}"'
+                )
             )
             row = _slot_row(pub, slot)
             slot_two_phase = bool(row and row[1])
@@ -803,7 +816,7 @@ def refresh_publication(target: str, name: str, *, copy_data: bool = True, conso
     with target_errors(target):
         sub = require_subscription(catalog, name)
     check_refresh_publication(sub.subtwophasestate, copy_data, subname=name)
-    with connect_publisher(sub.subconninfo, sub.subname, doing="read the publications") as pub:
+    with connect_publisher(sub.subconninfo, "refresh", sub.subname, doing="read the publications") as pub:
         published = published_tables(pub, sub.subpublications)
     with target_errors(target):
         current = {t.remote_name: t for t in catalog.table_states(sub.subid)}
@@ -858,7 +871,7 @@ def drop(target: str, name: str, *, force: bool = False, console: Console = QUIE
 def _drop_publisher_slots(sub: Subscription, *, force: bool, console: Console) -> None:
     slot = sub.subslotname
     try:
-        pub = connect_publisher(sub.subconninfo, sub.subname, doing="drop its slot")
+        pub = connect_publisher(sub.subconninfo, "drop", sub.subname, doing="drop its slot")
     except SubscriptionError as exc:
         manual = (
             f"SELECT pg_drop_replication_slot('{slot}') on the publisher"

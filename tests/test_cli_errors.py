@@ -428,6 +428,8 @@ def test_drop_with_the_publisher_unreachable(pair) -> None:
     create(pair, "s")
     subid = _subid(pair, "s")
     pair.target.execute("UPDATE applier.subscription SET subconninfo = 'host=127.0.0.1 port=1 dbname=x'")
+    rep = status(pair.target, "s")["replication"]  # status still answers, from the target's side
+    assert rep["publisher_reachable"] is False and "127.0.0.1" in rep["publisher_error"]
     err = fails(pair.target, "drop", "s")
     assert "could not connect to the publisher" in err and "nothing was dropped" in err
     assert "--force" in err

@@ -266,3 +266,17 @@ def test_run_takes_its_lock_again_after_losing_the_session(pair, start_run: Star
         assert run.wait(timeout=60) == 1
     log = run_log(run)
     assert "another process took over while the target connection was down" in log and "the thief" in log
+
+
+@pytest.mark.core
+def test_a_worker_does_not_outlive_a_killed_run(pair, start_run: StartRun) -> None:
+    """``kill -9`` of the run process alone must not leave its worker running as an orphan that holds the lock."""
+    make_tables(pair, "t1")
+    create(pair, "s", "--no-copy-data")
+    subid = catalog_row(pair.target, "s")["subid"]
+    run = start_run(pair.target, "s")
+    wait_until(lambda: alive(run)() and lock_taken(pair.target, subid), what="the worker's lock")
+    run.kill()  # the parent only: its worker is another process
+    run.wait(timeout=30)
+    wait_until(lambda: not lock_taken(pair.target, subid), timeout=30, what="the orphaned worker to stop")
+    assert "the applier run process has gone: stopping this worker" in run_log(run)
