@@ -98,7 +98,7 @@ def restart_for_two_phase_message(subname: str) -> str:
 
 
 def _sub(subname: str | None) -> str:
-    return f'subscription "{subname}"' if subname else "the subscription"
+    return f'subscription "{subname}"' if subname else "this subscription"
 
 
 def _name(subname: str | None) -> str:
@@ -135,7 +135,7 @@ def check_alter_two_phase(
     name = _name(subname)
     if enabled:
         raise AlterRefused(
-            f'cannot set option "two_phase" for enabled {_sub(subname)}',
+            'cannot set option "two_phase" for enabled subscription' + (f' "{subname}"' if subname else ""),
             f"disable it first (applier alter {name} --disable), wait for its worker to exit, then run this again "
             f"and re-enable it with applier alter {name} --enable",
         )
