@@ -26,26 +26,33 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
+from applier.apply.testing import ApplySetup, setup_subscription
+from applier.apply.worker import WorkerThread
 from applier.subscriptions import LOCK_NAMESPACE
 from applier.testing import Database, PostgresCluster, wait_for_catchup, wait_until
 from applier.testing.pytest_plugin import ReplicationPair, drop_our_origins
 
 __all__ = [
     "CliApplier",
+    "alter_subscription",
     "catchup",
     "extra_database",
     "module_pair",
+    "Nodes",
+    "subscribed_nodes",
     "prepared_count",
     "psql",
     "restart_if_down",
     "set_decoding_work_mem",
     "stream_txns",
+    "wait_for_new_walsender",
     "walsender_pid",
 ]
 
@@ -92,6 +99,16 @@ def wait_for_new_walsender(publisher: Database, application_name: str, old_pid: 
         timeout=TIMEOUT,
         what=f"{application_name} to restart streaming",
     )
+
+
+def alter_subscription(setup: ApplySetup, **values: Any) -> None:
+    """``ALTER SUBSCRIPTION ... SET (...)`` + waiting for the worker to restart: update the catalog row (column
+    names, e.g. ``substream="parallel"``); the running worker re-reads it within a second and restarts, which the
+    publisher shows as a new walsender."""
+    old = walsender_pid(setup.publisher, setup.name)
+    setup.catalog.update_subscription(setup.sub.subid, **values)
+    wait_for_new_walsender(setup.publisher, setup.name, old)
+    setup.refresh()
 
 
 def stream_txns(publisher: Database, slot_name: str) -> int:
@@ -159,6 +176,68 @@ def extra_database(cluster: PostgresCluster, label: str) -> Iterator[Database]:
         yield db
     finally:
         _drop(cluster, db)
+
+
+@dataclass
+class Nodes:
+    """A TAP file's ``$node_publisher`` and ``$node_subscriber`` with the subscription and its running worker."""
+
+    publisher: Database
+    subscriber: Database
+    setup: ApplySetup
+    worker: WorkerThread
+
+    @property
+    def appname(self) -> str:
+        return self.setup.name
+
+    def result(self, query: str) -> tuple[Any, ...]:
+        """The first row of ``query`` on the subscriber: what ``safe_psql`` prints as ``a|b|c``."""
+        return tuple(self.subscriber.query(query)[0])
+
+    def catchup(self) -> str:
+        return catchup(self.publisher, self.appname)
+
+    def restart_worker(self) -> None:
+        """Stop the worker and start a new one (a new walsender reads new database-level settings)."""
+        self.worker.stop()
+        self.worker = self.setup.start()
+
+
+@contextlib.contextmanager
+def subscribed_nodes(
+    publisher_cluster: PostgresCluster,
+    target_cluster: PostgresCluster,
+    label: str,
+    *,
+    publisher_sql: str,
+    subscriber_sql: str,
+    tables: list[str],
+    streaming: str = "on",
+    two_phase_state: str = "d",
+    decoding_work_mem: str | None = "64kB",
+) -> Iterator[Nodes]:
+    """A module's nodes: ``publisher_sql`` (schema and pre-existing rows) on the publisher, ``subscriber_sql`` on
+    the subscriber (its schema and the rows the initial copy would bring), a subscription with every table ready,
+    and its worker running (in a thread: quick to restart, and it reconnects within a second after a crash)."""
+    with module_pair(publisher_cluster, target_cluster, label) as pair:
+        if decoding_work_mem is not None:
+            set_decoding_work_mem(pair.publisher, decoding_work_mem)
+        psql(pair.publisher, publisher_sql)
+        psql(pair.target, subscriber_sql)
+        setup = setup_subscription(
+            pair.publisher,
+            pair.target,
+            pair.name,
+            tables,
+            streaming=streaming,
+            two_phase_state=two_phase_state,
+        )
+        nodes = Nodes(pair.publisher, pair.target, setup, setup.start())
+        try:
+            yield nodes
+        finally:
+            nodes.worker.stop()
 
 
 class CliApplier:
