@@ -46,12 +46,10 @@ from applier.subscriptions import (
     target_errors,
 )
 from state.catalog import Catalog, Subscription
-from state.tables import SyncState
+from tablesync import run_initial_copy
 
-__all__ = ["COPY_STATES", "WorkerOutcome", "configure_logging", "run", "worker_main"]
+__all__ = ["WorkerOutcome", "configure_logging", "run", "worker_main"]
 
-#: Tables in these states need the initial copy before streaming starts (DESIGN.md, "The life of a subscription").
-COPY_STATES = frozenset({SyncState.INIT, SyncState.DATASYNC, SyncState.FINISHEDCOPY})
 #: How often a worker checks that its lock's session is still alive (it dies with a target restart).
 LOCK_CHECK_INTERVAL = 5.0
 
@@ -263,18 +261,11 @@ def _serve(target: str, subname: str, stop: threading.Event, wlog: logging.Logge
     watchdog.start()
     try:
         wlog.info('worker for subscription "%s" (subid %d) started', subname, sub.subid)
-        with target_errors(target):
-            to_copy = [t.name for t in catalog.table_states(sub.subid) if t.state in COPY_STATES]
-        if to_copy and not stop.is_set():
-            wlog.info(
-                'subscription "%s": initial copy of %d table(s): %s',
-                subname,
-                len(to_copy),
-                ", ".join(to_copy),
-            )
-            from tablesync import run_initial_copy  # imported only when needed: it brings Spark along
-
-            run_initial_copy(target, subname, stop=stop, progress=sys.stderr.isatty())
+        # returns at once, without starting Spark, when every table is already s or r
+        copied = run_initial_copy(target, subname, stop=stop)
+        if copied.tables or copied.resumed:
+            wlog.info('subscription "%s": initial copy of %d table(s) done: %d rows, %d bytes in %.1f s',
+                      subname, len(copied.tables) + len(copied.resumed), copied.rows, copied.bytes, copied.seconds)  # fmt: skip
         if not stop.is_set():
             ApplyWorker(target, subname, stop=stop, logger=wlog).run()
     finally:
