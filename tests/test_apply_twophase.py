@@ -127,3 +127,31 @@ def test_target_crash_between_prepare_and_commit_prepared_is_exactly_once(pair):
         assert pair.target.scalar("SELECT count(*) FROM t") == 61
     finally:
         w.stop()
+
+
+def test_failed_prepare_is_retried_not_lost(pair):
+    """A local PREPARE TRANSACTION that fails (here: the GID is taken) aborts after the origin's values were set;
+    since PostgreSQL 16 that abort would advance the origin past the transaction. The worker moves the origin
+    back, retries with backoff, and applies the transaction once the obstacle is gone."""
+    both(pair, "CREATE TABLE t (id int PRIMARY KEY, v text)")
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"], two_phase_state="e")
+    w = s.start()
+    try:
+        with pair.publisher.connect() as conn, pair.target.connect() as blocker:
+            conn.execute("BEGIN")
+            conn.execute("INSERT INTO t VALUES (1, 'prepared')")
+            xid = conn.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()[0]
+            gid = f"pg_gid_{s.sub.subid}_{xid}"
+            blocker.execute("BEGIN")
+            blocker.execute(f"PREPARE TRANSACTION '{gid}'")
+            conn.execute("PREPARE TRANSACTION 'x'")
+        wait_until(lambda: (e := s.catalog.last_error(s.sub.subid)) and "already in use" in e["message"],
+                   timeout=30, what="the PREPARE to fail")  # fmt: skip
+        pair.target.execute(f"ROLLBACK PREPARED '{gid}'")
+        wait_until(lambda: ours(s) == [gid], timeout=30, what="the retried PREPARE")
+        pair.publisher.execute("COMMIT PREPARED 'x'")
+        wait_for_catchup(pair.publisher, pair.name, timeout=30)
+        assert pair.target.query("SELECT id, v FROM t") == [(1, "prepared")]
+        assert ours(s) == []
+    finally:
+        w.stop()

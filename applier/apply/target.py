@@ -272,10 +272,13 @@ def _param(n: int) -> sql.Composable:
 class Target:
     """The apply session on the target database."""
 
-    def __init__(self, conn: psycopg.Connection[Any], *, binary: bool = False) -> None:
+    def __init__(self, conn: psycopg.Connection[Any], *, origin: str = "", binary: bool = False) -> None:
         self.conn = conn
         self.pgconn = conn.pgconn
         self.pipeline = Pipeline(self.pgconn)
+        self.origin = origin
+        #: the origin progress that confirmed commits justify (see :meth:`abort`); set by the worker at start
+        self.good_origin_lsn = 0
         self.binary = binary
         self.in_transaction = False
         self._stmt_seq = 0
@@ -303,7 +306,7 @@ class Target:
         except BaseException:
             conn.close()
             raise
-        return cls(conn, binary=binary)
+        return cls(conn, origin=origin, binary=binary)
 
     def close(self) -> None:
         try:
@@ -404,6 +407,17 @@ class Target:
             ctx,
         )
 
+    def _confirming(self, lsn: int, on_ok: Callable[[Any], None] | None) -> Callable[[Any], None]:
+        """Wrap a commit's completion callback so that it also records the origin progress it justifies."""
+
+        def done(res: Any) -> None:
+            if lsn > self.good_origin_lsn:
+                self.good_origin_lsn = lsn
+            if on_ok is not None:
+                on_ok(res)
+
+        return done
+
     def commit(self, end_lsn: int, ts: int, ctx: ErrorContext | None, on_ok: Callable[[Any], None]) -> None:
         """Queue origin progress + COMMIT; ``on_ok`` runs when the commit is confirmed.
 
@@ -413,7 +427,7 @@ class Target:
         if self._copy is not None:
             self.end_copy()
         self._origin_setup(end_lsn, ts, ctx)
-        self.pipeline.send_prepared(b"applier_commit", (), None, ctx, on_ok)
+        self.pipeline.send_prepared(b"applier_commit", (), None, ctx, self._confirming(end_lsn, on_ok))
         self.in_transaction = False
 
     def prepare(
@@ -424,7 +438,7 @@ class Target:
         self.begin(ctx)
         self._origin_setup(end_lsn, ts, ctx)
         stmt = sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)).as_bytes(self.conn)
-        self.pipeline.send_query(stmt, None, ctx, on_ok)
+        self.pipeline.send_query(stmt, None, ctx, self._confirming(end_lsn, on_ok))
         self.pipeline.sync()
         self.in_transaction = False
 
@@ -437,7 +451,7 @@ class Target:
         self.pipeline.sync()  # COMMIT PREPARED cannot share an implicit transaction with anything
         verb = "COMMIT PREPARED {}" if commit else "ROLLBACK PREPARED {}"
         stmt = sql.SQL(verb).format(sql.Literal(gid)).as_bytes(self.conn)
-        self.pipeline.send_query(stmt, None, ctx, on_ok)
+        self.pipeline.send_query(stmt, None, ctx, self._confirming(end_lsn, on_ok))
         self.pipeline.sync()
 
     def mark_ready(self, subid: int, tables: Sequence[tuple[int, str, int | None]], origin_lsn: int) -> None:
@@ -454,7 +468,7 @@ class Target:
                 ctx,
             )  # fmt: skip
         self._origin_setup(origin_lsn, now_pg_timestamp(), ctx)
-        self.pipeline.send_prepared(b"applier_commit", (), None, ctx)
+        self.pipeline.send_prepared(b"applier_commit", (), None, ctx, self._confirming(origin_lsn, None))
         self.in_transaction = False
         self.pipeline.drain()
 
@@ -462,8 +476,17 @@ class Target:
         return bool(self.query("SELECT 1 FROM pg_catalog.pg_prepared_xacts WHERE gid = %s", (gid,)))
 
     def abort(self) -> None:
-        """Abandon the current transaction: drop pending results, ROLLBACK, reset the session's origin progress
-        so a failed transaction can never advance it (behaviour 95)."""
+        """Abandon the current transaction: drop pending results, ROLLBACK, reset the session's origin values
+        (behaviour 95), and undo an origin advance that a failed COMMIT / PREPARE made.
+
+        Why the last step: since PostgreSQL 16 an *abort* record also advances the session's origin to the values
+        of ``pg_replication_origin_xact_setup`` (the native worker resets them before aborting; we set them with
+        a statement just before COMMIT / PREPARE TRANSACTION, so when that very statement fails, e.g. PREPARE
+        with ``max_prepared_transactions = 0`` or a deferred constraint at COMMIT, the abort carries them). The
+        transaction would then never be re-sent. With every result of this session read, we know exactly which
+        commits succeeded (:attr:`good_origin_lsn`); anything beyond that is such an abort, and we move the
+        origin back. If the connection is gone we cannot tell, and say so (see the module notes).
+        """
         try:
             if self._copy is not None:
                 self._copy = None
@@ -476,10 +499,30 @@ class Target:
             self.pipeline.discard()
             self.conn.execute("ROLLBACK")
             self.conn.execute("SELECT pg_catalog.pg_replication_origin_xact_reset()")
+            if self.origin:
+                self._undo_bogus_origin_advance()
         except psycopg.Error:
             self.close()
         finally:
             self.in_transaction = False
+
+    def _undo_bogus_origin_advance(self) -> None:
+        row = self.conn.execute(
+            "SELECT pg_catalog.pg_replication_origin_progress(%s, false)::text", (self.origin,)
+        ).fetchone()
+        progress = parse_lsn(row[0]) if row and row[0] else 0
+        good = self.good_origin_lsn
+        if progress <= good:
+            return
+        log.warning(
+            'moving replication origin "%s" back from %s to %s: a failed commit advanced it (an abort record '
+            "carries the origin's values since PostgreSQL 16); the transaction will be applied again",
+            self.origin, format_lsn(progress), format_lsn(good),
+        )  # fmt: skip
+        self.conn.execute("SELECT pg_catalog.pg_replication_origin_session_reset()")
+        self.conn.execute("SELECT pg_catalog.pg_replication_origin_advance(%s, %s::pg_lsn)",
+                          (self.origin, format_lsn(good)))  # fmt: skip
+        self.conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup(%s)", (self.origin,))
 
     # --- row changes -----------------------------------------------------------------------------------------
     def _statement(self, entry: RelMapEntry, key: Any, build: Callable[[], tuple[sql.Composable, Sequence[int]]],

@@ -310,10 +310,12 @@ class ApplyWorker:
         spool = Spool(self.spool_dir, sub.subid)
         repl: ReplicationConnection | None = None
         applier: Applier | None = None
+        clean = False
         try:
             self.catalog.reconcile_prepared(sub.subid)
             spool.cleanup()
             start_lsn = target.origin_progress(sub.origin_name)
+            target.good_origin_lsn = start_lsn
             tracker = FeedbackTracker(start_lsn)
             two_phase = stream_two_phase(sub.subtwophasestate, tables.table_states())
             repl = self._connect_publisher(sub, start_lsn, two_phase)
@@ -328,13 +330,15 @@ class ApplyWorker:
                 subid=sub.subid, subname=sub.subname, target=target, tracker=tracker, spool=spool,
                 tables=tables, skip=skip, clear_skip_lsn=self.catalog.clear_skip_lsn, logger=self.log,
             )  # fmt: skip
-            return self._stream(sub, repl, target, applier, tracker, tables, skip)
+            outcome = self._stream(sub, repl, target, applier, tracker, tables, skip)
+            clean = True
+            return outcome
         finally:
             if applier is not None:
                 self.stats.transactions += applier.transactions
                 if applier.transactions:
                     self._failures = 0
-            if target.in_transaction or target.pipeline.pending:
+            if not clean and not target.closed:
                 target.abort()
             target.close()
             if repl is not None:
