@@ -354,7 +354,9 @@ def published_tables(pub: ReplicationConnection, publications: Sequence[str]) ->
 
 def _slot_row(pub: ReplicationConnection, slot: str) -> tuple[Any, ...] | None:
     rows = _pub_query(
-        pub, "SELECT active_pid, two_phase, database FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+        pub,
+        "SELECT active_pid, two_phase, database, plugin FROM pg_replication_slots WHERE slot_name = %s",
+        (slot,),
     )
     return rows[0] if rows else None
 
@@ -544,13 +546,21 @@ def _check_publisher(pub: ReplicationConnection, opts: CreateOptions) -> list[st
     if opts.create_slot:
         if _slot_row(pub, opts.slot) is not None:
             raise _slot_exists(opts.slot)
-    elif _slot_row(pub, opts.slot) is None:
-        raise SubscriptionError(
-            f'replication slot "{opts.slot}" does not exist on the publisher, and --no-create-slot says not to '
-            "create it",
-            "create it there first (SELECT pg_create_logical_replication_slot('"
-            f"{opts.slot}', 'pgoutput')), or leave out --no-create-slot",
-        )
+    else:
+        row = _slot_row(pub, opts.slot)
+        if row is None:
+            raise SubscriptionError(
+                f'replication slot "{opts.slot}" does not exist on the publisher, and --no-create-slot says not to '
+                "create it",
+                "create it there first (SELECT pg_create_logical_replication_slot('"
+                f"{opts.slot}', 'pgoutput')), or leave out --no-create-slot",
+            )
+        if (row[2], row[3]) != (dbname, "pgoutput"):
+            raise SubscriptionError(
+                f'replication slot "{opts.slot}" cannot serve this subscription: it is a '
+                f"{row[3] or 'physical'} slot of database {row[2] or '(none)'}, not a pgoutput slot of {dbname}",
+                "name a logical pgoutput slot of the publisher's database with --slot-name, or let create make one",
+            )
     return published_tables(pub, opts.publications)
 
 

@@ -97,6 +97,15 @@ def test_no_create_slot_needs_the_slot(pair) -> None:
     err = fails(pair.target, "create", "s", "--publisher", pair.publisher.dsn, "--publication", pair.name,
                 "--no-create-slot")  # fmt: skip
     assert 'replication slot "s" does not exist on the publisher' in err
+    pair.publisher.execute("SELECT pg_create_physical_replication_slot('physical')")
+    try:
+        err = fails(pair.target, "create", "s", "--publisher", pair.publisher.dsn, "--publication", pair.name,
+                    "--no-create-slot", "--slot-name", "physical")  # fmt: skip
+        assert (
+            f"it is a physical slot of database (none), not a pgoutput slot of {pair.publisher.name}" in err
+        )
+    finally:  # physical slots belong to no database: dropping the database would not drop it
+        pair.publisher.execute("SELECT pg_drop_replication_slot('physical')")
 
 
 def test_invalid_slot_name(pair) -> None:
