@@ -844,6 +844,13 @@ def refresh_publication(target: str, name: str, *, copy_data: bool = True, conso
         + (f"added {', '.join(added)} (state {state.value})" if added else "no table added")
         + (f"; removed {', '.join(t.name for t in removed)}" if removed else "; no table removed")
     )
+    if added and copy_data:
+        holder = _holder(catalog, sub.subid)
+        # the copy runs when a worker starts (applier run), not inside a running one
+        console.info(
+            "the new tables are copied when applier run next starts this subscription"
+            + (f"; its worker is running now ({holder}): restart that applier run" if holder else "")
+        )
 
 
 # --- drop --------------------------------------------------------------------------------------------------------

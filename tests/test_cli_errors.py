@@ -354,7 +354,8 @@ def test_refresh_adds_tables_to_copy_while_two_phase_is_pending(pair) -> None:
     pair.publisher.execute(f"ALTER PUBLICATION {pair.name} ADD TABLE t2, t3")
     assert "missing on the target: public.t3" in fails(pair.target, "alter", "s", "--refresh-publication")
     pair.target.execute("CREATE TABLE t3 (id int PRIMARY KEY)")
-    ok(pair.target, "alter", "s", "--refresh-publication")
+    out = ok(pair.target, "alter", "s", "--refresh-publication")
+    assert "the new tables are copied when applier run next starts this subscription" in out
     assert catalog_tables(pair.target, "s") == [("t1", "i"), ("t2", "i"), ("t3", "i")]
 
 
