@@ -141,6 +141,7 @@ class Workload:
     streaming: bool
     goal: float  # ours/native ratio the issue asks for
     units: Callable[[Sizes], int]
+    txns: Callable[[Sizes], int]  # remote transactions in the backlog, the marker's not counted
     generate: Callable[[psycopg.Connection, Sizes], None]
 
 
@@ -189,11 +190,13 @@ WORKLOADS: dict[str, Workload] = {
     w.key: w
     for w in (
         Workload("inserts", "10k-row insert txns", "rows", False, False, 1.0,
-                 lambda s: s.insert_txns * s.insert_rows, _gen_inserts),
-        Workload("small", "update+insert txns", "txns", False, False, 0.7, lambda s: s.small_txns, _gen_small),
+                 lambda s: s.insert_txns * s.insert_rows, lambda s: s.insert_txns, _gen_inserts),
+        Workload("small", "update+insert txns", "txns", False, False, 0.7,
+                 lambda s: s.small_txns, lambda s: s.small_txns, _gen_small),
         Workload("prepared", "prepared txns, 10% rolled back", "txns", True, False, 0.9,
-                 lambda s: s.prepared_txns, _gen_prepared),
-        Workload("streamed", "one streamed txn", "rows", False, True, 1.0, lambda s: s.stream_rows, _gen_streamed),
+                 lambda s: s.prepared_txns, lambda s: s.prepared_txns, _gen_prepared),
+        Workload("streamed", "one streamed txn", "rows", False, True, 1.0,
+                 lambda s: s.stream_rows, lambda s: 1, _gen_streamed),
     )
 }  # fmt: skip
 RSS_GOAL_MB = 300
@@ -239,6 +242,7 @@ class RepResult:
     workload: str
     rep: int
     units: int
+    txns: int  # remote transactions, the marker's included
     order: list[str]
     sides: dict[str, SideRun] = field(default_factory=dict)
     decode_s: float | None = None
@@ -356,6 +360,7 @@ class _Ctx:
     log_dir: Path
     spool_root: Path
     waldump: bool
+    profile_idle: bool
 
 
 def _run_native(ctx: _Ctx, db: Database, sub: NativeSubscription) -> SideRun:
@@ -408,13 +413,15 @@ def _run_native(ctx: _Ctx, db: Database, sub: NativeSubscription) -> SideRun:
     return run
 
 
-def _ours_command(db: Database, name: str, profile: Path | None) -> list[str]:
+def _ours_command(db: Database, name: str, profile: Path | None, idle: bool) -> list[str]:
+    """``applier run NAME``, under py-spy when profiling: with ``--idle`` the profile is of wall time (waits on
+    the sockets show), without it of CPU time."""
     cmd = [sys.executable, "-m", "applier.cli", "--target", db.dsn, "run", name]
     if profile is None:
         return cmd
     pyspy = Path(sys.executable).with_name("py-spy")
-    return [str(pyspy), "record", "--subprocesses", "--idle", "--rate", "250", "--format", "raw", "-o", str(profile), "--",
-            *cmd]  # fmt: skip
+    return [str(pyspy), "record", "--subprocesses", *(["--idle"] if idle else []), "--rate", "250", "--format", "raw",
+            "-o", str(profile), "--", *cmd]  # fmt: skip
 
 
 def _find_worker(root: int) -> tuple[int | None, int | None]:
@@ -482,7 +489,7 @@ def _run_ours(ctx: _Ctx, db: Database, name: str) -> SideRun:
         run.load1 = loadavg()[0]
         with open(log_path, "wb") as log_file:
             launched = time.monotonic()
-            proc = subprocess.Popen(_ours_command(db, name, profile), cwd=ROOT, env=env, stdout=log_file,
+            proc = subprocess.Popen(_ours_command(db, name, profile, ctx.profile_idle), cwd=ROOT, env=env, stdout=log_file,
                                     stderr=subprocess.STDOUT)  # fmt: skip
             try:
                 active, done = poller.wait(launched, ctx.timeout, tick)
@@ -566,7 +573,7 @@ def run_repetition(pubc: PostgresCluster, tgtc: PostgresCluster, wl: Workload, s
     tag = f"ab_{wl.key}_{rep}"
     units = wl.units(sizes)
     order = ["native", "ours"] if rep % 2 == 0 else ["ours", "native"]
-    result = RepResult(wl.key, rep, units, order)
+    result = RepResult(wl.key, rep, units, wl.txns(sizes) + 1, order)
     pub = pubc.create_database(tag)
     nat_db = tgtc.create_database(f"{tag}_native")
     ours_db = tgtc.create_database(f"{tag}_ours")
@@ -605,7 +612,7 @@ def run_repetition(pubc: PostgresCluster, tgtc: PostgresCluster, wl: Workload, s
         pubc.execute("CHECKPOINT")
 
         ctx = _Ctx(pubc, tgtc, pub, tag, wl, args.timeout, args.profile_dir, OUT_DIR, args.spool_root,
-                   not args.no_waldump)  # fmt: skip
+                   not args.no_waldump, args.profile_what == "wall")  # fmt: skip
         for side in order:
             if side == "native":
                 result.sides[side] = _run_native(ctx, nat_db, native)
@@ -687,7 +694,9 @@ class Summary:
     decode: float | None
     start: dict[str, float | None]
     cpu_us: dict[str, float | None]  # CPU per unit: native worker, ours worker, ours backend, walsenders
-    wal: dict[str, dict[str, float | None]]  # side -> per unit: local xacts, fsyncs, WAL bytes
+    wal: dict[
+        str, dict[str, float | None]
+    ]  # side -> local xacts and fsyncs per remote xact, WAL bytes per unit
     hwm_mb: dict[str, float | None]
     stream_txns: str
     load: str
@@ -713,6 +722,10 @@ def summarize(wl: Workload, reps: list[RepResult]) -> Summary:
     ) -> float | None:
         return _med([v * scale / u if (v := value(s)) is not None else None for s, u in runs(side)])
 
+    def per_txn(side: str, value: Callable[[SideRun], float | int | None]) -> float | None:
+        return _med([v / r.txns if side in r.sides and (v := value(r.sides[side])) is not None else None
+                     for r in reps])  # fmt: skip
+
     ratios = [o / n for r in reps if (o := r.rate("ours")) and (n := r.rate("native"))]
     failures = [f"rep {r.rep} {s.side}: {s.error}" for r in reps for s in r.sides.values() if s.error]
     failures += [f"rep {r.rep}: {n}" for r in reps for n in r.notes]
@@ -733,7 +746,7 @@ def summarize(wl: Workload, reps: list[RepResult]) -> Summary:
             "native_walsender": per_unit("native", lambda s: s.walsender_cpu_s, 1e6),
             "ours_walsender": per_unit("ours", lambda s: s.walsender_cpu_s, 1e6),
         },
-        wal={side: {"xacts": per_unit(side, SideRun.local_xacts), "fsyncs": per_unit(side, lambda s: s.wal_fsyncs),
+        wal={side: {"xacts": per_txn(side, SideRun.local_xacts), "fsyncs": per_txn(side, lambda s: s.wal_fsyncs),
                     "bytes": per_unit(side, lambda s: s.wal_bytes)} for side in sides},
         hwm_mb={
             "native": _max([s.worker_hwm_kb for s, _ in runs("native")], 1 / 1024),
@@ -776,8 +789,10 @@ def render(summaries: list[Summary], md: bool) -> str:
         ])  # fmt: skip
     lines = _table(["workload", "size", "native", "ours", "ours/native (range)", "goal", "decode ceiling",
                     "start s (native / ours)", "load"], rows, md)  # fmt: skip
-    lines += ["", "Per unit (row or transaction), medians: CPU of the apply process(es) and of the publisher's "
-              "walsender; what the target wrote (local transaction ends, WAL fsyncs, WAL bytes).", ""]  # fmt: skip
+    lines += ["", "Costs, medians (n = native, o = ours): CPU µs per unit (row or transaction) of the apply "
+              "process(es) and of the publisher's walsender, from slot active to marker; what the target wrote while "
+              "that side ran alone: local transaction ends (commit, prepare, commit/rollback prepared) and WAL "
+              "fsyncs per remote transaction, WAL bytes per unit.", ""]  # fmt: skip
     rows = []
     for s in summaries:
         c, w = s.cpu_us, s.wal
@@ -789,8 +804,9 @@ def render(summaries: list[Summary], md: bool) -> str:
             f"{_f(w['native']['fsyncs'], '.2f')} | {_f(w['ours']['fsyncs'], '.2f')}",
             f"{_f(w['native']['bytes'], ',.0f')} | {_f(w['ours']['bytes'], ',.0f')}",
         ])  # fmt: skip
-    lines += _table(["workload", "apply CPU µs: native | ours worker + its backend", "walsender CPU µs: n | o",
-                     "local xacts: n | o", "WAL fsyncs: n | o", "WAL bytes: n | o"], rows, md)  # fmt: skip
+    lines += _table(["workload", "apply CPU µs/unit: n | o worker + its backend", "walsender CPU µs/unit: n | o",
+                     "local xact ends/remote xact: n | o", "WAL fsyncs/remote xact: n | o", "WAL bytes/unit: n | o"],
+                    rows, md)  # fmt: skip
     for s in summaries:
         if s.workload.streaming:
             hwm = s.hwm_mb
@@ -856,6 +872,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--profile-dir", type=Path,
                     help="run our worker under py-spy (raw collapsed stacks here); its timings are then not comparable")  # fmt: skip
+    ap.add_argument("--profile-what", choices=("wall", "cpu"), default="wall",
+                    help="with --profile-dir: wall time (waits included, default) or CPU time only")  # fmt: skip
     ap.add_argument("--json", type=Path, default=OUT_DIR / "apply_bench.json", help="raw results")
     ap.add_argument("--markdown", type=Path, default=OUT_DIR / "apply_bench.md", help="the table as Markdown")
     args = ap.parse_args(argv)
@@ -936,8 +954,8 @@ def _function(frame: str) -> str:
 
 
 def summarize_profile(path: Path, top: int = 20) -> str:
-    """Where the apply loop's wall time goes, from py-spy's raw (collapsed) stacks, recorded with ``--idle`` so
-    that waiting (select on the target or publisher socket) shows up too. Only stacks inside
+    """Where the apply loop's time goes, from py-spy's raw (collapsed) stacks: wall time (recorded with ``--idle``,
+    so waiting in select on the target or publisher socket shows) or CPU time. Only stacks inside
     ``ApplyWorker._stream`` count: start-up, imports and the helper threads are left out."""
     self_line: Counter[str] = Counter()
     self_fn: Counter[str] = Counter()
