@@ -41,17 +41,21 @@ import contextlib
 import itertools
 import os
 import re
+import socket
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import psycopg
 import pytest
-from hypothesis import HealthCheck, given, note, settings
+from hypothesis import HealthCheck, event, given, note, settings
+from hypothesis import strategies as st
 from psycopg import sql
-from test_tap_support import restart_if_down, set_decoding_work_mem
+from test_tap_support import CliApplier, restart_if_down, set_decoding_work_mem
 
 from applier.apply.testing import ApplySetup, setup_subscription
 from applier.testing import Database, PostgresBinaries, PostgresCluster, tables_differ, wait_until
+from applier.testing.cluster import free_port
 from applier.testing.pytest_plugin import drop_our_origins
 from applier.testing.workloads import TABLES, Step, Workload, create_schema, run_workload, workloads
 
@@ -65,6 +69,9 @@ EXAMPLES = 150 if _LONG else 6
 FAULT_EXAMPLES = 60 if _LONG else 3
 MAX_ACTIONS = 80 if _LONG else 30
 
+#: every workload has prepared transactions (one possibly large enough to stream): the checkpoints are where the
+#: property says most
+_prepared_workloads = workloads(max_actions=MAX_ACTIONS, min_prepared=2)
 _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
 _counter = itertools.count(1)
 _GID = re.compile(r"^pg_gid_\d+_(\d+)$")
@@ -268,16 +275,28 @@ def wait_streaming(t: Trio) -> None:
 # --- the property without faults --------------------------------------------------------------------------------
 
 
-def _note(text: str) -> None:
-    """``note`` inside hypothesis (printed with the shrunk failing example); a plain print elsewhere."""
+def _in_hypothesis() -> bool:
     from hypothesis.control import current_build_context
 
     try:
         current_build_context()
     except Exception:  # noqa: BLE001 - not inside @given
+        return False
+    return True
+
+
+def _note(text: str) -> None:
+    """``note`` inside hypothesis (printed with the shrunk failing example); a plain print elsewhere."""
+    if _in_hypothesis():
+        note(text)
+    else:
         print(text)
-        return
-    note(text)
+
+
+def _event(text: str) -> None:
+    """Statistics for ``--hypothesis-show-statistics`` (which kinds of example the run really covered)."""
+    if _in_hypothesis():
+        event(text)
 
 
 def run_differential(t: Trio, workload: Workload) -> None:
@@ -289,6 +308,10 @@ def run_differential(t: Trio, workload: Workload) -> None:
             check_checkpoint(t, step)
 
     run_workload(t.publisher, workload, on_step=on_step)
+    _event(
+        f"prepared transactions: {min(workload.prepared_count, 3)}{'+' if workload.prepared_count >= 3 else ''}"
+    )
+    _event(f"streamed: ours {stream_txns(t)[0]}, native {stream_txns(t)[1]}")
     check_end(t)
 
 
@@ -333,7 +356,7 @@ def test_differential_fixed_workload(
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=_HEALTH, derandomize=not _LONG)
-@given(workload=workloads(max_actions=MAX_ACTIONS))
+@given(workload=_prepared_workloads)
 def test_differential_property(
     publisher_cluster: PostgresCluster,
     target_cluster: PostgresCluster,
@@ -345,3 +368,164 @@ def test_differential_property(
         w = t.setup.start()
         t.stop_ours = w.stop
         run_differential(t, workload)
+
+
+# --- the fault schedule -----------------------------------------------------------------------------------------
+
+
+class TcpProxy:
+    """A 127.0.0.1 TCP forwarder to ``port`` that can cut every connection through it at once (:meth:`cut`): what a
+    dropped network link looks like to both ends, without touching either server."""
+
+    def __init__(self, port: int) -> None:
+        self.upstream = port
+        self.port = free_port()
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        self._sockets: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True, name="tcp-proxy").start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(("127.0.0.1", self.upstream), timeout=10)
+                server.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._sockets |= {client, server}
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        """Drop every connection through the proxy (new ones are accepted again)."""
+        with self._lock:
+            socks, self._sockets = self._sockets, set()
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        self.cut()
+
+
+FAULTS = ("kill9", "target_crash", "publisher_crash", "cut")
+#: every example gets each kind of fault once, after a random step (the long profile also draws extra ones)
+_faults = st.tuples(*(st.tuples(st.integers(0, 10_000), st.just(kind)) for kind in FAULTS)).map(list)
+if _LONG:
+    _faults = st.tuples(
+        _faults, st.lists(st.tuples(st.integers(0, 10_000), st.sampled_from(FAULTS)), max_size=4)
+    ).map(lambda both: both[0] + both[1])
+
+
+def run_with_faults(t: Trio, workload: Workload, faults: list[tuple[int, str]], applier: CliApplier,
+                    proxy: TcpProxy) -> list[str]:  # fmt: skip
+    """:func:`run_workload` with faults injected after the chosen steps; returns what was injected. A publisher crash
+    waits for a step after which no session has a transaction open (an open one would be lost with its session,
+    which is not what the property is about); the sessions then reconnect."""
+    n = max(len(workload.steps), 1)
+    pending = sorted((i % n, kind) for i, kind in faults)
+    injected: list[str] = []
+    conns: dict[int, psycopg.Connection] = {}
+    open_txn: set[int] = set()
+
+    def inject(kind: str) -> None:
+        injected.append(kind)
+        _event(f"fault: {kind}")  # --hypothesis-show-statistics tells which faults the examples hit
+        if kind == "kill9":
+            applier.kill9()
+            applier.start()
+        elif kind == "target_crash":
+            t.ours.cluster.crash()
+            t.ours.cluster.start()
+        elif kind == "publisher_crash":
+            for c in conns.values():
+                c.close()
+            conns.clear()
+            t.publisher.cluster.crash()
+            t.publisher.cluster.start()
+        else:
+            proxy.cut()
+
+    try:
+        for index, step in enumerate(workload.steps):
+            conn = conns.get(step.session)
+            if conn is None:
+                conn = conns[step.session] = t.publisher.connect()
+            conn.execute(step.sql)  # type: ignore[arg-type]  # generated by the model, literals quoted
+            verb = step.sql.split(None, 1)[0].upper()
+            if verb == "BEGIN":
+                open_txn.add(step.session)
+            elif verb in ("COMMIT", "ROLLBACK", "PREPARE") and not step.sql.upper().startswith(
+                ("COMMIT PREPARED", "ROLLBACK PREPARED", "ROLLBACK TO")
+            ):
+                open_txn.discard(step.session)
+            while pending and pending[0][0] <= index:
+                if pending[0][1] == "publisher_crash" and open_txn:
+                    break  # not yet: try again after the next step
+                inject(pending.pop(0)[1])
+            if step.kind in ("prepare", "commit_prepared", "rollback_prepared"):
+                check_checkpoint(t, step)
+    finally:
+        for c in conns.values():
+            c.close()
+    for _, kind in pending:
+        inject(kind)  # what is left happens after the last step, when nothing is open
+    return injected
+
+
+@settings(max_examples=FAULT_EXAMPLES, deadline=None, suppress_health_check=_HEALTH, derandomize=not _LONG)
+@given(workload=_prepared_workloads, faults=_faults)
+def test_faults_lose_nothing(
+    publisher_cluster: PostgresCluster,
+    target_cluster: PostgresCluster,
+    native_cluster: PostgresCluster,
+    workload: Workload,
+    faults: list[tuple[int, str]],
+) -> None:
+    """The property under faults: our applier runs as the CLI process, its publisher connection goes through a
+    proxy, and kill -9 / target crash / publisher crash / connection cuts happen at random steps. Still equal to
+    the native subscriber at every checkpoint and to the publisher at the end: nothing lost, nothing applied twice,
+    no prepared transaction stranded."""
+    proxy = TcpProxy(publisher_cluster.port)
+    try:
+        with trio(
+            publisher_cluster,
+            target_cluster,
+            native_cluster,
+            publisher_conninfo=lambda pub: pub.cluster.dsn(pub.name, port=str(proxy.port)),
+        ) as t:
+            applier = CliApplier(t.ours, t.name)
+            t.stop_ours = applier.close
+            applier.start()
+            _note("workload (SQL, one session per -- sN):\n" + workload.to_sql())
+            _note(f"faults (after step index, kind): {faults}")
+            wait_streaming(t)
+            injected = run_with_faults(t, workload, faults, applier, proxy)
+            try:
+                check_end(t)
+            except BaseException:
+                _note(f"injected: {injected}\napplier log:\n{applier.log_tail()}")
+                raise
+    finally:
+        proxy.close()

@@ -105,17 +105,31 @@ _action = st.one_of(
 
 
 def workloads(*, max_actions: int = 40, sessions: int = 3, big: bool = True, truncate: bool = True,
-              prepared: bool = True) -> st.SearchStrategy[Workload]:  # fmt: skip
+              prepared: bool = True, min_prepared: int = 0) -> st.SearchStrategy[Workload]:  # fmt: skip
     """Random interleaved workloads over :data:`SCHEMA_SQL`'s tables.
 
     ``big`` allows multi-thousand-row transactions (they stream when the publisher's ``logical_decoding_work_mem``
-    is small); ``prepared`` allows two-phase endings.
+    is small); ``prepared`` allows two-phase endings. ``min_prepared`` inserts that many "change a row, then
+    PREPARE" pairs at drawn positions, so every example has prepared transactions (random actions alone rarely
+    make one in short workloads, and filtering for them is too expensive); they shrink like the rest.
     """
 
     def build(actions: list[tuple]) -> Workload:
         return _Model(sessions, big=big, truncate=truncate, prepared=prepared).run(actions)
 
-    return st.lists(_action, max_size=max_actions).map(build)
+    if not min_prepared:
+        return st.lists(_action, max_size=max_actions).map(build)
+    forced = st.tuples(st.integers(0, max_actions), st.integers(0, sessions - 1), st.booleans())
+
+    def with_prepares(drawn: tuple[list[tuple], list[tuple[int, int, bool]]]) -> list[tuple]:
+        actions, prepares = drawn
+        for pos, sid, big_one in sorted(prepares, reverse=True):
+            change = ("big", sid, 2500) if big_one else ("op", sid, "insert", 0, 0, "p", "1")
+            actions[pos:pos] = [change, ("end", sid, "prepare")]
+        return actions
+
+    pairs = st.lists(forced, min_size=min_prepared, max_size=min_prepared)
+    return st.tuples(st.lists(_action, max_size=max_actions), pairs).map(with_prepares).map(build)
 
 
 # --- the model -------------------------------------------------------------------------------------------------
