@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on 127.0.0.1:PORT"
     )
+    p.add_argument(
+        "--log-format", choices=("text", "json"), default=None,
+        help="log lines for people (text, default) or one JSON object per line for machines (json)",
+    )  # fmt: skip
 
     p = sub.add_parser("status", parents=[common], help="show subscriptions: tables, positions, lag, errors")
     p.add_argument("name", nargs="?", metavar="NAME", help="only this subscription")
@@ -220,7 +224,7 @@ def _dispatch(args: argparse.Namespace, extra: list[str], parser: argparse.Argum
     elif args.command == "run":
         from applier import runner
 
-        runner.configure_logging(target)
+        runner.configure_logging(target, log_format=args.log_format)
         return runner.run(target, args.names, metrics_port=args.metrics_port)
     elif args.command == "status":
         entries = subs.status(target, args.name)
