@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -122,6 +123,7 @@ def run_one(pubc: PostgresCluster, tgtc: PostgresCluster, key: str, scale: float
             sql.Literal("on" if wl.streaming else "off"), sql.Literal(wl.two_phase)))  # fmt: skip
         units = wl.run(pub, scale)
 
+        rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         t0 = time.monotonic()
         w = s.start()
         try:
@@ -129,6 +131,8 @@ def run_one(pubc: PostgresCluster, tgtc: PostgresCluster, key: str, scale: float
             t_ours = time.monotonic() - t0
         finally:
             w.stop()
+        rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        print(f"  peak RSS of this process: {rss_before / 1024:.0f} MB before, {rss_after / 1024:.0f} MB after ours")
         t0 = time.monotonic()
         native.execute(sql.SQL("ALTER SUBSCRIPTION {} ENABLE").format(sql.Identifier(name + "_nat")))
         _wait_equal(pub, native, t0 + 600)

@@ -67,7 +67,7 @@ def test_streamed_commit_with_rolled_back_subtransaction_and_abort(streaming_pai
         wait_for_catchup(pair.publisher, pair.name, timeout=60)
         assert pair.target.scalar("SELECT count(*) FROM t") == before
         assert_tables_equal(pair.publisher, pair.target, "public.t", "public.small")
-        assert list(tmp_path.iterdir()) == []  # spool files removed when their transaction ended
+        assert list(tmp_path.rglob("*.changes")) == []  # spool files removed when their transaction ended
     finally:
         w.stop()
 

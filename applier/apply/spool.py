@@ -15,6 +15,7 @@ ignored. That list is small (one pair per subtransaction with changes), so it st
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from collections.abc import Iterator
@@ -56,6 +57,8 @@ class Spool:
             for p in self.directory.glob(f"{self.subid}-*.changes"):
                 p.unlink(missing_ok=True)
                 removed += 1
+            with contextlib.suppress(OSError):  # only if empty: the directory may be shared
+                self.directory.rmdir()
         return removed
 
     def _path(self, xid: int) -> Path:

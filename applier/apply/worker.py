@@ -307,11 +307,12 @@ class ApplyWorker:
         tables = _CatalogTables(self, sub)
         target = self._connect_target(sub)
         tables.target = target
-        spool = Spool(self.spool_dir, sub.subid)
+        spool: Spool | None = None
         repl: ReplicationConnection | None = None
         applier: Applier | None = None
         clean = False
         try:
+            spool = Spool(self._spool_directory(target, sub), sub.subid)
             self.catalog.reconcile_prepared(sub.subid)
             spool.cleanup()
             start_lsn = target.origin_progress(sub.origin_name)
@@ -343,7 +344,14 @@ class ApplyWorker:
             target.close()
             if repl is not None:
                 repl.close()
-            spool.cleanup()
+            if spool is not None:
+                spool.cleanup()
+
+    def _spool_directory(self, target: Target, sub: Subscription) -> Path:
+        """``<spool_dir>/<target system identifier>-<subid>``: subids are unique only within a target cluster,
+        and several workers (of other targets) may share one spool directory; each removes only its own files."""
+        sysid = target.query("SELECT system_identifier::text FROM pg_catalog.pg_control_system()")[0][0]
+        return self.spool_dir / f"{sysid}-{sub.subid}"
 
     def _connect_target(self, sub: Subscription) -> Target:
         try:
