@@ -28,7 +28,8 @@ class ProcSample:
     vm_hwm_kb: int
     vm_rss_kb: int
     rss_anon_kb: int
-    cpu_s: float
+    cpu_s: float  # user + system
+    sys_s: float  # system alone: for a backend, mostly WAL writes and fsyncs
 
 
 def proc_sample(pid: int) -> ProcSample | None:
@@ -54,6 +55,7 @@ def proc_sample(pid: int) -> ProcSample | None:
         fields.get("VmRSS", 0),
         fields.get("RssAnon", 0),
         (utime + stime) / _CLK_TCK,
+        stime / _CLK_TCK,
     )
 
 
@@ -101,17 +103,23 @@ class PeakTracker:
         self.anon_peak_kb: dict[int, int] = {}
         self.last: dict[int, ProcSample] = {}
         self.base_cpu: dict[int, float] = {}
+        self.base_sys: dict[int, float] = {}
 
     def mark_base(self, pids: Iterable[int]) -> None:
         for pid in pids:
             s = proc_sample(pid)
             if s is not None:
                 self.base_cpu[pid] = s.cpu_s
+                self.base_sys[pid] = s.sys_s
 
     def cpu_since_base(self, pid: int) -> float | None:
         """CPU seconds between :meth:`mark_base` and the last sample (all of it when no mark was taken)."""
         last = self.last.get(pid)
         return None if last is None else last.cpu_s - self.base_cpu.get(pid, 0.0)
+
+    def sys_since_base(self, pid: int) -> float | None:
+        last = self.last.get(pid)
+        return None if last is None else last.sys_s - self.base_sys.get(pid, 0.0)
 
     def sample(self, pids: Iterable[int]) -> None:
         for pid in pids:

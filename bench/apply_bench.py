@@ -217,6 +217,8 @@ class SideRun:
     # CPU from slot active to marker visible: native: the apply worker; ours: our Python worker process
     worker_cpu_s: float | None = None
     backend_cpu_s: float | None = None  # ours only: the target backend our worker drives
+    worker_sys_s: float | None = None  # the system-time part of worker_cpu_s (JSON only)
+    backend_sys_s: float | None = None
     walsender_cpu_s: float | None = None  # the publisher's walsender (decoding) for this slot
     worker_hwm_kb: int | None = None
     worker_anon_peak_kb: int | None = None
@@ -394,6 +396,7 @@ def _run_native(ctx: _Ctx, db: Database, sub: NativeSubscription) -> SideRun:
         if pid is not None:
             peaks.sample([pid])
             run.worker_cpu_s = peaks.cpu_since_base(pid)
+            run.worker_sys_s = peaks.sys_since_base(pid)
             run.worker_hwm_kb = peaks.last[pid].vm_hwm_kb
             run.worker_anon_peak_kb = peaks.anon_peak_kb[pid]
         if wal_pid is not None and (ws := proc_sample(wal_pid)) is not None:
@@ -500,10 +503,12 @@ def _run_ours(ctx: _Ctx, db: Database, name: str) -> SideRun:
                 wal_pid = poller.slot_pid()
                 if worker is not None and worker in peaks.last:
                     run.worker_cpu_s = peaks.cpu_since_base(worker)
+                    run.worker_sys_s = peaks.sys_since_base(worker)
                     run.worker_hwm_kb = peaks.last[worker].vm_hwm_kb
                     run.worker_anon_peak_kb = peaks.anon_peak_kb[worker]
                 if backend is not None and backend in peaks.last:
                     run.backend_cpu_s = peaks.cpu_since_base(backend)
+                    run.backend_sys_s = peaks.sys_since_base(backend)
                     run.backend_hwm_kb = peaks.last[backend].vm_hwm_kb
                 if wal_pid is not None and (ws := proc_sample(wal_pid)) is not None:
                     run.walsender_cpu_s = ws.cpu_s
