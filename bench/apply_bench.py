@@ -64,8 +64,8 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -235,8 +235,10 @@ class SideRun:
         """Local transaction ends written: commits, prepares, commit/rollback prepared, aborts."""
         if not self.wal_records:
             return None
-        return sum(n for k, n in self.wal_records.items() if k.startswith("Transaction/") and k.split("/")[1] in
-                   ("COMMIT", "PREPARE", "COMMIT_PREPARED", "ABORT_PREPARED", "ABORT"))  # fmt: skip
+        n = sum(n for k, n in self.wal_records.items() if k.startswith("Transaction/") and k.split("/")[1] in
+                ("COMMIT", "PREPARE", "COMMIT_PREPARED", "ABORT_PREPARED", "ABORT"))  # fmt: skip
+        # the window also holds our own ALTER SUBSCRIPTION ... ENABLE and DISABLE: not the worker's doing
+        return n - 2 if self.side == "native" else n
 
 
 @dataclass
@@ -803,14 +805,14 @@ def render(summaries: list[Summary], md: bool) -> str:
         c, w = s.cpu_us, s.wal
         rows.append([
             s.workload.key,
-            f"{_f(c['native'], '.1f')} | {_f(c['ours'], '.1f')} + {_f(c['ours_backend'], '.1f')}",
-            f"{_f(c['native_walsender'], '.1f')} | {_f(c['ours_walsender'], '.1f')}",
-            f"{_f(w['native']['xacts'], '.2f')} | {_f(w['ours']['xacts'], '.2f')}",
-            f"{_f(w['native']['fsyncs'], '.2f')} | {_f(w['ours']['fsyncs'], '.2f')}",
-            f"{_f(w['native']['bytes'], ',.0f')} | {_f(w['ours']['bytes'], ',.0f')}",
+            f"{_f(c['native'], '.1f')} / {_f(c['ours'], '.1f')} + {_f(c['ours_backend'], '.1f')}",
+            f"{_f(c['native_walsender'], '.1f')} / {_f(c['ours_walsender'], '.1f')}",
+            f"{_f(w['native']['xacts'], '.2f')} / {_f(w['ours']['xacts'], '.2f')}",
+            f"{_f(w['native']['fsyncs'], '.2f')} / {_f(w['ours']['fsyncs'], '.2f')}",
+            f"{_f(w['native']['bytes'], ',.0f')} / {_f(w['ours']['bytes'], ',.0f')}",
         ])  # fmt: skip
-    lines += _table(["workload", "apply CPU µs/unit: n | o worker + its backend", "walsender CPU µs/unit: n | o",
-                     "local xact ends/remote xact: n | o", "WAL fsyncs/remote xact: n | o", "WAL bytes/unit: n | o"],
+    lines += _table(["workload", "apply CPU µs/unit: n / o worker + its backend", "walsender CPU µs/unit: n / o",
+                     "local xact ends/remote xact: n / o", "WAL fsyncs/remote xact: n / o", "WAL bytes/unit: n / o"],
                     rows, md)  # fmt: skip
     for s in summaries:
         if s.workload.streaming:
@@ -879,6 +881,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="run our worker under py-spy (raw collapsed stacks here); its timings are then not comparable")  # fmt: skip
     ap.add_argument("--profile-what", choices=("wall", "cpu"), default="wall",
                     help="with --profile-dir: wall time (waits included, default) or CPU time only")  # fmt: skip
+    ap.add_argument(
+        "--render", type=Path, metavar="JSON", help="only print the report of a saved --json file"
+    )
+    ap.add_argument("--render-markdown", action="store_true", help="with --render: as Markdown")
     ap.add_argument("--json", type=Path, default=OUT_DIR / "apply_bench.json", help="raw results")
     ap.add_argument("--markdown", type=Path, default=OUT_DIR / "apply_bench.md", help="the table as Markdown")
     args = ap.parse_args(argv)
@@ -894,8 +900,45 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _header(started: datetime, versions: dict[str, str], load_at_start: Sequence[float],
+            load_at_end: Sequence[float], target_conf: Sequence[str]) -> str:  # fmt: skip
+    return (f"{started:%Y-%m-%d %H:%M} UTC; PostgreSQL {versions.get('postgresql')}; Python {versions.get('python')}; "
+            f"psycopg {versions.get('psycopg')}; commit {versions.get('commit')}; {versions.get('cpus')} CPUs; "
+            f"load average at start {load_at_start[0]:.1f}, at end {load_at_end[0]:.1f}"
+            + (f"; target settings {', '.join(target_conf)}" if target_conf else ""))  # fmt: skip
+
+
+def load_results(path: Path) -> tuple[str, list[Summary]]:
+    """A saved ``--json`` file back into the header and summaries, so that a run can be rendered again (for
+    instance after the report's format changed) without running it again."""
+    data = json.loads(path.read_text())
+    sizes = Sizes(**data["sizes"])
+    side_fields = {f.name for f in fields(SideRun)}
+    by_workload: dict[str, list[RepResult]] = {}
+    for raw in data["results"]:
+        raw = dict(raw)
+        sides = {
+            k: SideRun(**{f: v for f, v in s.items() if f in side_fields})
+            for k, s in raw.pop("sides").items()
+        }
+        raw.setdefault("txns", WORKLOADS[raw["workload"]].txns(sizes) + 1)
+        result = RepResult(**raw)
+        result.sides = sides
+        by_workload.setdefault(result.workload, []).append(result)
+    argv = data.get("argv", [])
+    target_conf = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--target-conf"]
+    header = _header(datetime.fromisoformat(data["started"]), data["versions"], data["load_at_start"],
+                     data["load_at_end"], target_conf)  # fmt: skip
+    return header, [summarize(WORKLOADS[k], reps) for k, reps in by_workload.items()]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.render:
+        header, summaries = load_results(args.render)
+        print(header + "\n")
+        print(render(summaries, md=args.render_markdown))
+        return 0
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     if args.profile_dir:
         args.profile_dir.mkdir(parents=True, exist_ok=True)
@@ -932,10 +975,7 @@ def main(argv: list[str] | None = None) -> int:
         pubc.destroy()
         shutil.rmtree(args.spool_root, ignore_errors=True)
     load_at_end = loadavg()
-    header = (f"{started:%Y-%m-%d %H:%M} UTC; PostgreSQL {versions['postgresql']}; Python {versions['python']}; "
-              f"psycopg {versions['psycopg']}; commit {versions['commit']}; {versions['cpus']} CPUs; "
-              f"load average at start {load_at_start[0]:.1f}, at end {load_at_end[0]:.1f}"
-              + (f"; target settings {', '.join(args.target_conf)}" if args.target_conf else ""))  # fmt: skip
+    header = _header(started, versions, load_at_start, load_at_end, args.target_conf)
     print()
     print(header)
     print(render(summaries, md=False))
