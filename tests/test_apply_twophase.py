@@ -57,7 +57,8 @@ def test_prepare_commit_rollback_and_empty_prepare(pair):
         assert ours(s) == []
         assert pair.target.query("SELECT id, v FROM t ORDER BY id") == [(1, "a"), (2, "a2")]
         assert_tables_equal(pub, pair.target, "public.t")
-        assert pair.target.scalar("SELECT count(*) FROM applier.prepared_xact") == 0
+        wait_until(lambda: pair.target.scalar("SELECT count(*) FROM applier.prepared_xact") == 0, timeout=10,
+                   what="records of finished prepared transactions to be removed")  # fmt: skip
     finally:
         w.stop()
 

@@ -112,6 +112,7 @@ class Applier:
         clear_skip_lsn: Callable[[int, int], bool],
         encoding: str = "utf-8",
         logger: logging.Logger | None = None,
+        prepared: dict[str, tuple[int, int]] | None = None,
     ) -> None:
         self.subid = subid
         self.subname = subname
@@ -125,6 +126,11 @@ class Applier:
         self.encoding = encoding
         self.log = logger or log
 
+        #: our prepared transactions: gid -> (prepare_end_lsn, prepare_time) (``LookupGXact``'s data)
+        self.prepared: dict[str, tuple[int, int]] = dict(prepared or {})
+        self.finished_prepared = (
+            0  # COMMIT/ROLLBACK PREPARED done since the worker last reconciled the records
+        )
         self.relations: dict[int, Relation] = {}
         self.entries: dict[int, RelMapEntry] = {}
         # the open remote transaction
@@ -442,25 +448,26 @@ class Applier:
         before the local transaction begins, so it is visible while the transaction stays prepared.
 
         It is queued on the apply session in a transaction of its own (no extra round trip); with asynchronous
-        commit it still becomes durable no later than the PREPARE, whose WAL flush covers it.
+        commit it still becomes durable no later than the PREPARE, whose WAL flush covers it. The worker also keeps
+        the records of its prepared transactions in memory (:attr:`prepared`), so ROLLBACK PREPARED needs no
+        lookup round trip; rows of finished ones are removed in batches (``Catalog.reconcile_prepared``).
         """
-        self.target.pipeline.send_query(
+        gid = gid_for(self.subid, xid)
+        self.target.own_transaction(
             b"INSERT INTO applier.prepared_xact (gid, subid, remote_xid, prepare_lsn, prepare_end_lsn, prepare_time)"
             b" VALUES ($1, $2::bigint, $3::bigint, $4::pg_catalog.pg_lsn, $5::pg_catalog.pg_lsn, $6::bigint)"
             b" ON CONFLICT (gid) DO UPDATE SET subid = excluded.subid, remote_xid = excluded.remote_xid,"
             b" prepare_lsn = excluded.prepare_lsn, prepare_end_lsn = excluded.prepare_end_lsn,"
             b" prepare_time = excluded.prepare_time, recorded_at = now()",
-            [gid_for(self.subid, xid).encode(), str(self.subid).encode(), str(xid).encode(),
+            [gid.encode(), str(self.subid).encode(), str(xid).encode(),
              format_lsn(prepare_lsn).encode(), format_lsn(end_lsn).encode(), str(prepare_time).encode()],
             ctx,
         )  # fmt: skip
-        self.target.pipeline.sync()
+        self.prepared[gid] = (end_lsn, prepare_time)
 
-    def _forget_prepared(self, gid: str, ctx: ErrorContext) -> None:
-        self.target.pipeline.send_query(
-            b"DELETE FROM applier.prepared_xact WHERE gid = $1", [gid.encode()], ctx
-        )
-        self.target.pipeline.sync()
+    def _forget_prepared(self, gid: str) -> None:
+        self.prepared.pop(gid, None)
+        self.finished_prepared += 1
 
     def handle_begin_prepare(self, m: BeginPrepare, payload: bytes = b"") -> None:
         """``apply_handle_begin_prepare``: like Begin, with the prepare LSN as the finish LSN."""
@@ -502,7 +509,7 @@ class Applier:
         token = self.tracker.queued(m.end_lsn, two_phase=True)
         self.target.finish_prepared(True, gid, m.end_lsn, m.commit_time, ctx,
                                     lambda _res: self.tracker.confirmed(token))  # fmt: skip
-        self._forget_prepared(gid, ctx)
+        self._forget_prepared(gid)
         self.transactions += 1
         self.tables.after_transaction(m.end_lsn)
         self._clear_skip_lsn_separately(m.end_lsn, True)
@@ -516,17 +523,12 @@ class Applier:
             )
         gid = gid_for(self.subid, m.xid)
         ctx = ErrorContext(self.origin, "ROLLBACK PREPARED", None, m.xid, m.prepare_end_lsn)
-        found = self.target.query(
-            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_prepared_xacts WHERE gid = %(gid)s)"
-            " AND EXISTS (SELECT 1 FROM applier.prepared_xact WHERE gid = %(gid)s"
-            " AND prepare_end_lsn = %(lsn)s::pg_catalog.pg_lsn AND prepare_time = %(time)s)",
-            {"gid": gid, "lsn": format_lsn(m.prepare_end_lsn), "time": m.prepare_time},
-        )[0][0]
+        found = self.prepared.get(gid) == (m.prepare_end_lsn, m.prepare_time)
         token = self.tracker.queued(m.rollback_end_lsn, two_phase=True)
         if found:
             self.target.finish_prepared(False, gid, m.rollback_end_lsn, m.rollback_time, ctx,
                                         lambda _res: self.tracker.confirmed(token))  # fmt: skip
-            self._forget_prepared(gid, ctx)
+            self._forget_prepared(gid)
         else:
             self.tracker.confirmed(token)
             self.log.debug("skipping ROLLBACK PREPARED of %s: no matching prepared transaction", gid)

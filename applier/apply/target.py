@@ -439,7 +439,6 @@ class Target:
         self._origin_setup(end_lsn, ts, ctx)
         stmt = sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)).as_bytes(self.conn)
         self.pipeline.send_query(stmt, None, ctx, self._confirming(end_lsn, on_ok))
-        self.pipeline.sync()
         self.in_transaction = False
 
     def finish_prepared(self, commit: bool, gid: str, end_lsn: int, ts: int, ctx: ErrorContext | None,
@@ -471,6 +470,26 @@ class Target:
         self.pipeline.send_prepared(b"applier_commit", (), None, ctx, self._confirming(origin_lsn, None))
         self.in_transaction = False
         self.pipeline.drain()
+
+    def own_transaction(
+        self, command: bytes, params: Sequence[bytes | None], ctx: ErrorContext | None
+    ) -> None:
+        """Queue ``command`` in a transaction of its own (no sync point, no origin progress of its own)."""
+        if self.in_transaction:
+            raise RuntimeError("own_transaction() inside the apply transaction")
+        self._prepare_fixed(ctx)
+        self.pipeline.send_prepared(b"applier_begin", (), None, ctx)
+        self.pipeline.send_query(command, params, ctx)
+        self.pipeline.send_prepared(b"applier_commit", (), None, ctx)
+
+    def prepared_transactions(self, subid: int) -> dict[str, tuple[int, int]]:
+        """Our recorded prepared transactions that exist on the target: gid -> (prepare_end_lsn, prepare_time)."""
+        rows = self.query(
+            "SELECT p.gid, p.prepare_end_lsn::text, p.prepare_time FROM applier.prepared_xact p"
+            " JOIN pg_catalog.pg_prepared_xacts x ON x.gid = p.gid WHERE p.subid = %s",
+            (subid,),
+        )
+        return {gid: (parse_lsn(lsn), int(ts)) for gid, lsn, ts in rows}
 
     def prepared_exists(self, gid: str) -> bool:
         return bool(self.query("SELECT 1 FROM pg_catalog.pg_prepared_xacts WHERE gid = %s", (gid,)))

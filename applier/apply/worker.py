@@ -330,6 +330,7 @@ class ApplyWorker:
             applier = Applier(
                 subid=sub.subid, subname=sub.subname, target=target, tracker=tracker, spool=spool,
                 tables=tables, skip=skip, clear_skip_lsn=self.catalog.clear_skip_lsn, logger=self.log,
+                prepared=target.prepared_transactions(sub.subid),
             )  # fmt: skip
             outcome = self._stream(sub, repl, target, applier, tracker, tables, skip)
             clean = True
@@ -431,6 +432,9 @@ class ApplyWorker:
                 if now - last_reread >= REREAD_INTERVAL:
                     last_reread = now
                     self._reread(sub, skip, tables, target)
+                    if applier.finished_prepared:
+                        applier.finished_prepared = 0
+                        self.catalog.reconcile_prepared(sub.subid)
                 if not tables.all_ready or tables.two_phase_state == "p":
                     tables.after_transaction(tracker.last_received)
             # feedback (behaviour 9)
