@@ -59,6 +59,8 @@ STATUS_INTERVAL = 10.0
 FLUSH_POLL_INTERVAL = 0.1
 #: Messages applied before the loop looks at feedback, results and the stop event again.
 BURST = 5000
+#: wal_receiver_timeout: silence from the publisher this long ends the session (a ping is sent at half of it).
+RECEIVER_TIMEOUT = 60.0
 
 
 class ApplyWorkerError(ApplierError):
@@ -144,19 +146,17 @@ class _CatalogTables(TableStates):
         """The sync-state pass (behaviour 76) and the two-phase restart check (57)."""
         if self.all_ready and self.two_phase_state != "p":
             return
-        if self.target is not None:
-            # Mark tables ready only once what was applied before is known committed: were a queued commit to
-            # fail, the stream would restart before it and must still skip what the copy holds.
-            self.target.pipeline.drain()
-        by_name = {r.name: r for r in self.by_oid.values()}
         ready = process_syncing_tables(self.table_states(), current_lsn)
         if ready:
             if self.target is None:  # pragma: no cover - always set while streaming
                 raise RuntimeError("sync-state pass without a target session")
-            # In the apply session, with the origin advanced to current_lsn in the same transaction: a table
-            # becomes ready at L only together with "the stream resumes after L". Otherwise a restart would
-            # resume before L and re-send transactions this table skipped (its copy holds them) into a table
-            # that now takes everything.
+            # Only once what was applied before is known committed (were a queued commit to fail, the stream
+            # would restart before it and must still skip what the copy holds), and in the apply session with the
+            # origin advanced to current_lsn in the same transaction: a table becomes ready at L only together
+            # with "the stream resumes after L". Otherwise a restart would resume before L and re-send
+            # transactions this table skipped (its copy holds them) into a table that now takes everything.
+            self.target.pipeline.drain()
+            by_name = {r.name: r for r in self.by_oid.values()}
             self.target.mark_ready(
                 self.subid, [(by_name[t.name].relid, t.state.value, t.lsn) for t in ready], current_lsn
             )
@@ -165,8 +165,10 @@ class _CatalogTables(TableStates):
                     'logical replication table synchronization for subscription "%s", table "%s" has finished',
                     self.worker.subname, t.name,
                 )  # fmt: skip
-        self.reload()
+            self.reload()
         if should_restart_for_two_phase(self.two_phase_state, self.table_states()):
+            if self.target is not None:
+                self.target.pipeline.drain()
             self.worker.log.info(restart_for_two_phase_message(self.worker.subname))
             raise _Restart()
 
@@ -405,6 +407,8 @@ class ApplyWorker:
         handle = applier.handle
         decode = decoder.decode
         stats = self.stats
+        last_heard = time.monotonic()
+        pinged = False
         while True:
             if self.stop.is_set():
                 return self._stop_session(repl, target, applier, tracker)
@@ -428,6 +432,15 @@ class ApplyWorker:
             if target.pipeline.pending:
                 target.pipeline.poll()
             now = time.monotonic()
+            if n:
+                last_heard = now
+                pinged = False
+            elif now - last_heard >= RECEIVER_TIMEOUT:
+                raise ReplicationConnectionError("terminating logical replication worker due to timeout")
+            elif now - last_heard >= RECEIVER_TIMEOUT / 2 and not pinged:
+                pinged = True
+                pos = tracker.last_sent
+                repl.send_status(pos.write, pos.flush, pos.apply, reply_requested=True)
             if applier.idle:
                 if now - last_reread >= REREAD_INTERVAL:
                     last_reread = now
