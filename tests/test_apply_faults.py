@@ -108,3 +108,24 @@ def test_syncdone_table_skips_what_its_copy_holds_then_enables_two_phase(pair):
         assert_tables_equal(pub, pair.target, "public.t")
     finally:
         w.stop()
+
+
+def test_worker_returns_when_the_subscription_is_disabled_or_dropped(pair):
+    """``maybe_reread_subscription`` (behaviour 52): a disabled or removed subscription ends ``run()`` cleanly."""
+    both(pair, "CREATE TABLE t (id int PRIMARY KEY)")
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"])
+    w = s.start()
+    pair.publisher.execute("INSERT INTO t VALUES (1)")
+    wait_for_catchup(pair.publisher, pair.name, timeout=30)
+    s.catalog.update_subscription(s.sub.subid, subenabled=False)
+    w.thread.join(15)
+    assert not w.alive and w.error is None
+    s.catalog.update_subscription(s.sub.subid, subenabled=True)
+    w = s.start()
+    pair.publisher.execute("INSERT INTO t VALUES (2)")
+    wait_for_catchup(pair.publisher, pair.name, timeout=30)
+    pair.target.execute("DELETE FROM applier.subscription WHERE subid = %s", (s.sub.subid,))
+    w.thread.join(15)
+    assert not w.alive and w.error is None
+    assert pair.target.query("SELECT id FROM t ORDER BY id") == [(1,), (2,)]
+    pair.target.execute("SELECT pg_replication_origin_drop(%s)", (s.sub.origin_name,))  # origins are cluster-wide
