@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from applier.apply.testing import setup_subscription
+from applier.apply.worker import start_worker
 from applier.testing import assert_tables_equal, wait_for_catchup, wait_until
+from state.catalog import Catalog
 
 pytestmark = pytest.mark.core
 
@@ -166,5 +168,44 @@ def test_binary_subscription(pair):
         pair.publisher.execute("DELETE FROM t WHERE id % 9 = 0")
         wait_for_catchup(pair.publisher, pair.name, timeout=30)
         assert_tables_equal(pair.publisher, pair.target, "public.t")
+    finally:
+        w.stop()
+
+
+def test_partitioned_target_via_root_and_row_movement(pair):
+    """publish_via_partition_root: changes name the root; the target's partitioned root routes them, an UPDATE
+    of the partition key moves the row, TRUNCATE of the root empties the partitions."""
+    both(
+        pair,
+        "CREATE TABLE p (id int, region text, v text, PRIMARY KEY (id, region)) PARTITION BY LIST (region)",
+        "CREATE TABLE p_eu PARTITION OF p FOR VALUES IN ('eu')",
+        "CREATE TABLE p_us PARTITION OF p FOR VALUES IN ('us')",
+    )
+    pair.publisher.execute(
+        f'CREATE PUBLICATION "{pair.name}" FOR TABLE p WITH (publish_via_partition_root = true)'
+    )
+    pair.publisher.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (pair.name,))
+    catalog = Catalog.connect(pair.target.dsn)
+    catalog.ensure()
+    sub = catalog.create_subscription(
+        subname=pair.name, conninfo=pair.publisher.dsn, publications=[pair.name], two_phase_state="d",
+        streaming="off", binary=False, disable_on_error=False, origin="any", slot_name=pair.name, enabled=True,
+        copy_data=False,
+    )  # fmt: skip
+    catalog.add_table(sub.subid, int(pair.target.scalar("SELECT 'public.p'::regclass::oid")), "public.p", "r")
+    w = start_worker(pair.target.dsn, pair.name, retry_initial=0.1, retry_max=1.0)
+    try:
+        pub = pair.publisher
+        pub.execute(
+            "INSERT INTO p SELECT g, CASE WHEN g % 2 = 0 THEN 'eu' ELSE 'us' END, 'v' FROM generate_series(1, 300) g"
+        )
+        pub.execute("UPDATE p SET region = 'us', v = 'moved' WHERE id <= 10 AND region = 'eu'")
+        pub.execute("DELETE FROM p WHERE id > 290")
+        wait_for_catchup(pub, pair.name, timeout=30)
+        assert_tables_equal(pub, pair.target, "public.p_eu", "public.p_us")
+        assert pair.target.scalar("SELECT count(*) FROM p_us WHERE v = 'moved'") == 5
+        pub.execute("TRUNCATE p")
+        wait_for_catchup(pub, pair.name, timeout=30)
+        assert pair.target.scalar("SELECT count(*) FROM p") == 0
     finally:
         w.stop()
