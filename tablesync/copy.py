@@ -21,6 +21,7 @@ A crash anywhere before the commit leaves nothing behind; after it, the marker m
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -100,55 +101,115 @@ def _pump(src: psycopg.Copy, dst: psycopg.Copy) -> int:
     return total
 
 
-def _copy_once(task: PartitionTask, publisher_conninfo: str, target_conninfo: str) -> PartitionResult:
-    started = time.monotonic()
-    key = (task.subid, task.relname, task.snapshot)
-    with connect(target_conninfo, autocommit=False) as tconn:
-        tconn.execute(
-            "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
-            (f"applier.tablesync:{task.subid}:{task.relname}:{task.part}",),
-        )
-        if tconn.execute(_CLAIM_LOOKUP, (*key, CLAIM_PART)).fetchone() is None:
-            raise SupersededError(
-                f"copy of {task.relname} at snapshot {task.snapshot} was superseded by a newer run"
+class PartitionCopier:
+    """Copies partitions one after another over two connections kept open between them.
+
+    A Spark task usually gets several small partitions (many small tables are packed together, see
+    :func:`tablesync.planner.pack_tasks`): opening two connections and importing the snapshot once per task
+    instead of once per partition is most of the cost of a small table. The publisher connection stays in one
+    ``REPEATABLE READ`` transaction on the imported snapshot for all its COPYs; on the target each partition is
+    its own transaction with its marker.
+
+    Any error closes both connections (their state is unknown); the next :meth:`copy` opens fresh ones.
+    """
+
+    def __init__(self, publisher_conninfo: str, target_conninfo: str, *, attempts: int = 4) -> None:
+        self.publisher_conninfo = publisher_conninfo
+        self.target_conninfo = target_conninfo
+        self.attempts = attempts
+        self._pconn: psycopg.Connection[Any] | None = None
+        self._tconn: psycopg.Connection[Any] | None = None
+        self._snapshot: str | None = None
+
+    def __enter__(self) -> PartitionCopier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for conn in (self._pconn, self._tconn):
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    conn.close()
+        self._pconn = self._tconn = None
+        self._snapshot = None
+
+    def _target(self) -> psycopg.Connection[Any]:
+        if self._tconn is None or self._tconn.closed:
+            self._tconn = connect(self.target_conninfo, autocommit=False)
+        return self._tconn
+
+    def _publisher(self, snapshot: str) -> psycopg.Connection[Any]:
+        """The publisher connection inside the imported snapshot (imported once per connection)."""
+        if self._pconn is None or self._pconn.closed or self._snapshot != snapshot:
+            if self._pconn is not None:
+                with contextlib.suppress(Exception):
+                    self._pconn.close()
+            self._pconn = connect(self.publisher_conninfo, autocommit=True)
+            self._pconn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            self._pconn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot)))
+            self._snapshot = snapshot
+        return self._pconn
+
+    def copy(self, task: PartitionTask) -> PartitionResult:
+        """Copy one partition exactly once, retrying connection failures (a server restart, a dropped link) with
+        backoff. Other errors (a bad row, an invalid snapshot, a superseded run) fail at once: Spark's own task
+        retries then apply, and an exhausted or hopeless task fails the job with the server's message."""
+        runner = retry(
+            retry=retry_if_exception_type(psycopg.OperationalError),
+            stop=stop_after_attempt(self.attempts),
+            wait=wait_exponential(multiplier=0.5, max=10),
+            reraise=True,
+            before_sleep=lambda rs: log.warning(
+                "copy of %s part %d failed (%s); retrying", task.relname, task.part, rs.outcome.exception()
+            ),
+        )(self._copy_once)
+        return runner(task)
+
+    def _copy_once(self, task: PartitionTask) -> PartitionResult:
+        started = time.monotonic()
+        key = (task.subid, task.relname, task.snapshot)
+        try:
+            tconn = self._target()
+            tconn.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+                (f"applier.tablesync:{task.subid}:{task.relname}:{task.part}",),
             )
-        done = tconn.execute(_MARKER_LOOKUP, (*key, task.part)).fetchone()
-        if done is not None:
-            tconn.rollback()
-            return PartitionResult(
-                task.task_id, task.relname, task.part, done[0], done[1], True, time.monotonic() - started
-            )
-        tconn.execute("SET LOCAL session_replication_role = replica")
-        tconn.execute(sql.SQL(task.lock_target))  # type: ignore[arg-type]
-        with connect(publisher_conninfo, autocommit=True) as pconn:
-            pconn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
-            pconn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(task.snapshot)))
-            pcur, tcur = pconn.cursor(), tconn.cursor()
+            if tconn.execute(_CLAIM_LOOKUP, (*key, CLAIM_PART)).fetchone() is None:
+                raise SupersededError(
+                    f"copy of {task.relname} at snapshot {task.snapshot} was superseded by a newer run"
+                )
+            done = tconn.execute(_MARKER_LOOKUP, (*key, task.part)).fetchone()
+            if done is not None:
+                tconn.rollback()
+                return PartitionResult(
+                    task.task_id, task.relname, task.part, done[0], done[1], True, time.monotonic() - started
+                )
+            tconn.execute("SET LOCAL session_replication_role = replica")
+            # Safe without waiting for the flush: the run's final catalog commit (synchronous) flushes the WAL
+            # before it, so a partition lost in a crash can only be one whose table is not yet marked copied.
+            tconn.execute("SET LOCAL synchronous_commit = off")
+            tconn.execute(sql.SQL(task.lock_target))  # type: ignore[arg-type]
+            # The claim is checked before the snapshot is imported: an orphaned task stops here either way.
+            pcur, tcur = self._publisher(task.snapshot).cursor(), tconn.cursor()
             with pcur.copy(sql.SQL(task.copy_out)) as src:  # type: ignore[arg-type]
                 with tcur.copy(sql.SQL(task.copy_in)) as dst:  # type: ignore[arg-type]
                     nbytes = _pump(src, dst)
             rows = tcur.rowcount
-            pconn.execute("COMMIT")
-        tconn.execute(_MARKER_INSERT, (*key, task.part, rows, nbytes))
-        tconn.commit()
-    return PartitionResult(
-        task.task_id, task.relname, task.part, rows, nbytes, False, time.monotonic() - started
-    )
+            tconn.execute(_MARKER_INSERT, (*key, task.part, rows, nbytes))
+            tconn.commit()
+        except BaseException:
+            self.close()
+            raise
+        return PartitionResult(
+            task.task_id, task.relname, task.part, rows, nbytes, False, time.monotonic() - started
+        )
 
 
 def copy_partition(
     task: PartitionTask, publisher_conninfo: str, target_conninfo: str, *, attempts: int = 4
 ) -> PartitionResult:
-    """Copy one partition exactly once, retrying connection failures (a server restart, a dropped link) with
-    backoff. Other errors (a bad row, an invalid snapshot, a superseded run) fail the task at once: Spark's own
-    task retries then apply, and an exhausted or hopeless task fails the job with the server's message."""
-    runner = retry(
-        retry=retry_if_exception_type(psycopg.OperationalError),
-        stop=stop_after_attempt(attempts),
-        wait=wait_exponential(multiplier=0.5, max=10),
-        reraise=True,
-        before_sleep=lambda rs: log.warning(
-            "copy of %s part %d failed (%s); retrying", task.relname, task.part, rs.outcome.exception()
-        ),
-    )(_copy_once)
-    return runner(task, publisher_conninfo, target_conninfo)
+    """Copy one partition exactly once on connections of its own (see :meth:`PartitionCopier.copy`)."""
+    with PartitionCopier(publisher_conninfo, target_conninfo, attempts=attempts) as copier:
+        return copier.copy(task)

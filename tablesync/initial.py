@@ -3,9 +3,9 @@
 Steps, each a method of :class:`InitialCopy` so tests can act between them:
 
 1. :meth:`~InitialCopy.load` — read the subscription and its table states. Tables in ``s``/``r`` are left alone. A
-   table in ``f`` with an LSN finished its copy at that snapshot point in an earlier run: it becomes ``s`` with that
-   LSN, no copy needed (its rows are exactly the publisher's at that point, and the stream, which starts earlier,
-   applies what came after). Tables in ``i``, ``d`` and ``f`` without an LSN are copied.
+   table in ``f`` finished its copy at its LSN in an earlier run: it becomes ``s`` with that LSN without a copy when
+   the subscription's stream has not passed that point (its rows are exactly the publisher's there, and the stream
+   applies what came after), and is copied again otherwise. Tables in ``i`` and ``d`` are copied.
 2. :meth:`~InitialCopy.open_snapshot` — a replication connection creates a *temporary* slot with
    ``SNAPSHOT 'export'`` at consistent point Y. The connection then stays idle and open: the snapshot lives exactly
    as long as that (behaviour 117), and the temporary slot vanishes with it.
@@ -40,9 +40,10 @@ import sqlalchemy as sa
 from psycopg import sql
 
 from applier.errors import ApplierError
-from applier.lsn import format_lsn
+from applier.lsn import format_lsn, parse_lsn
 from applier.replication import ReplicationConnection, ReplicationConnectionError
 from state.catalog import Catalog, RelState, Subscription
+from state.tables import SyncState, TableState, settle_finished_copy
 from tablesync import job as spark_job
 from tablesync.copy import CLAIM_PART, connect
 from tablesync.planner import (
@@ -50,6 +51,7 @@ from tablesync.planner import (
     PartitionTask,
     PlanError,
     TablePlan,
+    pack_tasks,
     partition_tasks,
     plan_table,
 )
@@ -58,6 +60,9 @@ from tablesync.remote import fetch_remote_table, fetch_target_table
 
 #: Table states whose table is (re)copied; ``s``/``r`` are done.
 COPY_STATES = ("i", "d", "f")
+#: How long a cancelled Spark job may take to end before the copy returns anyway (its tasks' work is rolled back
+#: or, if committed, superseded by the next run's claim).
+STOP_GRACE = 60.0
 #: After this long, creating the slot is probably waiting for open (or prepared) transactions: say so.
 SLOT_WAIT_NOTE_AFTER = 3.0
 
@@ -161,21 +166,54 @@ class InitialCopy:
 
     # 1 ----------------------------------------------------------------------------------------------------------
     def load(self) -> list[RelState]:
-        """Read the subscription; finish tables an earlier run left in ``f``; return the tables to copy."""
+        """Read the subscription; settle tables an earlier run left in ``f``; return the tables to copy.
+
+        An ``f`` table's rows are exactly the publisher's at its LSN. If the subscription's stream has not passed
+        that point (the usual case: the copy runs before streaming), it becomes ``s`` there
+        (:func:`state.tables.settle_finished_copy`). If the stream has gone past it — changes to the table were
+        skipped while it was not yet ``s`` — it would need a catch-up, which only tables added while streaming get
+        (not built yet): it is emptied and copied again instead, which is always correct.
+        """
         self.catalog.ensure()
         self.sub = self.catalog.require(self.subname)
         states = self.catalog.table_states(self.sub.subid)
+        stream_lsn = self._stream_position()
+        recopy: set[str] = set()
         with self.catalog.engine.begin() as c:
             for rs in states:
-                if rs.state == "f" and rs.lsn is not None:
-                    self.catalog.set_table_state(self.sub.subid, rs.relid, "s", rs.lsn, conn=c)
-                    self._delete_markers(c, rs.name)
-                    self.resumed[rs.name] = rs.lsn
+                if rs.state != "f":
+                    continue
+                if rs.lsn is not None:
+                    settled = settle_finished_copy(
+                        TableState(rs.name, SyncState.FINISHEDCOPY, rs.lsn), stream_lsn
+                    )
+                    if settled.state is SyncState.SYNCDONE:
+                        self.catalog.set_table_state(self.sub.subid, rs.relid, "s", settled.lsn, conn=c)
+                        self._delete_markers(c, rs.name)
+                        self.resumed[rs.name] = rs.lsn
+                        continue
+                recopy.add(rs.name)
+                self.reporter.note(
+                    f"{rs.name}: copied at {format_lsn(rs.lsn) if rs.lsn else '?'} but the stream is at "
+                    f"{format_lsn(stream_lsn)}: copying it again"
+                )
         self.skipped = [rs.name for rs in states if rs.state not in COPY_STATES]
-        self.to_copy = [
-            rs for rs in states if rs.state in COPY_STATES and not (rs.state == "f" and rs.lsn is not None)
-        ]
+        self.to_copy = [rs for rs in states if rs.state in ("i", "d") or rs.name in recopy]
         return self.to_copy
+
+    def _stream_position(self) -> int:
+        """Where the subscription's stream resumes: its origin's progress, else the slot's start X, else 0."""
+        assert self.sub is not None
+        with self.catalog.engine.connect() as c:
+            progress = c.execute(
+                sa.text(
+                    "SELECT CASE WHEN EXISTS (SELECT 1 FROM pg_replication_origin WHERE roname = :o)"
+                    " THEN pg_replication_origin_progress(:o, false)::text END"
+                ),
+                {"o": self.sub.origin_name},
+            ).scalar()
+        lsn = parse_lsn(progress) if progress else 0
+        return max(lsn, self.sub.subslotconsistentlsn or 0)
 
     @property
     def subid(self) -> int:
@@ -351,8 +389,12 @@ class InitialCopy:
 
         def run() -> None:
             try:
+                bins = pack_tasks(
+                    self.tasks, target_bytes=self.partition_bytes,
+                    min_bins=2 * spark_job.default_parallelism(session),
+                )  # fmt: skip
                 outcome["results"] = spark_job.run_partition_tasks(
-                    session, self.tasks, self.publisher_conninfo, self.target_conninfo, tag=tag
+                    session, self.tasks, self.publisher_conninfo, self.target_conninfo, bins=bins, tag=tag
                 )
             except BaseException as exc:  # noqa: BLE001 - handed to the driver thread
                 outcome["error"] = exc
@@ -362,13 +404,17 @@ class InitialCopy:
         worker.start()
         last: dict[str, dict[int, tuple[int, int]]] = {}
         stopped = False
+        stopped_at = 0.0
         while worker.is_alive():
             worker.join(self.poll_interval)
+            if stopped and time.monotonic() - stopped_at > STOP_GRACE:
+                self.reporter.note(f"the Spark job did not stop within {STOP_GRACE:.0f}s; leaving it behind")
+                break
             if self.stop.is_set() and not stopped:
-                stopped = True
+                stopped, stopped_at = True, time.monotonic()
                 self.reporter.note("stop requested: cancelling the copy (finished partitions are kept)")
                 with contextlib.suppress(Exception):
-                    session.interruptTag(tag)
+                    spark_job.cancel_job(session, tag)
             with contextlib.suppress(Exception):
                 m = self.markers()
                 if m != last:
@@ -379,13 +425,13 @@ class InitialCopy:
         final = self.markers()
         self._record_progress(final)
         self.reporter.update(final)
-        if stopped:
-            return False
+        missing = [name for name, plan in self.plans.items() if len(final.get(name, {})) < len(plan.ranges)]
+        if stopped and ("error" in outcome or missing):
+            return False  # (a stop that came too late to interrupt anything lets the copy complete)
         if "error" in outcome:
             raise TablesyncError(
                 f"initial copy of subscription {self.subname!r} failed: {_spark_error_summary(outcome['error'])}"
             ) from outcome["error"]
-        missing = [name for name, plan in self.plans.items() if len(final.get(name, {})) < len(plan.ranges)]
         if missing:
             raise TablesyncError(f"initial copy finished without every partition of: {', '.join(missing)}")
         return True

@@ -1,7 +1,8 @@
 """The Spark side of the initial copy: the session and the one job that copies every partition.
 
-The job is ``spark.range(0, n, 1, n).mapInArrow(copy)``: one Spark partition per copy partition, whose task looks
-its descriptor up by number and runs :func:`tablesync.copy.copy_partition`. Only the DataFrame API is used, so
+The job is ``spark.range(0, n, 1, n).mapInArrow(copy)``: one Spark partition per *bin* of copy partitions, whose
+task looks its descriptors up by number and copies them one after another with
+:class:`tablesync.copy.PartitionCopier`. Only the DataFrame API is used, so
 the same job runs on ``local[*]`` and through Spark Connect (``SPARK_REMOTE=sc://...``) on a cluster. The rows
 never pass through the JVM: each Python task streams COPY bytes from the publisher straight to the target.
 
@@ -202,47 +203,86 @@ def _ui_url(session: Any) -> str | None:
         return None
 
 
+def default_parallelism(session: Any) -> int:
+    """How many tasks the session runs at once, when it can tell (classic); else a guess of 4 (Connect)."""
+    try:
+        return max(1, int(session.sparkContext.defaultParallelism))
+    except Exception:  # noqa: BLE001 - Connect sessions have no SparkContext
+        return 4
+
+
 def run_partition_tasks(
     session: Any,
     tasks: Sequence[PartitionTask],
     publisher_conninfo: str,
     target_conninfo: str,
     *,
+    bins: Sequence[Sequence[int]] | None = None,
     tag: str | None = None,
 ) -> list[PartitionResult]:
-    """Run one Spark task per partition and return their results (blocks until the job ends).
+    """Run the partitions as Spark tasks and return one result per partition (blocks until the job ends).
 
+    ``bins`` groups partitions (by ``task_id``) into Spark tasks, each copying its partitions one after another
+    over the same two connections (:func:`tablesync.planner.pack_tasks`); default: one partition per Spark task.
     ``tag`` labels the job so another thread can cancel it with ``session.interruptTag(tag)``.
     """
     if not tasks:
         return []
     descriptors = {t.task_id: dataclasses.asdict(t) for t in tasks}
-    n = len(tasks)
+    groups = [list(b) for b in bins] if bins is not None else [[t.task_id] for t in tasks]
+    n = len(groups)
 
-    def copy_batches(batches: Iterator[Any]) -> Iterator[Any]:
+    def copy_bins(batches: Iterator[Any]) -> Iterator[Any]:
         import pyarrow as pa
 
-        from tablesync.copy import copy_partition
+        from tablesync.copy import PartitionCopier
         from tablesync.planner import PartitionTask as Task
 
         schema = pa.schema(
             [("task_id", pa.int64()), ("relname", pa.string()), ("part", pa.int32()), ("rows", pa.int64()),
              ("bytes", pa.int64()), ("skipped", pa.bool_()), ("seconds", pa.float64())]
         )  # fmt: skip
-        for batch in batches:
-            for task_id in batch.column(0).to_pylist():
-                result = copy_partition(Task(**descriptors[task_id]), publisher_conninfo, target_conninfo)
-                yield pa.RecordBatch.from_pylist([dataclasses.asdict(result)], schema=schema)
+        with PartitionCopier(publisher_conninfo, target_conninfo) as copier:
+            for batch in batches:
+                for bin_id in batch.column(0).to_pylist():
+                    results = [copier.copy(Task(**descriptors[i])) for i in groups[bin_id]]
+                    yield pa.RecordBatch.from_pylist([dataclasses.asdict(r) for r in results], schema=schema)
 
+    classic = _classic_context(session)
     if tag is not None:
-        session.addTag(tag)
+        if classic is not None:
+            # interruptOnCancel: cancelling interrupts the task threads, and Spark then kills the Python workers
+            # (after spark.python.task.killTimeout), closing their connections: the partitions roll back.
+            classic.setJobGroup(tag, "applier initial copy", interruptOnCancel=True)
+        else:
+            session.addTag(tag)
     try:
-        df = session.range(0, n, 1, n).mapInArrow(copy_batches, RESULT_SCHEMA)
+        df = session.range(0, n, 1, n).mapInArrow(copy_bins, RESULT_SCHEMA)
         rows = df.collect()
     finally:
         if tag is not None:
             with contextlib.suppress(Exception):
-                session.removeTag(tag)
+                if classic is not None:
+                    classic.setLocalProperty("spark.jobGroup.id", None)
+                else:
+                    session.removeTag(tag)
     return [
         PartitionResult(r.task_id, r.relname, r.part, r.rows, r.bytes, r.skipped, r.seconds) for r in rows
     ]
+
+
+def _classic_context(session: Any) -> Any:
+    """The SparkContext of a classic session; None for Spark Connect."""
+    try:
+        return session.sparkContext
+    except Exception:  # noqa: BLE001 - Connect sessions raise on sparkContext
+        return None
+
+
+def cancel_job(session: Any, tag: str) -> None:
+    """Cancel the job :func:`run_partition_tasks` runs with ``tag`` (from another thread)."""
+    classic = _classic_context(session)
+    if classic is not None:
+        classic.cancelJobGroup(tag)
+    else:
+        session.interruptTag(tag)

@@ -324,3 +324,29 @@ def partition_tasks(
             )
         )  # fmt: skip
     return tasks
+
+
+def pack_tasks(
+    tasks: Sequence[PartitionTask], *, block_size: int = DEFAULT_BLOCK_SIZE,
+    target_bytes: int = DEFAULT_PARTITION_BYTES, min_bins: int = 8,
+) -> list[list[int]]:  # fmt: skip
+    """Group partitions into Spark tasks ("bins") of about ``target_bytes`` each; return their task ids.
+
+    A partition of a big table is a bin of its own; small tables are packed together, so a hundred small tables
+    do not cost a hundred Spark tasks, each with its own connections and snapshot import. At least ``min_bins``
+    bins (when there are that many partitions) keep every executor busy. Bins are filled largest partition
+    first into the emptiest bin (longest-processing-time first), and the biggest bin comes first.
+    """
+    if not tasks:
+        return []
+    target_pages = max(1, target_bytes // max(1, block_size))
+    total = sum(max(1, t.pages) for t in tasks)
+    nbins = min(len(tasks), max(min_bins, -(-total // target_pages)))
+    bins: list[list[int]] = [[] for _ in range(nbins)]
+    loads = [0] * nbins
+    for t in sorted(tasks, key=lambda t: (-t.pages, t.task_id)):
+        i = min(range(nbins), key=lambda b: (loads[b], b))
+        bins[i].append(t.task_id)
+        loads[i] += max(1, t.pages)
+    order = sorted(range(nbins), key=lambda b: -loads[b])
+    return [bins[b] for b in order if bins[b]]

@@ -130,7 +130,7 @@ def fetch_remote_table(
     if relkind == "p":
         size_sql = (
             "SELECT coalesce(sum(pg_relation_size(relid)), 0)::int8 / current_setting('block_size')::int8,"
-            " current_setting('block_size')::int8 FROM pg_partition_tree(%s::regclass) WHERE isleaf"
+            " current_setting('block_size')::int8 FROM pg_partition_tree(%s::oid::regclass) WHERE isleaf"
         )
     else:
         # relpages is only as fresh as the last VACUUM/ANALYZE (0 for a table just loaded); the file size is exact.

@@ -287,18 +287,33 @@ def test_killed_copy_resumes_without_loss_or_duplicates(pair, spark, tmp_path):
 
 
 @pytest.mark.core
-def test_finished_tables_are_left_alone_and_f_with_lsn_becomes_s(pair, spark):
-    both(pair, "CREATE TABLE a (id int); CREATE TABLE b (id int)")
-    pair.publisher.execute("INSERT INTO a VALUES (1); INSERT INTO b VALUES (2)")
-    pair.publisher.execute("CREATE PUBLICATION pub FOR TABLE a, b")
-    sub = subscribe(pair.target.dsn, pair.publisher.dsn, pair.name, ["public.a", "public.b"], state="r")
+def test_finished_tables_are_left_alone_and_f_settles_by_the_stream_position(pair, spark):
+    both(pair, "CREATE TABLE a (id int); CREATE TABLE b (id int); CREATE TABLE c (id int)")
+    pair.publisher.execute(
+        "INSERT INTO a VALUES (1); INSERT INTO b VALUES (2); INSERT INTO c VALUES (3), (4)"
+    )
+    pair.publisher.execute("CREATE PUBLICATION pub FOR TABLE a, b, c")
+    sub = subscribe(
+        pair.target.dsn, pair.publisher.dsn, pair.name, ["public.a", "public.b", "public.c"], state="r"
+    )
+    pair.target.execute("INSERT INTO c VALUES (3)")  # what a copy at 0/800 had left
     cat = Catalog.connect(pair.target.dsn)
-    rel_b = next(r for r in cat.table_states(sub.subid) if r.name == "public.b")
-    cat.set_table_state(sub.subid, rel_b.relid, "f", 0x1234)
+    cat.update_subscription(sub.subid, subslotconsistentlsn=0x1000)  # the stream starts at 0/1000
+    rel = {r.name: r.relid for r in cat.table_states(sub.subid)}
+    cat.set_table_state(
+        sub.subid, rel["public.b"], "f", 0x1234
+    )  # complete at 0/1234, after the stream's start
+    cat.set_table_state(sub.subid, rel["public.c"], "f", 0x800)  # complete before it: changes were missed
     result = run_initial_copy(pair.target.dsn, pair.name, progress=False)
-    assert result.tables == {} and result.resumed == {"public.b": 0x1234} and result.skipped == ("public.a",)
-    assert states(pair) == {"public.a": ("r", None), "public.b": ("s", "0/1234")}
-    assert pair.target.scalar("SELECT count(*) FROM a") == 0  # nothing copied
+    assert result.resumed == {"public.b": 0x1234} and result.skipped == ("public.a",)
+    assert set(result.tables) == {"public.c"}
+    st = states(pair)
+    assert st["public.a"] == ("r", None) and st["public.b"] == ("s", "0/1234") and st["public.c"][0] == "s"
+    assert pair.target.scalar("SELECT count(*) FROM a") == 0  # nothing copied for a or b
+    assert pair.target.scalar("SELECT count(*) FROM b") == 0
+    assert table_digest(pair.publisher, "public.c") == table_digest(
+        pair.target, "public.c"
+    )  # emptied, recopied
 
 
 @pytest.mark.core
@@ -315,4 +330,73 @@ def test_stop_event_cancels_and_a_later_run_finishes(pair, spark):
     assert result.stopped and states(pair)["public.t"][0] == "i"
     result = run_initial_copy(pair.target.dsn, pair.name, progress=False, partition_bytes=SMALL_PARTS * 4)
     assert result.completed and result.rows == 100000
+    assert table_digest(pair.publisher, "public.t") == table_digest(pair.target, "public.t")
+
+
+@pytest.mark.core
+def test_partitioned_root_and_inheritance_parent(pair, spark):
+    pair.publisher.execute(
+        "CREATE TABLE pt (id int, v text) PARTITION BY RANGE (id);"
+        "CREATE TABLE pt_1 PARTITION OF pt FOR VALUES FROM (0) TO (1000);"
+        "CREATE TABLE pt_2 PARTITION OF pt FOR VALUES FROM (1000) TO (100000);"
+        "CREATE TABLE par (id int, v text); CREATE TABLE chi () INHERITS (par)"
+    )
+    pair.target.execute("CREATE TABLE pt (id int, v text); CREATE TABLE par (id int, v text)")
+    pair.publisher.execute("INSERT INTO pt SELECT g, 'p' || g FROM generate_series(1, 5000) g")
+    pair.publisher.execute("INSERT INTO par SELECT g, 'par' FROM generate_series(1, 100) g")
+    pair.publisher.execute("INSERT INTO chi SELECT g, 'child' FROM generate_series(1, 50) g")
+    pair.publisher.execute(
+        "CREATE PUBLICATION pub FOR TABLE pt, par WITH (publish_via_partition_root = true)"
+    )
+    subscribe(pair.target.dsn, pair.publisher.dsn, pair.name, ["public.pt", "public.par"])
+
+    result = run_initial_copy(pair.target.dsn, pair.name, progress=False, partition_bytes=SMALL_PARTS)
+
+    assert result.tables["public.pt"].rows == 5000 and result.tables["public.pt"].partitions == 1
+    assert table_digest(pair.publisher, "public.pt") == table_digest(pair.target, "public.pt")
+    # ONLY: the inheritance child's rows are not the parent's (natively they are copied as the child's own table)
+    assert pair.target.query("SELECT v, count(*) FROM par GROUP BY v") == [("par", 100)]
+
+
+@pytest.mark.core
+def test_stop_while_copying_keeps_finished_partitions_and_the_next_run_completes(pair, spark):
+    import threading
+
+    both(pair, "CREATE TABLE t (id int, v text)")
+    pair.publisher.execute("INSERT INTO t SELECT g, repeat(md5(g::text), 4) FROM generate_series(1, 20000) g")
+    pair.publisher.execute("CREATE PUBLICATION pub FOR TABLE t")
+    sub = subscribe(pair.target.dsn, pair.publisher.dsn, pair.name, ["public.t"])
+    # Partitions 3 and up wait for locks this session holds, so the copy cannot finish before the stop.
+    blocker = pair.target.connect()
+    for part in range(3, 200):
+        blocker.execute(
+            "SELECT pg_advisory_lock(hashtextextended(%s, 0))",
+            (f"applier.tablesync:{sub.subid}:public.t:{part}",),
+        )
+    stop = threading.Event()
+
+    def stop_after_first_partitions() -> None:
+        wait_until(
+            lambda: (
+                pair.target.scalar("SELECT count(*) FROM applier.tablesync_partition WHERE part >= 0") >= 2
+            ),
+            timeout=120,
+            what="two partitions",
+        )
+        stop.set()
+
+    watcher = threading.Thread(target=stop_after_first_partitions, daemon=True)
+    watcher.start()
+    try:
+        result = run_initial_copy(
+            pair.target.dsn, pair.name, stop=stop, progress=False, partition_bytes=64 * 1024
+        )
+    finally:
+        blocker.close()
+    watcher.join()
+    assert result.stopped
+    assert states(pair)["public.t"][0] == "d"
+    assert pair.target.scalar("SELECT count(*) FROM t") > 0  # the finished partitions stayed
+    result = run_initial_copy(pair.target.dsn, pair.name, progress=False)
+    assert result.completed and result.rows == 20000
     assert table_digest(pair.publisher, "public.t") == table_digest(pair.target, "public.t")

@@ -189,3 +189,29 @@ def test_the_package_default_partition_size_is_the_planners():
 
     default = inspect.signature(tablesync.run_initial_copy).parameters["partition_bytes"].default
     assert default == DEFAULT_PARTITION_BYTES
+
+
+def _task(i: int, pages: int):
+    from tablesync.planner import PartitionTask
+
+    return PartitionTask(i, 1, "S", f"t{i}", 0, 1, "out", "in", "lock", pages)
+
+
+def test_pack_tasks_keeps_big_partitions_alone_and_packs_small_ones():
+    from tablesync.planner import pack_tasks
+
+    big = [_task(i, 4096) for i in range(4)]
+    small = [_task(10 + i, 40) for i in range(100)]
+    bins = pack_tasks(big + small, target_bytes=4096 * 8192, min_bins=2)
+    ids = sorted(i for b in bins for i in b)
+    assert ids == sorted(t.task_id for t in big + small)  # every partition exactly once
+    assert len(bins) == 5  # 4 x 4096 + 100 x 40 pages = 20384 pages, ~4096 each
+    assert all(len([i for i in b if i < 4]) <= 1 for b in bins)  # no two big partitions together
+
+
+def test_pack_tasks_spreads_small_work_over_min_bins():
+    from tablesync.planner import pack_tasks
+
+    assert len(pack_tasks([_task(i, 1) for i in range(20)], min_bins=8)) == 8
+    assert pack_tasks([_task(0, 1)], min_bins=8) == [[0]]
+    assert pack_tasks([], min_bins=8) == []
