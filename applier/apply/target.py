@@ -86,6 +86,8 @@ class Pipeline:
         self._current: list[Any] = []  # results of the statement at the head of the queue
         self._error: ApplyError | None = None
         self.active = False
+        #: roughly how many bytes libpq holds that have not been written to the socket yet
+        self.unflushed = 0
 
     # --- sending ---------------------------------------------------------------------------------------------
     def enter(self) -> None:
@@ -110,6 +112,7 @@ class Pipeline:
     ) -> None:
         self.enter()
         self.pgconn.send_query_prepared(name, params, formats)
+        self.unflushed += 32 + sum(map(len, filter(None, params)))
         self._pending.append((ctx, on_ok))
         if len(self._pending) > MAX_IN_FLIGHT:
             self._relieve()
@@ -123,6 +126,7 @@ class Pipeline:
     ) -> None:
         self.enter()
         self.pgconn.send_query_params(command, params)
+        self.unflushed += 32 + len(command) + (sum(map(len, filter(None, params))) if params else 0)
         self._pending.append((ctx, on_ok))
 
     def sync(self) -> None:
@@ -140,9 +144,17 @@ class Pipeline:
     def _flush_some(self) -> bool:
         """Push buffered output to the socket without blocking; True when everything was sent."""
         try:
-            return self.pgconn.flush() == 0
+            done = self.pgconn.flush() == 0
         except psycopg.OperationalError as exc:
             raise TargetConnectionError(f"connection to the target was lost: {exc}") from None
+        if done:
+            self.unflushed = 0
+        return done
+
+    def flush_all(self) -> None:
+        """Write everything libpq holds to the socket (reading results meanwhile, so neither side can stall)."""
+        while not self._flush_some():
+            self._wait(1.0)
 
     def _wait(self, timeout: float | None) -> None:
         """Wait until the socket is readable (or writable, while output is pending), then read what arrived."""
@@ -398,7 +410,16 @@ class Target:
             self._fixed_prepared = True
 
     def _origin_setup(self, lsn: int, ts: int, ctx: ErrorContext | None) -> None:
-        """Queue ``pg_replication_origin_xact_setup``: the next commit/prepare records this progress atomically."""
+        """Queue ``pg_replication_origin_xact_setup``: the next commit/prepare records this progress atomically.
+
+        The statement that follows (COMMIT, PREPARE TRANSACTION, COMMIT/ROLLBACK PREPARED) must reach the server
+        whenever this one does: should the session end between the two (our process killed), the server's abort
+        would carry these values and, since PostgreSQL 16, advance the origin past a transaction that never
+        committed. libpq writes its buffer out by itself once it holds 64 kB, so we empty it first when it holds
+        more than a little: the pair then travels in one write, at the start of the next buffer.
+        """
+        if self.pipeline.unflushed > 16384:
+            self.pipeline.flush_all()
         self._prepare_fixed(ctx)
         self.pipeline.send_prepared(
             b"applier_xact_setup",
