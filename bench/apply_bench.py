@@ -73,8 +73,11 @@ import psycopg
 from psycopg import sql
 
 ROOT = Path(__file__).resolve().parent.parent
+#: Where ``applier``, ``state`` and ``tablesync`` are imported from, here and in the worker processes: the work tree,
+#: or with ``--code-rev`` a frozen ``git archive`` of one commit (see :func:`_freeze_code`).
+CODE_ROOT = Path(os.environ.get("APPLY_BENCH_CODE_ROOT", ROOT))
 if __package__ in (None, ""):  # run as a script: make the project and the bench helpers importable
-    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(CODE_ROOT))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
@@ -461,6 +464,7 @@ def _run_ours(ctx: _Ctx, db: Database, name: str) -> SideRun:
         os.environ,
         APPLIER_LOG_LEVEL=os.environ.get("APPLIER_LOG_LEVEL", "WARNING"),
         TMPDIR=str(ctx.spool_root),
+        PYTHONPATH=str(CODE_ROOT),  # ahead of the editable install's finder, which comes last
     )
     app_name = f"applier {name}"
     worker: int | None = None
@@ -494,7 +498,7 @@ def _run_ours(ctx: _Ctx, db: Database, name: str) -> SideRun:
         run.load1 = loadavg()[0]
         with open(log_path, "wb") as log_file:
             launched = time.monotonic()
-            proc = subprocess.Popen(_ours_command(db, name, profile, ctx.profile_idle), cwd=ROOT, env=env, stdout=log_file,
+            proc = subprocess.Popen(_ours_command(db, name, profile, ctx.profile_idle), cwd=CODE_ROOT, env=env, stdout=log_file,
                                     stderr=subprocess.STDOUT)  # fmt: skip
             try:
                 active, done = poller.wait(launched, ctx.timeout, tick)
@@ -843,12 +847,19 @@ def _versions(pubc: PostgresCluster) -> dict[str, str]:
         except (OSError, subprocess.CalledProcessError):
             return "?"
 
-    dirty = git("status", "--porcelain", "--", "applier", "state")
+    frozen = os.environ.get("APPLY_BENCH_CODE_REV")
+    if frozen:
+        commit = git("rev-parse", "--short", frozen) + " (frozen with --code-rev)"
+    else:
+        dirty = git("status", "--porcelain", "--", "applier", "state")
+        commit = git("rev-parse", "--short", "HEAD") + (
+            " + uncommitted changes in applier/ or state/" if dirty else ""
+        )
     return {
         "postgresql": str(pubc.scalar("SHOW server_version")),
         "python": platform.python_version(),
         "psycopg": psycopg.__version__,
-        "commit": git("rev-parse", "--short", "HEAD") + (" (applier/ or state/ modified)" if dirty else ""),
+        "commit": commit,
         "cpus": str(os.cpu_count()),
         "kernel": platform.release(),
     }
@@ -881,6 +892,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="run our worker under py-spy (raw collapsed stacks here); its timings are then not comparable")  # fmt: skip
     ap.add_argument("--profile-what", choices=("wall", "cpu"), default="wall",
                     help="with --profile-dir: wall time (waits included, default) or CPU time only")  # fmt: skip
+    ap.add_argument("--code-rev", metavar="REV",
+                    help="run the applier code of this commit (a frozen git archive), not the work tree, which "
+                    "other people may be editing while the benchmark runs")  # fmt: skip
     ap.add_argument(
         "--render", type=Path, metavar="JSON", help="only print the report of a saved --json file"
     )
@@ -932,8 +946,32 @@ def load_results(path: Path) -> tuple[str, list[Summary]]:
     return header, [summarize(WORKLOADS[k], reps) for k, reps in by_workload.items()]
 
 
+def _freeze_code(rev: str) -> None:
+    """Re-run this script against ``git archive <rev>`` of the project, unpacked in a temporary directory.
+
+    The worker is started as a fresh process for every run, so it imports whatever ``applier/`` holds at that
+    moment: in a tree other people are editing, one benchmark could otherwise measure several versions. The
+    benchmark process itself must import the same version (it writes the catalog the worker reads), hence the
+    re-execution with ``APPLY_BENCH_CODE_ROOT`` set before anything is imported from the project."""
+    tmp = Path(tempfile.mkdtemp(prefix="apply-bench-code-"))
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", rev], cwd=ROOT, capture_output=True, check=True
+    )
+    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
+    env = dict(os.environ, APPLY_BENCH_CODE_ROOT=str(tmp), APPLY_BENCH_CODE_REV=rev, PYTHONPATH=str(tmp))
+    try:
+        rc = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]], env=env
+        ).returncode
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    sys.exit(rc)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.code_rev and "APPLY_BENCH_CODE_ROOT" not in os.environ:
+        _freeze_code(args.code_rev)
     if args.render:
         header, summaries = load_results(args.render)
         print(header + "\n")
