@@ -25,7 +25,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,13 +43,16 @@ __all__ = [
     "CliApplier",
     "alter_subscription",
     "catchup",
+    "drop_slot",
     "extra_database",
+    "fresh_subscription",
     "module_pair",
     "Nodes",
     "subscribed_nodes",
     "prepared_count",
     "psql",
     "restart_if_down",
+    "rollback_prepared",
     "set_decoding_work_mem",
     "stream_txns",
     "wait_for_new_walsender",
@@ -238,6 +241,67 @@ def subscribed_nodes(
             yield nodes
         finally:
             nodes.worker.stop()
+
+
+def rollback_prepared(db: Database) -> None:
+    """ROLLBACK PREPARED every prepared transaction of ``db`` (what a failed example leaves behind)."""
+    with db.connect() as conn:
+        for (gid,) in conn.execute(
+            "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
+        ).fetchall():
+            conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+
+
+def drop_slot(publisher: Database, slot: str) -> None:
+    """Drop a slot, terminating the walsender that may still hold it (an applier that was just stopped)."""
+    with publisher.connect() as conn:
+
+        def dropped() -> bool:
+            conn.execute(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots"
+                " WHERE slot_name = %s AND active_pid IS NOT NULL",
+                (slot,),
+            )
+            try:
+                conn.execute(
+                    "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
+                    (slot,),
+                )
+            except psycopg.errors.ObjectInUse:
+                return False
+            return True
+
+        wait_until(dropped, timeout=TIMEOUT, what=f"slot {slot} to be dropped")
+
+
+@contextlib.contextmanager
+def fresh_subscription(
+    pair: ReplicationPair, name: str, tables: Sequence[str], **options: Any
+) -> Iterator[ApplySetup]:
+    """A new subscription ``name`` (publication, slot, catalog rows, origin) over ``tables``, which exist on both
+    sides and are emptied first on both (on the publisher before the slot exists, so that is not replicated).
+    Afterwards everything is dropped again and leftover prepared transactions are rolled back, so the next
+    hypothesis example on the same pair of databases starts from nothing, whatever this one left behind."""
+    idents = sql.SQL(", ").join(sql.Identifier(*t.split(".", 1)) for t in tables)
+    for db in (pair.publisher, pair.target):
+        rollback_prepared(db)
+        db.execute(sql.SQL("TRUNCATE {}").format(idents))
+    setup = setup_subscription(pair.publisher, pair.target, name, tables, **options)
+    try:
+        yield setup
+    finally:
+        for cluster in (pair.publisher.cluster, pair.target.cluster):
+            restart_if_down(cluster)
+        rollback_prepared(pair.publisher)
+        drop_slot(pair.publisher, name)
+        pair.publisher.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(name)))
+        pair.target.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid() AND application_name LIKE 'applier%%'"
+        )
+        rollback_prepared(pair.target)
+        setup.catalog.delete_subscription(setup.sub.subid)
+        setup.catalog.engine.dispose()
 
 
 class CliApplier:
