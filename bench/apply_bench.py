@@ -906,6 +906,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     overrides = {k: getattr(args, k) for k in ("insert_txns", "insert_rows", "small_txns", "prepared_txns",
                                                "stream_rows", "stream_work_mem") if getattr(args, k) is not None}  # fmt: skip
     args.sizes = replace(base, **overrides)
+    # absolute: the worker (and py-spy writing its profile) runs in the code directory, not in ours
+    for name in ("profile_dir", "json", "markdown", "render"):
+        if getattr(args, name) is not None:
+            setattr(args, name, getattr(args, name).resolve())
     args.reps = args.reps or (1 if args.quick else 3)
     args.keys = [k.strip() for k in args.workloads.split(",") if k.strip()]
     unknown = [k for k in args.keys if k not in WORKLOADS]
