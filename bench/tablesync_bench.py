@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -221,16 +222,13 @@ def main() -> int:
                           flush=True)  # fmt: skip
                     cluster.drop_database(dbname)
         print(
-            "\n| case | tables | rows | heap MB | native s | ours s | native MB/s | ours MB/s | native/ours time |"
+            "\n(medians of the runs above)\n| case | tables | rows | heap MB | native s | ours s | native MB/s | ours MB/s | native/ours time |"
         )
         print("|---|---|---|---|---|---|---|---|---|")
         for case in cases:
             nat = [o for o in outcomes if o.case == case and o.side == "native"]
             our = [o for o in outcomes if o.case == case and o.side == "ours"]
-            ns, os_ = (
-                sorted(o.seconds for o in nat)[len(nat) // 2],
-                sorted(o.seconds for o in our)[len(our) // 2],
-            )
+            ns, os_ = statistics.median(o.seconds for o in nat), statistics.median(o.seconds for o in our)
             o = nat[0]
             print(f"| {case} | {o.tables} | {o.rows:,} | {o.heap_mb:.0f} | {ns:.1f} | {os_:.1f} | "
                   f"{o.heap_mb / ns:.1f} | {o.heap_mb / os_:.1f} | {ns / os_:.2f}× |")  # fmt: skip

@@ -162,6 +162,7 @@ class InitialCopy:
         self.tasks: list[PartitionTask] = []
         self._started = time.monotonic()
         self._finished_tables: set[str] = set()
+        self._skipped_parts: dict[str, int] = {}
         self.spark_seconds = 0.0
 
     # 1 ----------------------------------------------------------------------------------------------------------
@@ -428,6 +429,9 @@ class InitialCopy:
         missing = [name for name, plan in self.plans.items() if len(final.get(name, {})) < len(plan.ranges)]
         if stopped and ("error" in outcome or missing):
             return False  # (a stop that came too late to interrupt anything lets the copy complete)
+        for r in outcome.get("results", []):
+            if r.skipped:
+                self._skipped_parts[r.relname] = self._skipped_parts.get(r.relname, 0) + 1
         if "error" in outcome:
             raise TablesyncError(
                 f"initial copy of subscription {self.subname!r} failed: {_spark_error_summary(outcome['error'])}"
@@ -454,8 +458,9 @@ class InitialCopy:
                 self.catalog.set_table_progress(self.subid, plan.relid, rows, nbytes, conn=c)
                 self._delete_markers(c, relname)
                 tables[relname] = TableCopy(
-                    relname, rows, nbytes, len(plan.ranges), 0, plan.binary, plan.text_reason
-                )
+                    relname, rows, nbytes, len(plan.ranges), self._skipped_parts.get(relname, 0), plan.binary,
+                    plan.text_reason,
+                )  # fmt: skip
         self.reporter.finish()
         return self.result(tables)
 
@@ -472,6 +477,7 @@ class InitialCopy:
         if self.slot is not None:
             with contextlib.suppress(Exception):
                 self.slot.conn.close()
+        self.catalog.engine.dispose()
 
     # all --------------------------------------------------------------------------------------------------------
     def run(

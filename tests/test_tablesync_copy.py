@@ -400,3 +400,28 @@ def test_stop_while_copying_keeps_finished_partitions_and_the_next_run_completes
     result = run_initial_copy(pair.target.dsn, pair.name, progress=False)
     assert result.completed and result.rows == 20000
     assert table_digest(pair.publisher, "public.t") == table_digest(pair.target, "public.t")
+
+
+@pytest.mark.core
+def test_a_failing_copy_reports_the_server_error_and_leaves_tables_to_redo(pair, spark):
+    from tablesync import TablesyncError
+
+    pair.publisher.execute("CREATE TABLE t (id int, v int)")
+    pair.target.execute("CREATE TABLE t (id int, v int CHECK (v < 100))")  # the target refuses some rows
+    pair.publisher.execute("INSERT INTO t SELECT g, g FROM generate_series(1, 200) g")
+    pair.publisher.execute("CREATE PUBLICATION pub FOR TABLE t")
+    subscribe(pair.target.dsn, pair.publisher.dsn, pair.name, ["public.t"])
+    with pytest.raises(TablesyncError, match='violates check constraint "t_v_check"'):
+        run_initial_copy(
+            pair.target.dsn, pair.name, progress=False, spark_conf={"spark.task.maxFailures": "1"}
+        )
+    assert states(pair)["public.t"][0] == "d"
+    assert pair.target.scalar("SELECT count(*) FROM t") == 0
+    wait_until(
+        lambda: (
+            not pair.publisher.scalar(
+                "SELECT count(*) FROM pg_replication_slots WHERE database = current_database()"
+            )
+        ),
+        what="the temporary slot to go away",
+    )
