@@ -75,8 +75,6 @@ class RelMapEntry:
     key_positions: tuple[int, ...] | None
     #: why UPDATE/DELETE cannot be applied, or None when they can (checked only when one arrives, behaviour 44)
     not_updatable: str | None
-    #: local ``subscription_rel`` state of this table, cached by the handlers
-    state: Any = None
     statements: dict[Any, bytes] = field(default_factory=dict)
 
     @property

@@ -512,9 +512,6 @@ class Target:
         )
         return {gid: (parse_lsn(lsn), int(ts)) for gid, lsn, ts in rows}
 
-    def prepared_exists(self, gid: str) -> bool:
-        return bool(self.query("SELECT 1 FROM pg_catalog.pg_prepared_xacts WHERE gid = %s", (gid,)))
-
     def abort(self) -> None:
         """Abandon the current transaction: drop pending results, ROLLBACK, reset the session's origin values
         (behaviour 95), and undo an origin advance that a failed COMMIT / PREPARE made.
