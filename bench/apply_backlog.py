@@ -74,7 +74,9 @@ def prepared(pub: Database, scale: float) -> int:
 def streamed(pub: Database, scale: float) -> int:
     """One big transaction, streamed (logical_decoding_work_mem 16MB)."""
     n = max(1000, int(200000 * scale))
-    pub.execute(sql.SQL("ALTER DATABASE {} SET logical_decoding_work_mem = '16MB'").format(sql.Identifier(pub.name)))
+    pub.execute(
+        sql.SQL("ALTER DATABASE {} SET logical_decoding_work_mem = '16MB'").format(sql.Identifier(pub.name))
+    )
     with pub.connect() as c:
         c.execute("INSERT INTO t SELECT g, md5(g::text), g FROM generate_series(1, %s::int) g", (n,))
     return n
@@ -103,7 +105,9 @@ def _wait_equal(pub: Database, tgt: Database, deadline: float) -> None:
     raise TimeoutError(f"target did not catch up: want {want}")
 
 
-def run_one(pubc: PostgresCluster, tgtc: PostgresCluster, key: str, scale: float, tag: str) -> tuple[float, float]:
+def run_one(
+    pubc: PostgresCluster, tgtc: PostgresCluster, key: str, scale: float, tag: str
+) -> tuple[float, float]:
     wl = WORKLOADS[key]
     name = f"b_{key}_{tag}"
     pub = pubc.create_database(name)
@@ -132,7 +136,9 @@ def run_one(pubc: PostgresCluster, tgtc: PostgresCluster, key: str, scale: float
         finally:
             w.stop()
         rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        print(f"  peak RSS of this process: {rss_before / 1024:.0f} MB before, {rss_after / 1024:.0f} MB after ours")
+        print(
+            f"  peak RSS of this process: {rss_before / 1024:.0f} MB before, {rss_after / 1024:.0f} MB after ours"
+        )
         t0 = time.monotonic()
         native.execute(sql.SQL("ALTER SUBSCRIPTION {} ENABLE").format(sql.Identifier(name + "_nat")))
         _wait_equal(pub, native, t0 + 600)
@@ -170,7 +176,9 @@ def main() -> None:
             for r in range(args.repeat):
                 ours, native = run_one(pubc, tgtc, key, args.scale, str(r))
                 unit = WORKLOADS[key].unit
-                print(f"{WORKLOADS[key].name:36} {ours:>9.0f} {unit:6} {native:>9.0f} {unit:6} {ours / native:>6.2f}")
+                print(
+                    f"{WORKLOADS[key].name:36} {ours:>9.0f} {unit:6} {native:>9.0f} {unit:6} {ours / native:>6.2f}"
+                )
 
 
 if __name__ == "__main__":
