@@ -49,8 +49,8 @@ def run_initial_copy(
     ``stop`` set while copying cancels the Spark job and returns ``CopyResult(stopped=True)``; finished partitions
     are kept, and the next call redoes unfinished tables from scratch at a new snapshot.
     ``spark_master``: ``local[N]``, ``spark://...``, ``sc://host:port`` (Spark Connect; ``SPARK_REMOTE`` is used
-    when neither is given); default ``local[*,4]``. ``progress``: None = bars on a terminal (stderr), plain lines
-    otherwise; True = bars; False = silent. Raises :class:`TablesyncError` when the copy fails.
+    when neither is given); default ``local[*,4]``. ``progress`` (on stderr): None = bars on a terminal, plain lines
+    otherwise; True = bars; False = plain lines. Raises :class:`TablesyncError` when the copy fails.
     """
     from tablesync.initial import InitialCopy
     from tablesync.progress import CopyProgress

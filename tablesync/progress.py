@@ -81,10 +81,11 @@ class CopyProgress:
 
     @classmethod
     def for_setting(cls, progress: bool | None, stream: TextIO | None = None) -> CopyProgress:
-        """``None``: bars when ``stream`` is a terminal, lines otherwise; ``True``: bars; ``False``: silent."""
+        """``None``: bars when ``stream`` is a terminal, lines otherwise; ``True``: bars; ``False``: plain lines
+        (a log keeps a record of the copy either way; :class:`tablesync.InitialCopy` takes ``mode="off"``)."""
         stream = stream if stream is not None else sys.stderr
         if progress is False:
-            return cls("off", stream)
+            return cls("lines", stream)
         if progress is None:
             isatty = getattr(stream, "isatty", None)
             return cls("bars" if isatty is not None and isatty() else "lines", stream)

@@ -16,7 +16,7 @@ def test_mode_follows_the_setting_and_the_stream():
     assert CopyProgress.for_setting(None, Tty()).mode == "bars"
     assert CopyProgress.for_setting(None, io.StringIO()).mode == "lines"
     assert CopyProgress.for_setting(True, io.StringIO()).mode == "bars"
-    assert CopyProgress.for_setting(False, Tty()).mode == "off"
+    assert CopyProgress.for_setting(False, Tty()).mode == "lines"
 
 
 def test_formatting_helpers():
