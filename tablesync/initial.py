@@ -112,6 +112,9 @@ class CopyResult:
     def completed(self) -> bool:
         return not self.stopped
 
+    def __str__(self) -> str:
+        return describe(self)
+
 
 @dataclass
 class _SnapshotSlot:
@@ -514,10 +517,15 @@ def describe(result: CopyResult) -> str:
     """One line for logs: what was copied at which snapshot point."""
     if result.stopped:
         return f"initial copy of {result.subname} stopped; unfinished tables are redone on the next run"
+    if not result.tables and result.resumed:
+        return f"initial copy of {result.subname}: {len(result.resumed)} table(s) finished by an earlier run"
     if not result.tables:
         return f"initial copy of {result.subname}: nothing to copy"
     lsn = format_lsn(result.snapshot_lsn) if result.snapshot_lsn is not None else "?"
-    return (
-        f"initial copy of {result.subname}: {len(result.tables)} table(s), {result.rows:,} rows at {lsn} "
-        f"in {result.seconds:.1f}s"
+    text = (
+        f"initial copy of {result.subname}: {len(result.tables)} table(s), {result.rows:,} rows, "
+        f"{result.bytes / 1e6:.1f} MB at {lsn} in {result.seconds:.1f}s (Spark job {result.spark_seconds:.1f}s)"
     )
+    if result.resumed:
+        text += f"; {len(result.resumed)} table(s) finished by an earlier run"
+    return text
