@@ -156,3 +156,27 @@ def test_failed_prepare_is_retried_not_lost(pair):
         assert ours(s) == []
     finally:
         w.stop()
+
+
+def test_skip_lsn_of_a_prepared_transaction_prepares_it_empty(pair):
+    """SKIP with a prepared transaction's prepare LSN (from the error): the local transaction is prepared empty
+    (a later COMMIT PREPARED must find it), the skip-LSN is cleared, and later transactions apply (behaviour 99)."""
+    both(pair, "CREATE TABLE t (id int PRIMARY KEY, v text)")
+    pair.target.execute("INSERT INTO t VALUES (1, 'local')")
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"], two_phase_state="e")
+    w = s.start()
+    try:
+        prepare(pair.publisher, "conflict", "INSERT INTO t VALUES (1, 'remote'), (2, 'remote')")
+        err = wait_until(
+            lambda: (e := s.catalog.last_error(s.sub.subid)) and e, timeout=30, what="the conflict"
+        )
+        assert err["message_type"] == "INSERT" and "duplicate key" in err["message"]
+        s.catalog.update_subscription(s.sub.subid, subskiplsn=err["finish_lsn"])
+        wait_until(lambda: len(ours(s)) == 1, timeout=30, what="the empty local prepare")
+        pair.publisher.execute("COMMIT PREPARED 'conflict'")
+        pair.publisher.execute("INSERT INTO t VALUES (3, 'after')")
+        wait_for_catchup(pair.publisher, pair.name, timeout=30)
+        assert pair.target.query("SELECT id, v FROM t ORDER BY id") == [(1, "local"), (3, "after")]
+        assert s.refresh().subskiplsn is None and ours(s) == []
+    finally:
+        w.stop()
