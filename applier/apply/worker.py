@@ -17,6 +17,7 @@ no privilege), with a message that says what to do.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import threading
@@ -202,8 +203,7 @@ class ApplyWorker:
         self.catalog = Catalog.connect(target_conninfo)
         self.stats = WorkerStats()
         self._failures = 0
-        self._target: Target | None = None
-        self._repl: ReplicationConnection | None = None
+        self._subid: int | None = None
 
     # --- the outer loop ----------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -285,6 +285,13 @@ class ApplyWorker:
             self.stats.last_error = str(exc)
             self.log.warning("logical replication apply worker for subscription \"%s\" will retry: %s",
                              self.subname, exc)  # fmt: skip
+            if self._subid is not None and not isinstance(
+                exc, psycopg.OperationalError | sqlalchemy.exc.DBAPIError
+            ):
+                # e.g. the publisher refused START_REPLICATION: worth showing in applier status (a target that
+                # is down cannot record anything, so connection errors are only logged)
+                with contextlib.suppress(Exception):
+                    self.catalog.record_error(self._subid, str(exc))
 
     # --- one session ---------------------------------------------------------------------------------------------
     def _session(self) -> _Outcome:
@@ -306,6 +313,7 @@ class ApplyWorker:
                 f"set one with applier alter {sub.subname} --set slot_name=NAME"
             )
         self.stats.sessions += 1
+        self._subid = sub.subid
         tables = _CatalogTables(self, sub)
         target = self._connect_target(sub)
         tables.target = target
