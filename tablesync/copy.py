@@ -113,7 +113,7 @@ class PartitionCopier:
     Any error closes both connections (their state is unknown); the next :meth:`copy` opens fresh ones.
     """
 
-    def __init__(self, publisher_conninfo: str, target_conninfo: str, *, attempts: int = 4) -> None:
+    def __init__(self, publisher_conninfo: str, target_conninfo: str, *, attempts: int = 6) -> None:
         self.publisher_conninfo = publisher_conninfo
         self.target_conninfo = target_conninfo
         self.attempts = attempts
@@ -208,7 +208,7 @@ class PartitionCopier:
 
 
 def copy_partition(
-    task: PartitionTask, publisher_conninfo: str, target_conninfo: str, *, attempts: int = 4
+    task: PartitionTask, publisher_conninfo: str, target_conninfo: str, *, attempts: int = 6
 ) -> PartitionResult:
     """Copy one partition exactly once on connections of its own (see :meth:`PartitionCopier.copy`)."""
     with PartitionCopier(publisher_conninfo, target_conninfo, attempts=attempts) as copier:

@@ -425,3 +425,41 @@ def test_a_failing_copy_reports_the_server_error_and_leaves_tables_to_redo(pair,
         ),
         what="the temporary slot to go away",
     )
+
+
+@pytest.mark.core
+def test_a_target_restart_mid_copy_is_retried(pair, spark, target_cluster):
+    import threading
+
+    both(pair, "CREATE TABLE t (id int, v text)")
+    pair.publisher.execute("INSERT INTO t SELECT g, repeat(md5(g::text), 4) FROM generate_series(1, 20000) g")
+    pair.publisher.execute("CREATE PUBLICATION pub FOR TABLE t")
+    sub = subscribe(pair.target.dsn, pair.publisher.dsn, pair.name, ["public.t"])
+    # Partitions 3 and up wait (for locks this session holds) until the restart ends the session.
+    blocker = pair.target.connect()
+    for part in range(3, 200):
+        blocker.execute(
+            "SELECT pg_advisory_lock(hashtextextended(%s, 0))",
+            (f"applier.tablesync:{sub.subid}:public.t:{part}",),
+        )
+
+    def restart_after_first_partitions() -> None:
+        wait_until(
+            lambda: (
+                pair.target.scalar("SELECT count(*) FROM applier.tablesync_partition WHERE part >= 0") >= 2
+            ),
+            timeout=120,
+            what="two partitions",
+        )
+        target_cluster.restart()  # terminates the waiting tasks' sessions (and the blocker's)
+
+    watcher = threading.Thread(target=restart_after_first_partitions, daemon=True)
+    watcher.start()
+    try:
+        result = run_initial_copy(pair.target.dsn, pair.name, progress=False, partition_bytes=64 * 1024)
+    finally:
+        watcher.join()
+        blocker.close()
+    assert result.completed and result.rows == 20000
+    assert table_digest(pair.publisher, "public.t") == table_digest(pair.target, "public.t")
+    assert states(pair)["public.t"][0] == "s"
