@@ -10,8 +10,10 @@ commit record ends. Such an entry is *unconfirmed* and never counts; once the ta
 after the confirmation: an upper bound of its commit end, so it can delay the report, never make it early.
 
 Entries for two-phase records (PREPARE, COMMIT/ROLLBACK PREPARED) are flushed as soon as they are confirmed:
-PostgreSQL flushes those records synchronously whatever ``synchronous_commit`` says (behaviour 8). WAL is sequential,
-so a flushed entry also makes every older entry of the same session flushed.
+PostgreSQL flushes those records synchronously whatever ``synchronous_commit`` says (behaviour 8). Entries are
+released oldest first and never past one that is not flushed itself (stricter than ``get_flush_position``, which
+lets a later entry without a local record, such as a skipped ROLLBACK PREPARED, report past an older commit that
+is not yet flushed).
 
 The mapping of the standby status update is the native worker's (behaviour 7): *write* = last received, *flush* =
 newest durably applied, *apply* = newest applied. When nothing is pending, all three are the last received LSN, which
@@ -107,14 +109,18 @@ class FeedbackTracker:
         """
         write = 0
         flush = 0
-        newest_flushed = -1
-        for i, e in enumerate(self._entries):
+        for e in self._entries:
             write = max(write, e.remote_end)
-            local = e.local_end
+        # Release the oldest entries while each is flushed on its own. Not past one that is not: a later
+        # entry's record may not even exist (a skipped ROLLBACK PREPARED writes nothing), so it proves nothing
+        # about the WAL before it, and an unconfirmed commit before it may still fail.
+        entries = self._entries
+        while entries:
+            local = entries[0].local_end
             if local == _FLUSHED or (local > 0 and local_flush_lsn is not None and local <= local_flush_lsn):
-                newest_flushed = i
-        for _ in range(newest_flushed + 1):
-            flush = max(flush, self._entries.popleft().remote_end)
+                flush = max(flush, entries.popleft().remote_end)
+            else:
+                break
         if not self._entries:
             write = flush = self.last_received
         last = self._last
