@@ -1,4 +1,4 @@
-"""Copying one partition from the publisher to the target, exactly once; runs inside a Spark executor.
+"""Copying partitions from the publisher to the target, each exactly once; runs inside a Spark executor.
 
 The publisher side imports the copy's exported snapshot (behaviour 117: ``BEGIN ISOLATION LEVEL REPEATABLE READ``
 then ``SET TRANSACTION SNAPSHOT`` before any query) and streams ``COPY (SELECT ...) TO STDOUT``; the target side
@@ -14,9 +14,12 @@ Exactly once: on the target, one transaction
    into the emptied table nor make the resumed run wait forever),
 3. returns early if the partition's marker already exists,
 4. ``SET LOCAL session_replication_role = replica`` (as the native tablesync worker: no user triggers, no FK
-   checks), copies, inserts the marker and commits.
+   checks), copies, inserts the marker and commits (``synchronous_commit = off``, as the native worker's default:
+   the run's final catalog commit flushes the WAL before it).
 
 A crash anywhere before the commit leaves nothing behind; after it, the marker makes every later attempt a no-op.
+Text and binary values travel in UTF8 on both connections (``client_encoding``), so servers with different
+encodings still copy correctly.
 """
 
 from __future__ import annotations
