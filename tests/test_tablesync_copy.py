@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from psycopg import sql
 
 from applier.testing import table_digest, wait_until
 from state.catalog import Catalog
@@ -463,3 +464,35 @@ def test_a_target_restart_mid_copy_is_retried(pair, spark, target_cluster):
     assert result.completed and result.rows == 20000
     assert table_digest(pair.publisher, "public.t") == table_digest(pair.target, "public.t")
     assert states(pair)["public.t"][0] == "s"
+
+
+@pytest.mark.core
+def test_a_slow_snapshot_says_it_waits_for_open_transactions(pair, monkeypatch):
+    import io
+    import threading
+
+    import tablesync.initial
+    from tablesync.progress import CopyProgress
+
+    monkeypatch.setattr(tablesync.initial, "SLOT_WAIT_NOTE_AFTER", 0.3)
+    both(pair, "CREATE TABLE t (id int)")
+    pair.publisher.execute("CREATE PUBLICATION pub FOR TABLE t")
+    subscribe(pair.target.dsn, pair.publisher.dsn, pair.name, ["public.t"])
+    with pair.publisher.connect() as c:  # a prepared transaction holds back every new slot
+        c.execute("BEGIN")
+        c.execute("INSERT INTO t VALUES (1)")
+        c.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(pair.name)))
+    out = io.StringIO()
+    copier = InitialCopy(pair.target.dsn, pair.name, reporter=CopyProgress("lines", out))
+    copier.load()
+    opened = threading.Thread(target=copier.open_snapshot, daemon=True)
+    opened.start()
+    try:
+        wait_until(lambda: "waiting for the transactions open on the publisher" in out.getvalue(), timeout=30,
+                   what="the note about open transactions")  # fmt: skip
+        assert "1 prepared" in out.getvalue() and opened.is_alive()
+        pair.publisher.execute(sql.SQL("COMMIT PREPARED {}").format(sql.Literal(pair.name)))
+        opened.join(30)
+        assert copier.slot is not None
+    finally:
+        copier.close()  # (a prepared transaction left by a failure is rolled back by the pair fixture)
