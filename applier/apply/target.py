@@ -356,6 +356,22 @@ class Target:
         res = got[0]
         return parse_lsn(res.get_value(0, 0).decode()), parse_lsn(res.get_value(0, 1).decode())
 
+    def request_wal_positions(self, callback: Callable[[int, int], None]) -> bool:
+        """Queue the query of :meth:`wal_positions` without waiting: ``callback(insert_lsn, flush_lsn)`` runs when
+        its result comes back, after the results of everything queued before it (so every commit confirmed by
+        then ends at or before ``insert_lsn``). Returns False (and queues nothing) while a COPY is open."""
+        if self._copy is not None:
+            return False
+
+        def done(res: Any) -> None:
+            callback(parse_lsn(res.get_value(0, 0).decode()), parse_lsn(res.get_value(0, 1).decode()))
+
+        self.pipeline.send_query(
+            b"SELECT pg_catalog.pg_current_wal_insert_lsn()::text, pg_catalog.pg_current_wal_flush_lsn()::text",
+            None, None, done,
+        )  # fmt: skip
+        return True
+
     def load_local_table(self, schema: str, name: str) -> LocalTable | None:
         """Read a table's columns and key from the target's catalogs (``logicalrep_rel_open``); None if absent."""
         rows = self.query(

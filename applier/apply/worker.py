@@ -417,6 +417,13 @@ class ApplyWorker:
         stats = self.stats
         last_heard = time.monotonic()
         pinged = False
+        wal_query: list[Any] = [False, 0]  # a positions query in flight; the last flush LSN it returned
+
+        def on_wal_positions(insert_lsn: int, flush_lsn: int) -> None:
+            tracker.resolve(insert_lsn)
+            wal_query[0] = False
+            wal_query[1] = flush_lsn
+
         while True:
             if self.stop.is_set():
                 return self._stop_session(repl, target, applier, tracker)
@@ -458,14 +465,19 @@ class ApplyWorker:
                         self.catalog.reconcile_prepared(sub.subid)
                 if not tables.all_ready or tables.two_phase_state == "p":
                     tables.after_transaction(tracker.last_received)
-            # feedback (behaviour 9)
-            flush_lsn = None
-            if tracker.pending and (force or now - last_flush_poll >= FLUSH_POLL_INTERVAL):
+            # feedback (behaviour 9): the target's WAL positions are asked for down the pipeline and used when
+            # they come back, so reading them never stalls the pipeline
+            if (
+                tracker.pending
+                and not wal_query[0]
+                and (force or now - last_flush_poll >= FLUSH_POLL_INTERVAL)
+                and target.request_wal_positions(on_wal_positions)
+            ):
                 last_flush_poll = now
-                insert_lsn, flush_lsn = target.wal_positions()
-                tracker.resolve(insert_lsn)
+                wal_query[0] = True
+                target.pipeline.poll()
             before = tracker.last_sent
-            pos = tracker.positions(flush_lsn)
+            pos = tracker.positions(wal_query[1] or None)
             if force or pos != before or now - last_status >= STATUS_INTERVAL:
                 repl.send_status(pos.write, pos.flush, pos.apply)
                 last_status = now
