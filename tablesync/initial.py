@@ -506,9 +506,7 @@ class InitialCopy:
                     return self.result(stopped=True)
                 return self.complete()  # before stopping Spark: the tables are ready a little sooner
             finally:
-                if handle.created:
-                    with contextlib.suppress(Exception):
-                        handle.session.stop()
+                spark_job.release(handle)
         finally:
             self.close()
 

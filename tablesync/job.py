@@ -196,6 +196,18 @@ def spark_session(
     return SparkHandle(session, True, None, _ui_url(session))
 
 
+def release(handle: SparkHandle) -> None:
+    """Stop the session if we created it. After a Connect session, also drop the process-wide flag pyspark leaves
+    behind (``SPARK_CONNECT_MODE_ENABLED``), which would otherwise turn every later classic session in this
+    process into a failing Connect one."""
+    if not handle.created:
+        return
+    with contextlib.suppress(Exception):
+        handle.session.stop()
+    if handle.remote is not None:
+        os.environ.pop("SPARK_CONNECT_MODE_ENABLED", None)
+
+
 def _ui_url(session: Any) -> str | None:
     try:
         return session.sparkContext.uiWebUrl

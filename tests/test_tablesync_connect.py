@@ -86,3 +86,5 @@ def test_copy_runs_through_spark_connect(pair, connect_server, monkeypatch):
     assert result.completed and result.rows == 30000 and result.tables["public.c"].partitions > 1
     assert table_digest(pair.publisher, "public.c") == table_digest(pair.target, "public.c")
     assert pair.target.scalar("SELECT srsubstate::text FROM applier.subscription_rel") == "s"
+    # the process can build classic sessions again (pyspark's Connect flag was cleared with the session)
+    assert "SPARK_CONNECT_MODE_ENABLED" not in os.environ
