@@ -64,7 +64,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         kwargs["partition_bytes"] = args.partition_bytes
     result = run_initial_copy(args.target, args.subname, **kwargs)
     json.dump(
-        {"rows": result.rows, "bytes": result.bytes, "lsn": result.snapshot_lsn, "tables": len(result.tables)},
+        {
+            "rows": result.rows,
+            "bytes": result.bytes,
+            "lsn": result.snapshot_lsn,
+            "tables": len(result.tables),
+        },
         sys.stdout,
     )
     print()
