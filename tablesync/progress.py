@@ -181,10 +181,14 @@ class CopyProgress:
         elapsed = max(1e-6, time.monotonic() - self._started)
         if t.finished:
             return f"  {t.name}: done, {t.rows:,} rows, {human_bytes(t.bytes)} (at {human_duration(elapsed)})"
-        return (
+        line = (
             f"  {t.name:<30} [{bar(t.fraction, 16)}] {t.fraction * 100:3.0f}%  "
             f"{t.done_parts}/{len(t.part_pages)} parts  {t.rows:,} rows  {human_bytes(t.bytes)}"
         )
+        if t.done_parts:  # tables copy side by side: rate and ETA are over the whole copy's elapsed time
+            eta = human_duration(elapsed * (1 - t.fraction) / t.fraction)
+            line += f"  {human_bytes(t.bytes / elapsed)}/s  ETA {eta}"
+        return line
 
     def _print_finished(self) -> None:
         for t in self._tables.values():
