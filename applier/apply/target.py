@@ -370,6 +370,9 @@ class Target:
             b"SELECT pg_catalog.pg_current_wal_insert_lsn()::text, pg_catalog.pg_current_wal_flush_lsn()::text",
             None, None, done,
         )  # fmt: skip
+        # a sync point, so that an error in what came before surfaces (results of an aborted pipeline segment
+        # only come back with its sync); a few per second at most
+        self.pipeline.sync()
         return True
 
     def load_local_table(self, schema: str, name: str) -> LocalTable | None:
