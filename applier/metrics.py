@@ -3,12 +3,12 @@
 Two kinds of numbers, gathered two ways:
 
 * **Events counted by the workers** (transactions applied by kind, rows by operation, apply errors and conflicts by
-  kind, rows/bytes copied by tablesync). ``run`` uses one process per subscription, so these use
+  kind). ``run`` uses one process per subscription, so these use
   ``prometheus_client``'s multi-process mode: :func:`enable_multiprocess` points ``PROMETHEUS_MULTIPROC_DIR`` at a
   private directory *before* the workers start, each worker's counters live in memory-mapped files there, and the
   parent's HTTP endpoint sums them. Without ``--metrics-port`` the counters are plain in-process objects (cheap).
 * **Positions read at scrape time** (received/flushed/applied LSN, lag in bytes and seconds, prepared transactions
-  pending, table states): a collector queries the target's catalog and origin and the publisher's slot, the same
+  pending, table states, rows/bytes copied so far by the initial copy): a collector queries the target's catalog and origin and the publisher's slot, the same
   sources as ``applier status``, so the numbers are what the servers say, not what a worker believes.
 
 Names follow Prometheus conventions: ``applier_`` prefix, ``_total`` for counters, base units (bytes, seconds).
@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, start_http_server
@@ -51,12 +51,36 @@ CONFLICTS = Counter(
     "Conflicts met while applying, by kind (update_missing, delete_missing, insert_exists, ...).",
     ["subscription", "kind"],
 )
-COPIED_ROWS = Counter(
-    "applier_tablesync_rows_copied_total", "Rows copied by the initial copy.", ["subscription"]
-)
-COPIED_BYTES = Counter(
-    "applier_tablesync_bytes_copied_total", "COPY bytes moved by the initial copy.", ["subscription"]
-)
+
+
+class WorkerMetrics:
+    """A worker's view of the counters: it hands over its running totals now and then (about once a second, off
+    the per-row path) and this turns them into increments."""
+
+    def __init__(self, subscription: str) -> None:
+        self.subscription = subscription
+        self._seen: dict[tuple[str, str], int] = {}
+
+    def publish(self, kinds: Mapping[str, int], rows: Mapping[str, int]) -> None:
+        """``kinds``/``rows`` are totals that only grow while one session lasts (see :meth:`session_ended`)."""
+        for family, counter, totals in (("k", TRANSACTIONS, kinds), ("r", ROWS, rows)):
+            for key, total in totals.items():
+                seen = self._seen.get((family, key), 0)
+                if total > seen:
+                    counter.labels(self.subscription, key).inc(total - seen)
+                self._seen[(family, key)] = total
+
+    def session_ended(self) -> None:
+        """The next session's totals start from zero again."""
+        self._seen.clear()
+
+    def error(self, exc: BaseException) -> None:
+        """Count an error that rolled back a local transaction; a unique violation is also an ``insert_exists``
+        conflict (PostgreSQL 18's name for it)."""
+        ERRORS.labels(self.subscription, type(exc).__name__).inc()
+        cause = exc.__cause__ or exc.__context__
+        if "23505" in (getattr(exc, "sqlstate", None), getattr(cause, "sqlstate", None)):
+            CONFLICTS.labels(self.subscription, "insert_exists").inc()
 
 
 def enable_multiprocess() -> str:
@@ -91,6 +115,8 @@ class PositionCollector(Collector):
             "two_phase": GaugeMetricFamily("applier_two_phase_state", "Two-phase tri-state, one series per state (1 = current).", labels=["subscription", "state"]),
             "tables": GaugeMetricFamily("applier_tables", "Tables per sync state.", labels=["subscription", "state"]),
             "up": GaugeMetricFamily("applier_publisher_up", "1 when the publisher answered the scrape.", labels=["subscription"]),
+            "copied_rows": GaugeMetricFamily("applier_tablesync_rows_copied", "Rows copied so far by the initial copy, per table.", labels=["subscription", "table"]),
+            "copied_bytes": GaugeMetricFamily("applier_tablesync_bytes_copied", "COPY bytes moved so far by the initial copy, per table.", labels=["subscription", "table"]),
         }  # fmt: skip
         try:
             entries = status(self.target, None)
@@ -121,6 +147,8 @@ class PositionCollector(Collector):
             counts: dict[str, int] = {}
             for t in st["tables"]:
                 counts[t["state"]] = counts.get(t["state"], 0) + 1
+                gauges["copied_rows"].add_metric([name, t["name"]], t["rows"])
+                gauges["copied_bytes"].add_metric([name, t["name"]], t["bytes"])
             for state in "idfsr":
                 gauges["tables"].add_metric([name, state], counts.get(state, 0))
         yield from gauges.values()

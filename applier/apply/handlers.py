@@ -14,6 +14,7 @@ preceded, in the same local transaction (or, for the standalone 2PC commands, as
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -148,6 +149,11 @@ class Applier:
         self._run_ctx: ErrorContext | None = None
         self._ctx_cache: dict[tuple[str, int], ErrorContext] = {}
         self.transactions = 0  # remote transactions finished (for tests and stats)
+        # for metrics: finished transactions by kind, and row changes of finished transactions by operation (a
+        # transaction's rows count once it ends; an error drops them with the transaction)
+        self.kinds: collections.Counter[str] = collections.Counter()
+        self.rows: collections.Counter[str] = collections.Counter()
+        self._pending_rows = [0, 0, 0, 0]  # insert, update, delete, truncate
 
         self._dispatch: dict[type, Callable[[Any, bytes], None]] = {
             Begin: self.handle_begin, Commit: self.handle_commit, Origin: self.handle_origin,
@@ -202,12 +208,21 @@ class Applier:
             self.skipping = True
             self.log.info(skiprules.starts_skipping_message(final_lsn))
 
-    def _end_remote(self) -> None:
+    def _end_remote(self, kind: str) -> None:
+        self._count(kind)
         self.in_remote_transaction = False
         self.remote_xid = None
         self.prepare = None
         self.skipping = False
+
+    def _count(self, kind: str) -> None:
         self.transactions += 1
+        self.kinds[kind] += 1
+        pending = self._pending_rows
+        if any(pending):
+            for op, n in zip(("insert", "update", "delete", "truncate"), pending, strict=True):
+                self.rows[op] += n
+            self._pending_rows = [0, 0, 0, 0]
 
     def handle_begin(self, m: Begin, payload: bytes = b"") -> None:
         """``apply_handle_begin``: remember the transaction; the local one starts with the first change."""
@@ -220,8 +235,9 @@ class Applier:
                 "COMMIT", f"incorrect commit LSN {format_lsn(m.commit_lsn)} in commit message (expected "
                 f"{format_lsn(self.remote_final_lsn)})",
             )  # fmt: skip
+        kind = "skipped" if self.skipping else "commit"
         self._commit_internal(m.end_lsn, m.commit_time, "COMMIT")
-        self._end_remote()
+        self._end_remote(kind)
         self.tables.after_transaction(m.end_lsn)
 
     def _commit_internal(self, end_lsn: int, commit_time: int, message_type: str) -> None:
@@ -355,8 +371,10 @@ class Applier:
             kinds = m.new.kinds
             if KIND_BINARY not in kinds and KIND_UNCHANGED_TOAST not in kinds:
                 copy.add(m.new)
+                self._pending_rows[0] += 1
                 return
             target.end_copy()  # keep the order: this row goes after everything already copied
+        self._pending_rows[0] += 1
         rows = self._run_rows
         rows.append(m.new)
         if len(rows) >= COPY_THRESHOLD:
@@ -404,6 +422,7 @@ class Applier:
         ctx = self._change_context("UPDATE", entry)
         self._begin_local(ctx)
         self.target.update(entry, m.old, m.new, ctx)
+        self._pending_rows[1] += 1
 
     def handle_delete(self, m: Delete, payload: bytes = b"") -> None:
         if self.stream_xid is not None:
@@ -419,6 +438,7 @@ class Applier:
         ctx = self._change_context("DELETE", entry)
         self._begin_local(ctx)
         self.target.delete(entry, m.old, ctx)
+        self._pending_rows[2] += 1
 
     def handle_truncate(self, m: Truncate, payload: bytes = b"") -> None:
         """``apply_handle_truncate``: the applicable relations in one TRUNCATE, RESTART IDENTITY honoured, never
@@ -439,6 +459,7 @@ class Applier:
         ctx = self.context("TRUNCATE", ", ".join(e.display for e in entries))
         self._begin_local(ctx)
         self.target.truncate(entries, m.restart_identity, ctx)
+        self._pending_rows[3] += len(entries)
 
     # --- two-phase -------------------------------------------------------------------------------------------
     def _record_prepared(
@@ -494,7 +515,7 @@ class Applier:
         token = self.tracker.queued(end_lsn, two_phase=True)
         self.target.prepare(gid_for(self.subid, xid), end_lsn, prepare_time, ctx,
                             lambda _res: self.tracker.confirmed(token))  # fmt: skip
-        self._end_remote()
+        self._end_remote("stream_prepare" if message_type == "STREAM PREPARE" else "prepare")
         self.tables.after_transaction(end_lsn)
         self._clear_skip_lsn_separately(finish_lsn, True)
 
@@ -510,7 +531,7 @@ class Applier:
         self.target.finish_prepared(True, gid, m.end_lsn, m.commit_time, ctx,
                                     lambda _res: self.tracker.confirmed(token))  # fmt: skip
         self._forget_prepared(gid)
-        self.transactions += 1
+        self._count("commit_prepared")
         self.tables.after_transaction(m.end_lsn)
         self._clear_skip_lsn_separately(m.end_lsn, True)
 
@@ -532,7 +553,7 @@ class Applier:
         else:
             self.tracker.confirmed(token)
             self.log.debug("skipping ROLLBACK PREPARED of %s: no matching prepared transaction", gid)
-        self.transactions += 1
+        self._count("rollback_prepared" if found else "skipped")
         self.tables.after_transaction(m.rollback_end_lsn)
         if found:
             self._clear_skip_lsn_separately(m.rollback_end_lsn, True)
@@ -563,6 +584,8 @@ class Applier:
         if self.stream_xid is not None:
             raise self._protocol_error("STREAM ABORT", "STREAM ABORT message without STREAM STOP")
         self.spool.abort(m.xid, m.subxid)
+        if m.xid == m.subxid:
+            self.kinds["stream_abort"] += 1
 
     def _replay(self, xid: int, final_lsn: int, message_type: str) -> None:
         """``apply_spooled_messages``: run the spooled changes through the normal handlers."""
@@ -582,7 +605,7 @@ class Applier:
             raise self._protocol_error("STREAM COMMIT", "STREAM COMMIT message without STREAM STOP")
         self._replay(m.xid, m.commit_lsn, "STREAM COMMIT")
         self._commit_internal(m.end_lsn, m.commit_time, "STREAM COMMIT")
-        self._end_remote()
+        self._end_remote("stream_commit")
         self.spool.discard(m.xid)
         self.tables.after_transaction(m.end_lsn)
 
@@ -609,3 +632,4 @@ class Applier:
         self._run_entry = None
         self._run_rows.clear()
         self._ctx_cache.clear()
+        self._pending_rows = [0, 0, 0, 0]

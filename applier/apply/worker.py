@@ -40,6 +40,7 @@ from applier.decoder import MessageDecoder
 from applier.errors import ApplierError, ProtocolError
 from applier.lsn import format_lsn
 from applier.messages import PrimaryKeepalive, XLogData
+from applier.metrics import WorkerMetrics
 from applier.replication import ReplicationConnection, ReplicationConnectionError, StreamOptions
 from state.catalog import Catalog, CatalogError, RelState, Subscription
 from state.tables import TableState, process_syncing_tables, should_apply_changes_for_rel
@@ -60,6 +61,8 @@ STATUS_INTERVAL = 10.0
 FLUSH_POLL_INTERVAL = 0.1
 #: Messages applied before the loop looks at feedback, results and the stop event again.
 BURST = 5000
+#: How often the worker hands its counters to the Prometheus metrics (off the per-message path).
+METRICS_INTERVAL = 1.0
 #: wal_receiver_timeout: silence from the publisher this long ends the session (a ping is sent at half of it).
 RECEIVER_TIMEOUT = 60.0
 
@@ -202,6 +205,7 @@ class ApplyWorker:
         self.retry_max = retry_max
         self.catalog = Catalog.connect(target_conninfo)
         self.stats = WorkerStats()
+        self.metrics = WorkerMetrics(subname)
         self._failures = 0
         self._subid: int | None = None
 
@@ -240,6 +244,7 @@ class ApplyWorker:
         """Record an apply error; disable the subscription if it says so (behaviour 101), else let it retry."""
         self.stats.errors += 1
         self.stats.last_error = str(exc)
+        self.metrics.error(exc)
         ctx: ErrorContext | None = exc.context if isinstance(exc, ApplyError) else None
         self.log.error('logical replication apply worker for subscription "%s": %s', self.subname, exc)
         try:
@@ -283,6 +288,8 @@ class ApplyWorker:
         if not isinstance(exc, ApplyError | ProtocolError):
             self.stats.errors += 1
             self.stats.last_error = str(exc)
+            if exc is not None:
+                self.metrics.error(exc)
             self.log.warning("logical replication apply worker for subscription \"%s\" will retry: %s",
                              self.subname, exc)  # fmt: skip
             if self._subid is not None and not isinstance(
@@ -348,6 +355,8 @@ class ApplyWorker:
         finally:
             if applier is not None:
                 self.stats.transactions += applier.transactions
+                self.metrics.publish(applier.kinds, applier.rows)
+                self.metrics.session_ended()
                 if applier.transactions:
                     self._failures = 0
             if not clean and not target.closed:
@@ -409,6 +418,7 @@ class ApplyWorker:
                 tracker: FeedbackTracker, tables: _CatalogTables, skip: SkipState) -> _Outcome:  # fmt: skip
         decoder = MessageDecoder()
         last_status = 0.0
+        last_published = 0.0
         last_flush_poll = 0.0
         last_reread = time.monotonic()
         read = repl.read
@@ -444,6 +454,9 @@ class ApplyWorker:
                     if item.reply_requested:
                         force = True
             stats.messages += n
+            if time.monotonic() - last_published >= METRICS_INTERVAL:
+                last_published = time.monotonic()
+                self.metrics.publish(applier.kinds, applier.rows)
             if target.pipeline.pending:
                 target.pipeline.poll()
             now = time.monotonic()
