@@ -42,3 +42,11 @@ def test_crash_and_restart_keeps_committed_and_prepared_work(pg_binaries):
         assert cluster.scalar("SELECT gid FROM pg_prepared_xacts") == "gid1"
         cluster.execute("COMMIT PREPARED 'gid1'")
         assert wait_until(lambda: cluster.scalar("SELECT count(*) FROM t") == 1, timeout=5)
+
+
+def test_comparison_of_a_table_with_a_column_named_like_an_alias(pair):
+    for db in (pair.publisher, pair.target):
+        db.execute("CREATE TABLE odd (t int, applier_row int, x text)")
+        db.execute("INSERT INTO odd VALUES (1, 1, 'a')")
+    pair.target.execute("UPDATE odd SET x = 'b'")
+    assert tables_differ(pair.publisher, pair.target, "odd") is not None
