@@ -24,9 +24,9 @@ def table_rows(db: Database, table: str, columns: list[str] | None = None) -> li
                 ).fetchall()
             ]
             cols = sql.SQL(", ").join(sql.Identifier(c) for c in names)
-        query = sql.SQL("SELECT t::text FROM (SELECT {cols} FROM {tbl}) t ORDER BY 1").format(
-            cols=cols, tbl=ident
-        )
+        # the alias must not be a column name of the table, or `alias::text` would pick that column
+        query = sql.SQL("SELECT applier_row_::text FROM (SELECT {cols} FROM {tbl}) applier_row_ ORDER BY 1")
+        query = query.format(cols=cols, tbl=ident)
         return [r[0] for r in conn.execute(query).fetchall()]
 
 
