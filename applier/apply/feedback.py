@@ -110,7 +110,10 @@ class FeedbackTracker:
         write = 0
         flush = 0
         for e in self._entries:
-            write = max(write, e.remote_end)
+            # only commits the target has confirmed count as applied: a COMMIT still queued in the pipeline is
+            # not visible yet, and pg_stat_replication.replay_lsn (what wait_for_catchup polls) shows this value
+            if e.local_end != _UNCONFIRMED and e.local_end != _UNCONFIRMED_2PC:
+                write = max(write, e.remote_end)
         # Release the oldest entries while each is flushed on its own. Not past one that is not: a later
         # entry's record may not even exist (a skipped ROLLBACK PREPARED writes nothing), so it proves nothing
         # about the WAL before it, and an unconfirmed commit before it may still fail.
