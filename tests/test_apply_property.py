@@ -44,11 +44,11 @@ import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
-from test_tap_support import catchup, fresh_subscription, module_pair, set_decoding_work_mem
+from test_tap_support import assert_replica, catchup, fresh_subscription, module_pair, set_decoding_work_mem
 
-from applier.testing import PostgresCluster, assert_tables_equal
+from applier.testing import PostgresCluster
 from applier.testing.pytest_plugin import ReplicationPair
-from applier.testing.workloads import KEY_COLUMNS, TABLES, Workload, create_schema, run_workload, workloads
+from applier.testing.workloads import TABLES, Workload, create_schema, run_workload, workloads
 
 FAST_EXAMPLES = 10
 FAST_ACTIONS = 30
@@ -85,17 +85,6 @@ def workload_pair(
         yield pair
 
 
-def check_replica(pair: ReplicationPair, workload: Workload) -> None:
-    """Row-by-row equality with the publisher, the model's keys, and no prepared transaction left."""
-    assert_tables_equal(pair.publisher, pair.target, *TABLES)
-    for table in TABLES:
-        keys = [r[0] for r in pair.target.query(f"SELECT {KEY_COLUMNS[table]} FROM {table}")]  # noqa: S608
-        assert len(keys) == len(set(keys)), f"{table}: a row was applied twice"
-        assert set(keys) == workload.expected_keys[table], f"{table}: keys differ from the model's"
-    prepared = pair.target.query("SELECT gid FROM pg_prepared_xacts WHERE database = current_database()")
-    assert prepared == [], f"prepared transactions left on the target: {prepared}"
-
-
 #: what separates the rounds of an example: the model of each round starts from empty tables
 TRUNCATE_ALL = "TRUNCATE " + ", ".join(TABLES)
 
@@ -119,7 +108,7 @@ def replicate(pair: ReplicationPair, rounds: list[Workload], options: dict[str, 
                 catchup(pair.publisher, name)
                 assert worker.alive, f"the worker ended: {worker.worker.stats.last_error}"
                 try:
-                    check_replica(pair, workload)
+                    assert_replica(pair, workload)
                 except AssertionError as exc:
                     raise AssertionError(f"after round {i + 1} of {len(rounds)}: {exc}") from exc
         finally:

@@ -1,9 +1,13 @@
-"""Shared helpers for the ports of PostgreSQL's subscription TAP tests (``tests/test_tap_0NN_*.py``).
+"""Shared helpers for the ports of PostgreSQL's subscription TAP tests (``tests/test_tap_0NN_*.py``), the property
+test (``test_apply_property.py``) and the crash test (``test_apply_crash.py``); other test modules use them too.
 
-This module holds no tests. It exists so that every port reads like the Perl file it comes from: ``psql`` runs a
-script the way ``safe_psql`` does, :func:`prepared_count` is the TAP tests' ``SELECT count(*) FROM
-pg_prepared_xacts``, :func:`catchup` is ``wait_for_catchup``, and :class:`CliApplier` is the applier as a separate
-OS process (``python -m applier.cli run``) for the scenarios that ``kill -9`` it.
+This module holds no tests (its name only follows the pattern of the files it serves). It exists so that every
+port reads like the Perl file it comes from: :func:`psql` runs a script the way ``safe_psql`` does,
+:func:`prepared_count` is the TAP tests' ``SELECT count(*) FROM pg_prepared_xacts``, :func:`catchup` is
+``wait_for_catchup``, :func:`alter_subscription` is ``ALTER SUBSCRIPTION ... SET`` plus the wait for the worker's
+restart, and :class:`CliApplier` is the applier as a separate OS process (``python -m applier.cli run``) for the
+scenarios that ``kill -9`` it. :func:`fresh_subscription` and :func:`assert_replica` serve the randomized tests:
+a new subscription per hypothesis example, and the check that the target equals the publisher.
 
 Why a module-scoped database pair (:func:`module_pair`) rather than the per-test ``pair`` fixture: a TAP file is
 one long scenario on one pair of nodes, and most of its sections only look at their own keys. Sharing the
@@ -36,25 +40,28 @@ from psycopg import sql
 from applier.apply.testing import ApplySetup, setup_subscription
 from applier.apply.worker import WorkerThread
 from applier.subscriptions import LOCK_NAMESPACE
-from applier.testing import Database, PostgresCluster, wait_for_catchup, wait_until
+from applier.testing import Database, PostgresCluster, assert_tables_equal, wait_for_catchup, wait_until
 from applier.testing.pytest_plugin import ReplicationPair, drop_our_origins
+from applier.testing.workloads import KEY_COLUMNS, TABLES, Workload
 
 __all__ = [
-    "CliApplier",
+    "TIMEOUT",
     "alter_subscription",
+    "assert_replica",
     "catchup",
+    "CliApplier",
     "drop_slot",
     "extra_database",
     "fresh_subscription",
     "module_pair",
     "Nodes",
-    "subscribed_nodes",
     "prepared_count",
     "psql",
     "restart_if_down",
     "rollback_prepared",
     "set_decoding_work_mem",
     "stream_txns",
+    "subscribed_nodes",
     "wait_for_new_walsender",
     "walsender_pid",
 ]
@@ -302,6 +309,19 @@ def fresh_subscription(
         rollback_prepared(pair.target)
         setup.catalog.delete_subscription(setup.sub.subid)
         setup.catalog.engine.dispose()
+
+
+def assert_replica(pair: ReplicationPair, workload: Workload) -> None:
+    """The target equals the publisher row by row over the workload tables, holds exactly the keys the
+    workload's model predicts (nothing lost), each once (nothing applied twice: the REPLICA IDENTITY FULL table
+    has no key to refuse a duplicate), and no prepared transaction is left on it."""
+    assert_tables_equal(pair.publisher, pair.target, *TABLES)
+    for table in TABLES:
+        keys = [r[0] for r in pair.target.query(f"SELECT {KEY_COLUMNS[table]} FROM {table}")]  # noqa: S608
+        assert len(keys) == len(set(keys)), f"{table}: a row was applied twice"
+        assert set(keys) == workload.expected_keys[table], f"{table}: keys differ from the model's"
+    prepared = pair.target.query("SELECT gid FROM pg_prepared_xacts WHERE database = current_database()")
+    assert prepared == [], f"prepared transactions left on the target: {prepared}"
 
 
 class CliApplier:
