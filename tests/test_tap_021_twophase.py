@@ -49,6 +49,7 @@ from test_tap_support import (
     prepared_count,
     psql,
     restart_if_down,
+    rollback_prepared,
 )
 
 from applier.apply.testing import ApplySetup, setup_subscription
@@ -64,6 +65,7 @@ class Nodes:
     appname: str
     setup: ApplySetup
     applier: CliApplier
+    dropped: bool = False  # set by the cleanup section, which stops the applier and drops the subscription
 
     def count(self, query: str, params: object = None) -> int:
         return int(self.subscriber.scalar(query, params))
@@ -106,12 +108,14 @@ def nodes(publisher_cluster: PostgresCluster, target_cluster: PostgresCluster) -
 
 @pytest.fixture
 def node(nodes: Nodes) -> Iterator[Nodes]:
-    """Each section starts with the applier running and leaves it so; on failure its log tail is printed."""
-    if not nodes.applier.alive:
+    """Each section starts with the applier running and must leave it running: ``applier run`` exiting by itself
+    is a failure of that section (its log tail is printed), and the next section starts it again."""
+    if not nodes.applier.alive and not nodes.dropped:
         nodes.applier.start()
     yield nodes
-    if not nodes.applier.alive:
-        print(nodes.applier.log_tail())
+    rollback_prepared(nodes.publisher)  # a failed section must not leave row locks that hang the next one
+    if not nodes.applier.alive and not nodes.dropped:
+        pytest.fail(f"applier run exited; its log ends with:\n{nodes.applier.log_tail()}")
 
 
 def crash(*clusters: PostgresCluster) -> None:
@@ -467,6 +471,7 @@ def test_cleanup(node: Nodes, copy_sub: tuple[str, CliApplier]) -> None:
     name, applier = copy_sub
     pub, sub = node.publisher, node.subscriber
     subids = [int(r[0]) for r in sub.query("SELECT subid FROM applier.subscription")]
+    node.dropped = True
     for n, proc in ((name, applier), (node.appname, node.applier)):
         assert proc.stop() == 0, proc.log_tail()
         res = cli(sub, "drop", n)

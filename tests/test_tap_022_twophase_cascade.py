@@ -32,6 +32,7 @@ from test_tap_support import (
     module_pair,
     prepared_count,
     psql,
+    rollback_prepared,
     set_decoding_work_mem,
     stream_txns,
     wait_for_new_walsender,
@@ -111,6 +112,14 @@ def cascade(publisher_cluster: PostgresCluster, target_cluster: PostgresCluster)
         finally:
             for w in workers:
                 w.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_prepared_left_behind(cascade: Cascade) -> Iterator[None]:
+    """A failed section must not leave a prepared transaction on the publisher: its row locks would hang the next
+    section's workload instead of letting it fail on its own."""
+    yield
+    rollback_prepared(cascade.node_A)
 
 
 def test_prepare_then_commit_prepared(cascade: Cascade) -> None:

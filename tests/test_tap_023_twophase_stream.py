@@ -36,6 +36,7 @@ from test_tap_support import (
     module_pair,
     prepared_count,
     psql,
+    rollback_prepared,
     set_decoding_work_mem,
     stream_txns,
     wait_for_new_walsender,
@@ -100,6 +101,14 @@ def nodes(publisher_cluster: PostgresCluster, target_cluster: PostgresCluster) -
             yield n
         finally:
             n.worker.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_prepared_left_behind(nodes: Nodes) -> Iterator[None]:
+    """A failed section must not leave a prepared transaction on the publisher: its row locks would hang the next
+    section's workload instead of letting it fail on its own."""
+    yield
+    rollback_prepared(nodes.publisher)
 
 
 def streamed_prepare(n: Nodes) -> None:
