@@ -14,7 +14,8 @@ Ported, in the TAP file's order, with its workloads, expected rows and ``pg_prep
 * PREPARE → COMMIT PREPARED; PREPARE → ROLLBACK PREPARED;
 * ROLLBACK PREPARED and COMMIT PREPARED decoded properly after an immediate stop of both nodes, COMMIT PREPARED
   after a crash of the subscriber only and of the publisher only;
-* and ours on top: COMMIT PREPARED after ``kill -9`` of the applier process between PREPARE and COMMIT PREPARED;
+* and ours on top: ``kill -9`` of the applier process between PREPARE and COMMIT PREPARED; while it is down the
+  transaction is committed and another one prepared and rolled back; a cold start applies both exactly once;
 * nested transaction (a savepoint rolled back inside the prepared transaction); the empty GID;
 * master's "empty prepared transaction is not replicated" (a transaction with an XID but no decoded change, via a
   row lock, committed and rolled back as prepared): replication goes on and nothing stays prepared (PostgreSQL
@@ -25,7 +26,9 @@ Ported, in the TAP file's order, with its workloads, expected rows and ``pg_prep
 * ``copy_data = false`` with two-phase: a second subscription, made with ``applier create --two-phase
   --no-copy-data``, starts ``e`` at once; one prepared transaction is prepared once per subscription (2);
 * the PostgreSQL 18 version's ``ALTER SUBSCRIPTION ... SET (two_phase = false / true)`` section, through
-  ``applier alter --set two_phase=...`` (needs a PostgreSQL ≥ 17 publisher for ``ALTER_REPLICATION_SLOT``);
+  ``applier alter --disable / --set two_phase=... / --enable`` (needs a PostgreSQL ≥ 17 publisher for
+  ``ALTER_REPLICATION_SLOT``); the TAP file has dropped ``tap_sub`` by then, ours still runs, so the counts there
+  are of ``tap_sub_copy``'s prepared transactions only;
 * "check all the cleanup", through ``applier drop``: catalog rows, slots and origins are gone.
 
 Not ported: the initial table synchronisation (``wait_for_subscription_sync``): the tables start ready with the
@@ -264,20 +267,25 @@ def test_commit_prepared_after_publisher_crash(node: Nodes) -> None:
 
 @pytest.mark.core
 def test_commit_prepared_after_kill9_of_the_applier(node: Nodes) -> None:
-    """Ours, in the spirit of the crash sections: ``kill -9`` of the applier process once the transaction is
-    prepared on the subscriber, COMMIT PREPARED while it is down, then a cold start of ``applier run``: the
-    local prepared transaction (and the origin's progress recorded with it) survives and is committed once."""
+    """Ours, in the spirit of the crash sections: ``kill -9`` of the applier process once two transactions are
+    prepared on the subscriber; while it is down one is committed, the other rolled back, and a third is prepared
+    and rolled back; then a cold start of ``applier run``. The local prepared transactions (and the origin's
+    progress recorded with them) survive; the ROLLBACK PREPARED of one prepared before the kill still finds it
+    (its LookupGXact data must outlive the process)."""
     psql(node.publisher, """BEGIN;
         INSERT INTO tab_full VALUES (18);
         INSERT INTO tab_full VALUES (19);
         PREPARE TRANSACTION 'test_prepared_tab';""")  # fmt: skip
-    catchup(node.publisher, node.appname)
-    assert prepared_count(node.subscriber) == 1, "transaction is prepared on subscriber"
-    node.applier.kill9()
-    node.publisher.execute("COMMIT PREPARED 'test_prepared_tab'")
-    # and one prepared and rolled back while the applier is down
     psql(node.publisher, """BEGIN;
         INSERT INTO tab_full VALUES (20);
+        PREPARE TRANSACTION 'test_prepared_rb';""")  # fmt: skip
+    catchup(node.publisher, node.appname)
+    assert prepared_count(node.subscriber) == 2, "transactions are prepared on subscriber"
+    node.applier.kill9()
+    node.publisher.execute("COMMIT PREPARED 'test_prepared_tab'")
+    node.publisher.execute("ROLLBACK PREPARED 'test_prepared_rb'")
+    psql(node.publisher, """BEGIN;
+        INSERT INTO tab_full VALUES (23);
         PREPARE TRANSACTION 'while_down';
         ROLLBACK PREPARED 'while_down';""")  # fmt: skip
     node.applier.start()
@@ -285,7 +293,9 @@ def test_commit_prepared_after_kill9_of_the_applier(node: Nodes) -> None:
     assert node.count("SELECT count(*) FROM tab_full where a IN (18,19)") == 2, (
         "Rows inserted via 2PC are visible on the subscriber"
     )
-    assert node.count("SELECT count(*) FROM tab_full where a = 20") == 0
+    assert node.count("SELECT count(*) FROM tab_full where a IN (20,23)") == 0, (
+        "Rows rolled back are not there"
+    )
     assert prepared_count(node.subscriber) == 0
 
 
