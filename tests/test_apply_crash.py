@@ -50,7 +50,7 @@ from applier.testing.workloads import TABLES, Workload, create_schema, run_workl
 
 FAST_EXAMPLES = 3
 MAX_ACTIONS = 30
-_HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
+_HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large]
 
 try:
     settings.get_profile("long")
@@ -101,19 +101,24 @@ class Killer:
         self.applier = applier
         self.timer: threading.Timer | None = None
         self.kills = 0
+        self.killed_walsender: int | None = None
 
     def start(self) -> None:
         self.applier.start()
 
     def wait_streaming(self) -> None:
-        """Kill a working applier, not one still starting: wait for its walsender."""
+        """Kill a working applier, not one still starting: wait for its walsender (a new one: the killed
+        applier's walsender may linger until it notices its client is gone)."""
         wait_until(
-            lambda: walsender_pid(self.pair.publisher, self.applier.subname) is not None,
+            lambda: (
+                walsender_pid(self.pair.publisher, self.applier.subname) not in (None, self.killed_walsender)
+            ),
             timeout=TIMEOUT,
             what="the applier to stream",
         )
 
     def arm(self, delay_ms: int) -> None:
+        self.killed_walsender = walsender_pid(self.pair.publisher, self.applier.subname)
         self.timer = threading.Timer(delay_ms / 1000, self.applier.kill9)
         self.timer.start()
         self.kills += 1

@@ -53,7 +53,7 @@ from applier.testing.workloads import TABLES, Workload, create_schema, run_workl
 FAST_EXAMPLES = 10
 FAST_ACTIONS = 30
 LONG_ACTIONS = 80
-_HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
+_HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large]
 
 try:
     settings.get_profile("long")
