@@ -64,9 +64,10 @@ _counter = itertools.count(1)
 
 
 def example_settings() -> tuple[settings, int]:
-    """(settings, max actions) for this run: bounded and derandomized under hypothesis' ``default`` profile,
-    the active profile's otherwise. Read at run time, after ``--hypothesis-profile`` was applied."""
-    if settings.get_current_profile_name() == "default":
+    """(settings, max actions) for this run: bounded and derandomized unless the ``long`` profile was chosen
+    (hypothesis switches to its own ``ci`` profile when ``CI`` is set: that must stay bounded too), the active
+    profile's otherwise. Read at run time, after ``--hypothesis-profile`` was applied."""
+    if settings.get_current_profile_name() != "long":
         fast = settings(
             max_examples=FAST_EXAMPLES, derandomize=True, deadline=None, suppress_health_check=_HEALTH
         )
