@@ -18,8 +18,8 @@ the workload as SQL, the kill schedule and the tail of the applier's log.
 
 Kill timing is real time, so an example cannot be replayed exactly: the test runs hypothesis' generate phase only
 (no shrinking, which would chase timing). Profiles: ``FAST_EXAMPLES`` examples under hypothesis' ``default``
-profile (each kill costs a cold start of ``applier run``, a few seconds here); under any other profile, that
-profile's ``max_examples`` (see ``tests/test_apply_property.py`` for how to select ``long``).
+profile and any other but ``long`` (each kill costs a cold start of ``applier run``, a few seconds here); under
+``long``, that profile's ``max_examples`` (see ``tests/test_apply_property.py`` for how to select it).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ kills = st.builds(Kill, at=st.integers(0, 10_000), delay_ms=st.integers(0, 400),
 
 
 def example_settings() -> settings:
-    """Generate-only; bounded under hypothesis' ``default`` profile, the active profile's size otherwise."""
+    """Generate-only; bounded unless the ``long`` profile is active, then that profile's size."""
     phases = [Phase.explicit, Phase.generate]
     if settings.get_current_profile_name() != "long":  # also hypothesis' own "ci" profile (CI=true)
         return settings(
