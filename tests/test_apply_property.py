@@ -24,9 +24,9 @@ each round, separated by the TRUNCATE), with the subscription options, ready for
 Profiles. Unless the ``long`` profile is active the run is bounded and reproducible (also under hypothesis' own
 ``ci`` profile, which it selects when ``CI`` is set): ``FAST_EXAMPLES`` derandomized examples of rounds of at most
 ``FAST_ACTIONS`` actions, well under a minute on a loaded 2-core machine. Under ``long`` the test uses that
-profile's ``max_examples`` (and randomness) and longer rounds. This module registers a ``long`` profile (500 examples) if none is registered yet, but hypothesis' pytest plugin
-loads the profile named by ``--hypothesis-profile`` before test modules are imported, so the module must be loaded
-first::
+profile's ``max_examples`` (and randomness) and longer rounds. This module registers a ``long`` profile (500
+examples) if none is registered yet, but hypothesis' pytest plugin loads the profile named by
+``--hypothesis-profile`` before test modules are imported, so the module must be loaded first::
 
     PYTHONPATH=tests .venv/bin/pytest -p test_apply_property --hypothesis-profile=long tests/test_apply_property.py
 
