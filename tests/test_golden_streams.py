@@ -47,7 +47,7 @@ from applier.messages import (
     XLogData,
 )
 from applier.replication import ReplicationConnection, StreamOptions
-from applier.testing import Database, PostgresCluster, running_cluster
+from applier.testing import Database, PostgresCluster, running_cluster, wait_until
 
 VERSIONS = ["15", "16", "18"]
 TIMEOUT = 60.0
@@ -62,10 +62,8 @@ def publisher(request: pytest.FixtureRequest) -> Iterator[PostgresCluster]:
     with running_cluster(request.param, name=f"golden{request.param}") as cluster:
         cluster.execute("ALTER SYSTEM SET logical_decoding_work_mem = '64kB'")
         cluster.reload()
-        deadline = time.monotonic() + 10
-        while cluster.scalar("SHOW logical_decoding_work_mem") != "64kB":
-            assert time.monotonic() < deadline, "logical_decoding_work_mem was not reloaded"
-            time.sleep(0.05)
+        wait_until(lambda: cluster.scalar("SHOW logical_decoding_work_mem") == "64kB", timeout=10,
+                   what="logical_decoding_work_mem to be reloaded")  # fmt: skip
         yield cluster
 
 
