@@ -83,17 +83,26 @@ _URI_PASSWORD = re.compile(r"://[^:/@\s]*:([^@\s]+)@")
 def _secrets(conninfo: str) -> list[str]:
     """Every text that may be (part of) the password in ``conninfo``, longest first.
 
-    A parsable string has exactly one password. An unparsable one is what libpq's error messages quote fragments of
-    (``missing "=" after "y"``), so everything after ``password=`` and the userinfo of a URI count, piece by piece.
+    The parsed value and its raw spellings both count: a URI's password is percent-decoded by parsing but appears
+    encoded in the string (and in libpq's messages), a key=value one may be quoted. An unparsable string is what
+    libpq's error messages quote fragments of (``missing "=" after "y"``), so everything after ``password=`` counts
+    too, piece by piece.
     """
+    found: list[str] = []
     try:
         value = conninfo_to_dict(conninfo).get("password")
-        return [str(value)] if value else []
+        if value:
+            found.append(str(value))
+        parsable = True
     except psycopg.Error:
-        pass
-    found: list[str] = []
+        parsable = False
     for m in _PASSWORD_KV.finditer(conninfo):
-        found += [m.group(1), m.group(1).strip("'"), *conninfo[m.start(1) :].split()]
+        raw = m.group(1)
+        found += [raw, raw.strip("'")]
+        if raw.startswith("'"):
+            found.append(raw[1:-1].replace("\\'", "'").replace("\\\\", "\\"))
+        if not parsable:
+            found += conninfo[m.start(1) :].split()
     found += [m.group(1) for m in _URI_PASSWORD.finditer(conninfo)]
     return sorted({s for s in found if s}, key=len, reverse=True)
 

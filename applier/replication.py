@@ -27,6 +27,7 @@ import psycopg
 from psycopg import pq, sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from applier.conninfo import scrub
 from applier.decoder import decode_envelope
 from applier.encoder import encode_envelope
 from applier.errors import ApplierError
@@ -188,28 +189,7 @@ def start_replication_command(slot: str, start_lsn: int, options: StreamOptions,
 
 # --- password scrubbing ----------------------------------------------------------------------------------------
 
-_PASSWORD_KV = re.compile(r"""password\s*=\s*('(?:[^'\\]|\\.)*'|\S+)""", re.IGNORECASE)
 _URI_USERINFO = re.compile(r"(://[^:/@\s]*:)([^@\s]*)(@)")
-
-
-def _passwords_in(conninfo: str) -> list[str]:
-    """Every string that could be the password in ``conninfo``, parsed or not (malformed strings included)."""
-    found: list[str] = []
-    try:
-        value = conninfo_to_dict(conninfo).get("password")
-        if value:
-            found.append(str(value))
-    except psycopg.Error:
-        pass
-    for m in _PASSWORD_KV.finditer(conninfo):
-        raw = m.group(1)
-        found.append(raw)
-        if raw.startswith("'"):
-            found.append(raw[1:-1].replace("\\'", "'").replace("\\\\", "\\"))
-    for m in _URI_USERINFO.finditer(conninfo):
-        if m.group(2):
-            found.append(m.group(2))
-    return sorted({p for p in found if p}, key=len, reverse=True)
 
 
 def scrub_conninfo(conninfo: str) -> str:
@@ -234,8 +214,7 @@ _QUOTED = re.compile(r'"([^"]*)"')
 
 def _scrub_text(text: str, conninfo: str) -> str:
     """``text`` (typically a libpq message) without any password of ``conninfo``."""
-    for secret in _passwords_in(conninfo):
-        text = text.replace(secret, "********")
+    text = scrub(text, conninfo)
     # A malformed conninfo makes libpq quote the fragment it choked on, which may be any piece of a password:
     # hide quoted fragments that occur after the password keyword.
     start = _PASSWORD_START.search(conninfo) or _URI_USERINFO.search(conninfo)
