@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on 127.0.0.1:PORT"
     )
     p.add_argument(
+        "--wait-target", type=float, metavar="SECONDS", default=None,
+        help="wait this long for a target that is down or starting up before failing (default 60; 0: fail at once)",
+    )
+    p.add_argument(
         "--log-format", choices=("text", "json"), default=None,
         help="log lines for people (text, default) or one JSON object per line for machines (json)",
     )  # fmt: skip
@@ -225,7 +229,8 @@ def _dispatch(args: argparse.Namespace, extra: list[str], parser: argparse.Argum
         from applier import runner
 
         runner.configure_logging(target, log_format=args.log_format)
-        return runner.run(target, args.names, metrics_port=args.metrics_port)
+        wait = runner.WAIT_TARGET if args.wait_target is None else args.wait_target
+        return runner.run(target, args.names, metrics_port=args.metrics_port, wait_target=wait)
     elif args.command == "status":
         entries = subs.status(target, args.name)
         print(json.dumps({"subscriptions": entries}, indent=2) if args.json else subs.format_status(entries))

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+import psycopg
+
 from applier.apply.worker import ApplyWorker
 from applier.conninfo import scrub
 from applier.errors import ApplierError
@@ -54,6 +56,18 @@ __all__ = ["WorkerOutcome", "configure_logging", "run", "worker_main"]
 
 #: How often a worker checks that its lock's session is still alive (it dies with a target restart).
 LOCK_CHECK_INTERVAL = 5.0
+
+#: How long ``run`` waits for a target that is down or still starting before it gives up (``--wait-target``).
+WAIT_TARGET = 60.0
+
+#: What a server says while it cannot take connections for a while (starting, recovering, shutting down), and
+#: what libpq says when nothing listens yet: worth waiting for. Anything else (a wrong password, no such database)
+#: fails at once.
+_TRANSIENT_SQLSTATES = ("57P01", "57P02", "57P03")
+_TRANSIENT_MESSAGES = (
+    "not yet accepting connections", "is starting up", "is shutting down", "in recovery mode",
+    "connection refused", "server closed the connection unexpectedly", "no such file or directory",
+)  # fmt: skip
 
 _SPAWN = multiprocessing.get_context("spawn")
 log = logging.getLogger("applier.run")
@@ -159,11 +173,47 @@ def _select(catalog: Catalog, names: Sequence[str]) -> list[Subscription]:
     return subs
 
 
-def run(target: str, names: Sequence[str] = (), *, metrics_port: int | None = None) -> int:
+def _transient(exc: psycopg.Error) -> bool:
+    if exc.sqlstate is not None:
+        return exc.sqlstate in _TRANSIENT_SQLSTATES
+    text = str(exc).lower()
+    return any(m in text for m in _TRANSIENT_MESSAGES)
+
+
+def wait_for_target(target: str, timeout: float, *, stop: threading.Event | None = None,
+                    logger: logging.Logger = log) -> None:  # fmt: skip
+    """Wait until the target takes connections, for up to ``timeout`` seconds.
+
+    ``run`` is a service: it may start before its target at boot, or while the target recovers from a crash. Those
+    states pass, so they are waited out (with a warning a second or so apart) instead of failing the process that a
+    supervisor would only restart; a target that is wrong rather than late fails at once, by the usual message.
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.25
+    while True:
+        try:
+            psycopg.connect(target, connect_timeout=10).close()
+            return
+        except psycopg.Error as exc:
+            if not _transient(exc) or time.monotonic() + delay > deadline or (stop is not None and stop.is_set()):
+                return  # the caller's own connection attempt reports it
+            logger.warning("the target is not taking connections yet, retrying in %.1f s: %s", delay,
+                           scrub(str(exc), target).strip().splitlines()[0])  # fmt: skip
+        if stop is not None:
+            stop.wait(delay)
+        else:
+            time.sleep(delay)
+        delay = min(delay * 2, 2.0)
+
+
+def run(target: str, names: Sequence[str] = (), *, metrics_port: int | None = None,
+        wait_target: float = WAIT_TARGET) -> int:  # fmt: skip
     """Run the subscriptions until SIGTERM/SIGINT or until every worker has stopped; return the exit status.
 
     ``metrics_port``: serve Prometheus metrics (:mod:`applier.metrics`) on 127.0.0.1:PORT for as long as this runs.
+    ``wait_target``: seconds to wait for a target that is down or starting up (:func:`wait_for_target`).
     """
+    wait_for_target(target, wait_target)
     catalog = open_catalog(target, create=True)  # also upgrades an older catalog before any worker reads it
     with target_errors(target):
         subs = _select(catalog, names)
@@ -194,7 +244,7 @@ def run(target: str, names: Sequence[str] = (), *, metrics_port: int | None = No
             receiver, sender = _SPAWN.Pipe(duplex=False)
             proc = _SPAWN.Process(
                 target=worker_main,
-                args=(target, sub.subname, stop, sender, logging.getLogger().level),
+                args=(target, sub.subname, stop, sender, logging.getLogger().level, wait_target),
                 name=f"applier:{sub.subname}",
             )
             proc.start()
@@ -252,7 +302,7 @@ def _outcome(
 
 
 def worker_main(target: str, subname: str, stop_all: Any, report: multiprocessing.connection.Connection,
-                log_level: int) -> None:  # fmt: skip
+                log_level: int, wait_target: float = WAIT_TARGET) -> None:  # fmt: skip
     """Entry point of a worker process (spawned: it imports everything afresh)."""
     configure_logging(target, log_level)
     stop = threading.Event()
@@ -261,6 +311,7 @@ def worker_main(target: str, subname: str, stop_all: Any, report: multiprocessin
     threading.Thread(target=_stop_bridge, args=(stop_all, stop), name="stop-bridge", daemon=True).start()
     wlog = logging.getLogger(f"applier.worker.{subname}")
     try:
+        wait_for_target(target, wait_target, stop=stop, logger=wlog)  # the target may have gone since run started
         message = _serve(target, subname, stop, wlog)
         outcome = WorkerOutcome(subname, True, message)
     except SubscriptionBusy as exc:

@@ -280,3 +280,26 @@ def test_a_worker_does_not_outlive_a_killed_run(pair, start_run: StartRun) -> No
     run.wait(timeout=30)
     wait_until(lambda: not lock_taken(pair.target, subid), timeout=30, what="the orphaned worker to stop")
     assert "the applier run process has gone: stopping this worker" in run_log(run)
+
+
+@pytest.mark.core
+def test_run_waits_for_a_target_that_is_down_or_starting(pair, start_run: StartRun) -> None:
+    """A service may start before its target (at boot, or during the target's crash recovery): ``run`` waits for it,
+    saying so, and then streams; with ``--wait-target 0`` it fails at once with the usual message."""
+    make_tables(pair, "t1")
+    create(pair, "s", "--no-copy-data")
+    cluster = pair.target.cluster
+    cluster.stop()
+    try:
+        impatient = start_run(pair.target, "s", "--wait-target", "0")
+        assert impatient.wait(timeout=60) == 1
+        assert "could not connect to the target" in run_log(impatient)
+        run = start_run(pair.target, "s")
+        wait_until(lambda: alive(run)() and "the target is not taking connections yet" in run_log(run),
+                   what="run to wait for the target")  # fmt: skip
+    finally:
+        cluster.start()
+    pair.publisher.execute("INSERT INTO t1 VALUES (1001, 'after the wait')")
+    wait_until(lambda: alive(run)() and pair.target.scalar("SELECT count(*) FROM t1 WHERE id = 1001") == 1,
+               what="the row to arrive")  # fmt: skip
+    assert stop(run) == 0

@@ -439,13 +439,13 @@ if _LONG:
 
 
 def run_with_faults(t: Trio, workload: Workload, faults: list[tuple[int, str]], applier: CliApplier,
-                    proxy: TcpProxy) -> list[str]:  # fmt: skip
-    """:func:`run_workload` with faults injected after the chosen steps; returns what was injected. A publisher crash
-    waits for a step after which no session has a transaction open (an open one would be lost with its session,
-    which is not what the property is about); the sessions then reconnect."""
+                    proxy: TcpProxy, injected: list[str]) -> None:  # fmt: skip
+    """:func:`run_workload` with faults injected after the chosen steps, each appended to ``injected`` (so a
+    failure can say what had happened). A publisher crash waits for a step after which no session has a
+    transaction open (an open one would be lost with its session, which is not what the property is about); the
+    sessions then reconnect."""
     n = max(len(workload.steps), 1)
     pending = sorted((i % n, kind) for i, kind in faults)
-    injected: list[str] = []
     conns: dict[int, psycopg.Connection] = {}
     open_txn: set[int] = set()
 
@@ -491,7 +491,6 @@ def run_with_faults(t: Trio, workload: Workload, faults: list[tuple[int, str]], 
             c.close()
     for _, kind in pending:
         inject(kind)  # what is left happens after the last step, when nothing is open
-    return injected
 
 
 @settings(max_examples=FAULT_EXAMPLES, deadline=None, suppress_health_check=_HEALTH, derandomize=not _LONG)
@@ -520,9 +519,10 @@ def test_faults_lose_nothing(
             applier.start()
             _note("workload (SQL, one session per -- sN):\n" + workload.to_sql())
             _note(f"faults (after step index, kind): {faults}")
-            wait_streaming(t)
-            injected = run_with_faults(t, workload, faults, applier, proxy)
+            injected: list[str] = []
             try:
+                wait_streaming(t)
+                run_with_faults(t, workload, faults, applier, proxy, injected)
                 check_end(t)
             except BaseException:
                 _note(f"injected: {injected}\napplier log:\n{applier.log_tail()}")
