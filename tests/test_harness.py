@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from applier.testing import PostgresCluster, assert_tables_equal, table_digest, tables_differ, wait_until
+from applier.testing.cluster import OWNER_FILE, reap_orphans
 
 pytestmark = pytest.mark.core
 
@@ -50,3 +55,18 @@ def test_comparison_of_a_table_with_a_column_named_like_an_alias(pair):
         db.execute("INSERT INTO odd VALUES (1, 1, 'a')")
     pair.target.execute("UPDATE odd SET x = 'b'")
     assert tables_differ(pair.publisher, pair.target, "odd") is not None
+
+
+@pytest.mark.core
+def test_clusters_of_a_dead_test_process_are_reaped(pg_binaries):
+    """A killed test run leaves its servers running; the next run's harness stops and removes them, and leaves the
+    clusters of live processes alone."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan, live = PostgresCluster(pg_binaries, name="orphan"), PostgresCluster(pg_binaries, name="live")
+    with orphan, live:
+        (orphan.datadir / OWNER_FILE).write_text(dead.stdout)
+        postmaster = int((orphan.datadir / "postmaster.pid").read_text().split()[0])
+        reaped = reap_orphans()
+        assert orphan.datadir in reaped and not orphan.datadir.exists()
+        wait_until(lambda: not os.path.exists(f"/proc/{postmaster}"), what="the orphan's postmaster to exit")
+        assert live.datadir not in reaped and live.scalar("SELECT 1") == 1

@@ -18,6 +18,7 @@ import os
 import pwd
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -181,6 +182,47 @@ def _chmod_readable(root: Path) -> None:
                 os.chmod(p, os.stat(p).st_mode | 0o444 | (0o111 if os.stat(p).st_mode & 0o100 else 0))
 
 
+#: In a datadir the harness created: the pid of the process that owns the cluster (see :func:`reap_orphans`).
+OWNER_FILE = "applier-owner.pid"
+_reaped = False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reap_orphans(tmpdir: str | None = None) -> list[Path]:
+    """Stop and remove the clusters of earlier test processes that died without cleaning up (a killed pytest run
+    cannot run its finalizers), so that they do not pile up; return their datadirs. Only datadirs that this harness
+    created in the temporary directory and whose owner process is gone are touched: clusters of live runs, and
+    ones started with an explicit datadir (``applier demo --keep``), are left alone."""
+    reaped = []
+    for owner in Path(tmpdir or tempfile.gettempdir()).glob(f"applier-*/{OWNER_FILE}"):
+        try:
+            if _alive(int(owner.read_text().strip() or 0)):
+                continue
+            datadir = owner.parent
+            pidfile = datadir / "postmaster.pid"
+            if pidfile.exists():
+                postmaster = int(pidfile.read_text().split("\n", 1)[0])
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(postmaster, signal.SIGQUIT)  # immediate shutdown
+                deadline = time.monotonic() + 10
+                while _alive(postmaster) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            shutil.rmtree(datadir, ignore_errors=True)
+            reaped.append(datadir)
+        except (OSError, ValueError):
+            continue
+    return reaped
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -211,7 +253,11 @@ class PostgresCluster:
     def init(self) -> PostgresCluster:
         self._user = server_os_user()
         self.binaries = _runnable_binaries(self.binaries, self._user)
+        global _reaped
         if self.datadir is None:
+            if not _reaped:
+                _reaped = True
+                reap_orphans()
             self.datadir = Path(tempfile.mkdtemp(prefix=f"applier-{self.name}-"))
             self._owns_datadir = True
         if self._user is not None:
@@ -223,6 +269,8 @@ class PostgresCluster:
         res = _run_as(self._user, argv)
         if res.returncode != 0:
             raise ClusterError(f"initdb failed for {self.name}:\n{res.stdout}\n{res.stderr}")
+        if self._owns_datadir:
+            (self.datadir / OWNER_FILE).write_text(f"{os.getpid()}\n")
         self.port = self.port or free_port()
         conf = dict(BASE_SETTINGS)
         if not self.durable:
