@@ -186,7 +186,7 @@ def test_kill9_at_random_points_loses_nothing_and_applies_nothing_twice(
 ) -> None:
     @example_settings()
     @given(
-        workload=workloads(max_actions=MAX_ACTIONS, min_prepared=2),
+        workload=workloads(max_actions=MAX_ACTIONS, min_prepared=2, min_actions=6),
         schedule=st.lists(kills, min_size=1, max_size=3),
         final_kill=st.none() | st.integers(0, 600),
     )

@@ -71,7 +71,7 @@ MAX_ACTIONS = 80 if _LONG else 30
 
 #: every workload has prepared transactions (one possibly large enough to stream): the checkpoints are where the
 #: property says most
-_prepared_workloads = workloads(max_actions=MAX_ACTIONS, min_prepared=2)
+_prepared_workloads = workloads(max_actions=MAX_ACTIONS, min_prepared=2, min_actions=6)
 _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
 _counter = itertools.count(1)
 _GID = re.compile(r"^pg_gid_\d+_(\d+)$")

@@ -105,20 +105,22 @@ _action = st.one_of(
 
 
 def workloads(*, max_actions: int = 40, sessions: int = 3, big: bool = True, truncate: bool = True,
-              prepared: bool = True, min_prepared: int = 0) -> st.SearchStrategy[Workload]:  # fmt: skip
+              prepared: bool = True, min_prepared: int = 0, min_actions: int = 0) -> st.SearchStrategy[Workload]:  # fmt: skip
     """Random interleaved workloads over :data:`SCHEMA_SQL`'s tables.
 
     ``big`` allows multi-thousand-row transactions (they stream when the publisher's ``logical_decoding_work_mem``
     is small); ``prepared`` allows two-phase endings. ``min_prepared`` inserts that many "change a row, then
     PREPARE" pairs at drawn positions, so every example has prepared transactions (random actions alone rarely
     make one in short workloads, and filtering for them is too expensive); they shrink like the rest.
+    ``min_actions``: hypothesis draws short lists most of the time (a median of a few actions); a floor makes every
+    example exercise interleaving, at the cost of shrinking no further than that.
     """
 
     def build(actions: list[tuple]) -> Workload:
         return _Model(sessions, big=big, truncate=truncate, prepared=prepared).run(actions)
 
     if not min_prepared:
-        return st.lists(_action, max_size=max_actions).map(build)
+        return st.lists(_action, min_size=min_actions, max_size=max_actions).map(build)
     forced = st.tuples(st.integers(0, max_actions), st.integers(0, sessions - 1), st.booleans())
 
     def with_prepares(drawn: tuple[list[tuple], list[tuple[int, int, bool]]]) -> list[tuple]:
@@ -129,7 +131,7 @@ def workloads(*, max_actions: int = 40, sessions: int = 3, big: bool = True, tru
         return actions
 
     pairs = st.lists(forced, min_size=min_prepared, max_size=min_prepared)
-    return st.tuples(st.lists(_action, max_size=max_actions), pairs).map(with_prepares).map(build)
+    return st.tuples(st.lists(_action, min_size=min_actions, max_size=max_actions), pairs).map(with_prepares).map(build)
 
 
 # --- the model -------------------------------------------------------------------------------------------------
