@@ -31,7 +31,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -449,6 +449,11 @@ class InitialCopy:
     # 6 ----------------------------------------------------------------------------------------------------------
     def complete(self) -> CopyResult:
         """Every copied table to ``s`` with LSN Y, markers removed, in one transaction."""
+        return self.finish_tables("s")
+
+    def finish_tables(self, state: str) -> CopyResult:
+        """Every copied table to ``state`` (``s``; or ``f`` for a live sync, which joins the apply stream later)
+        with LSN Y, markers removed, in one transaction."""
         assert self.slot is not None
         final = self.markers()
         tables: dict[str, TableCopy] = {}
@@ -457,7 +462,7 @@ class InitialCopy:
                 parts = final.get(relname, {})
                 rows = sum(r for r, _ in parts.values())
                 nbytes = sum(b for _, b in parts.values())
-                self.catalog.set_table_state(self.subid, plan.relid, "s", self.slot.lsn, conn=c)
+                self.catalog.set_table_state(self.subid, plan.relid, state, self.slot.lsn, conn=c)
                 self.catalog.set_table_progress(self.subid, plan.relid, rows, nbytes, conn=c)
                 self._delete_markers(c, relname)
                 tables[relname] = TableCopy(
@@ -496,19 +501,27 @@ class InitialCopy:
             self.claim()
             if self.stop.is_set():
                 return self.result(stopped=True)
-            handle = spark_job.spark_session(spark_master, dict(spark_conf or {}))
-            try:
-                if handle.ui_url:
-                    self.reporter.note(f"Spark UI: {handle.ui_url}")
-                elif handle.remote:
-                    self.reporter.note(f"Spark Connect: {handle.remote}")
-                if not self.copy(handle.session):
+            with self.spark(spark_master, spark_conf) as session:
+                if not self.copy(session):
                     return self.result(stopped=True)
                 return self.complete()  # before stopping Spark: the tables are ready a little sooner
-            finally:
-                spark_job.release(handle)
         finally:
             self.close()
+
+    @contextlib.contextmanager
+    def spark(
+        self, spark_master: str | None = None, spark_conf: Mapping[str, str] | None = None
+    ) -> Iterator[Any]:
+        """The Spark session for :meth:`copy` (started, and stopped afterwards, unless one is already active)."""
+        handle = spark_job.spark_session(spark_master, dict(spark_conf or {}))
+        try:
+            if handle.ui_url:
+                self.reporter.note(f"Spark UI: {handle.ui_url}")
+            elif handle.remote:
+                self.reporter.note(f"Spark Connect: {handle.remote}")
+            yield handle.session
+        finally:
+            spark_job.release(handle)
 
 
 def describe(result: CopyResult) -> str:

@@ -1,0 +1,212 @@
+"""Tables added by ``applier alter NAME --refresh-publication`` while ``applier run`` streams are copied and caught
+up live (tablesync/live.py), under a workload that never pauses: i -> d -> f -> [w -> c ->] s -> r without a
+restart, and at the end every table equals the publisher's, nothing lost, nothing doubled.
+
+Both ways a synced table joins the stream are exercised: the stream behind the copy's snapshot point (P <= C: ``s`` at
+C, no catch-up) and ahead of it (P > C: a catch-up from the temporary slot), and a ``kill -9`` mid-sync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import random
+import re
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from test_cli_common import catalog_tables, create, make_tables, ok
+from test_tap_support import CliApplier
+
+from applier.testing import Database, tables_differ, wait_until
+
+pytestmark = [pytest.mark.spark]
+
+TIMEOUT = 60.0
+
+
+class Workload:
+    """Inserts, updates and deletes on the publisher, one small transaction after another, until stopped."""
+
+    def __init__(self, publisher: Database, tables: list[str], *, first_id: int = 100_000) -> None:
+        self.publisher = publisher
+        self.tables = tables
+        self.ids = itertools.count(first_id)
+        self.stop = threading.Event()
+        self.transactions = 0
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        rnd = random.Random(5)
+        try:
+            with self.publisher.connect(autocommit=False) as conn:
+                while not self.stop.is_set():
+                    for name in self.tables:
+                        t = sql.Identifier(name)
+                        conn.execute(sql.SQL("INSERT INTO {} VALUES (%s, 'new')").format(t), (next(self.ids),))
+                        conn.execute(sql.SQL("UPDATE {} SET v = v || '+' WHERE id = %s").format(t),
+                                     (rnd.randint(1, 2000),))  # fmt: skip
+                        if rnd.random() < 0.3:
+                            conn.execute(sql.SQL("DELETE FROM {} WHERE id = %s").format(t), (rnd.randint(1, 2000),))
+                    conn.commit()
+                    self.transactions += 1
+                    self.stop.wait(0.005)
+        except BaseException as exc:  # noqa: BLE001 - reported by finish()
+            self.error = exc
+
+    def __enter__(self) -> Workload:
+        self.thread.start()
+        return self
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.thread.join(30)
+        assert self.error is None, self.error
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(30)
+
+
+@pytest.fixture
+def run_cli(pair: Any) -> Iterator[Any]:
+    runs: list[CliApplier] = []
+
+    def start(name: str = "s") -> CliApplier:
+        cli = CliApplier(pair.target, name).start()
+        runs.append(cli)
+        return cli
+
+    yield start
+    for cli in runs:
+        cli.close()
+
+
+def log_text(cli: CliApplier) -> str:
+    return cli.log.read_text(errors="replace")
+
+
+def print_sync_lines(cli: CliApplier) -> None:
+    """The table sync's log lines (shown with ``pytest -s`` or on failure)."""
+    print("\n".join(line for line in log_text(cli).splitlines() if "synchroniz" in line or "copy" in line))
+
+
+def table_state(pair: Any, table: str) -> str | None:
+    return dict(catalog_tables(pair.target, "s")).get(table)
+
+
+def prepare(pair: Any, rows: int = 2000) -> None:
+    """t1 published and subscribed; t2 on both sides, with rows on the publisher, not yet published."""
+    make_tables(pair, "t1", rows=rows)
+    for db in (pair.publisher, pair.target):
+        db.execute("CREATE TABLE t2 (id int PRIMARY KEY, v text)")
+    pair.publisher.execute("INSERT INTO t2 SELECT g, 'row ' || g FROM generate_series(1, %s) g", (rows,))
+    create(pair, "s")
+
+
+def wait_ready(pair: Any, cli: CliApplier, table: str, timeout: float = TIMEOUT) -> None:
+    wait_until(lambda: table_state(pair, table) == "r", timeout=timeout,
+               what=f"{table} ready; applier log:\n{cli.log_tail()}")  # fmt: skip
+
+
+def add_t2(pair: Any) -> str:
+    pair.publisher.execute(f"ALTER PUBLICATION {pair.name} ADD TABLE t2")
+    return ok(pair.target, "alter", "s", "--refresh-publication")
+
+
+def assert_equal_eventually(pair: Any, cli: CliApplier, *tables: str) -> None:
+    for t in tables:
+        wait_until(lambda t=t: tables_differ(pair.publisher, pair.target, t) is None, timeout=TIMEOUT,
+                   what=f"{t} equal to the publisher's; applier log:\n{cli.log_tail()}")  # fmt: skip
+
+
+def test_added_table_is_copied_and_caught_up_live_under_a_workload(pair, run_cli) -> None:
+    """P > C: the stream keeps applying t1 while t2 is copied, so it is past the copy's snapshot point when the
+    copy ends: t2 is caught up from the temporary slot, then joins the stream; run is never restarted."""
+    prepare(pair)
+    cli = run_cli()
+    wait_ready(pair, cli, "t1")
+    with Workload(pair.publisher, ["t1", "t2"]) as work:
+        wait_until(lambda: work.transactions > 20, timeout=TIMEOUT, what="the workload running")
+        out = add_t2(pair)
+        assert "being copied and caught up by the running worker" in out
+        wait_ready(pair, cli, "t2")
+        seen = work.transactions
+        wait_until(lambda: work.transactions > seen + 20, timeout=TIMEOUT, what="more workload after ready")
+        work.finish()
+    assert cli.alive and cli.starts == 1
+    assert_equal_eventually(pair, cli, "t1", "t2")
+    print_sync_lines(cli)
+    log = log_text(cli)
+    for state in ("d", "f", "w", "c", "s"):
+        assert re.search(rf'table "public\.t2": state {state}\b', log), (state, log[-3000:])
+    assert 'table "public.t2" has finished' in log
+    caught = re.search(r"caught up (\d+) transaction", log)
+    assert caught and int(caught.group(1)) > 0, log[-3000:]
+    # the catch-up's origin is gone, the subscription's is untouched; the temporary slot is gone
+    origins = [r[0] for r in pair.target.query("SELECT roname FROM pg_replication_origin")]
+    assert not [o for o in origins if o.endswith("_sync")], origins
+    assert pair.publisher.scalar("SELECT count(*) FROM pg_replication_slots WHERE temporary") == 0
+
+
+def test_stream_behind_the_snapshot_joins_without_catch_up(pair, run_cli) -> None:
+    """P <= C: a big t1 transaction is open on the publisher when the sync creates its slot, so the slot's
+    consistent point C comes after its commit; the apply loop is then held inside that transaction (a lock on the
+    target) until the copy is done. At its end P <= C, so t2 becomes ``s`` at C with no catch-up, and the stream
+    applies the workload's t2 changes from C on."""
+    prepare(pair)
+    cli = run_cli()
+    wait_ready(pair, cli, "t1")
+    with Workload(pair.publisher, ["t2"], first_id=200_000) as work:
+        big = psycopg.connect(pair.publisher.dsn, autocommit=False)
+        holder = psycopg.connect(pair.target.dsn, autocommit=False)
+        try:
+            for _ in range(3):  # more statements than the apply pipeline holds: the apply loop waits in it
+                big.execute("UPDATE t1 SET v = v || '!'")
+            holder.execute("LOCK TABLE t1 IN ACCESS EXCLUSIVE MODE")
+            add_t2(pair)
+            wait_until(lambda: pair.publisher.scalar(
+                "SELECT count(*) FROM pg_replication_slots WHERE temporary") > 0,
+                timeout=TIMEOUT, what=f"the sync's slot being created; log:\n{cli.log_tail()}")  # fmt: skip
+            big.commit()
+            wait_until(lambda: re.search(r'table "public\.t2": state w', log_text(cli)), timeout=TIMEOUT,
+                       what=f"t2 copied; log:\n{cli.log_tail()}")  # fmt: skip
+            assert table_state(pair, "t2") == "f"
+        finally:
+            holder.rollback()
+            holder.close()
+            big.close()
+        wait_ready(pair, cli, "t2")
+        seen = work.transactions
+        wait_until(lambda: work.transactions > seen + 20, timeout=TIMEOUT, what="more workload after ready")
+        work.finish()
+    assert_equal_eventually(pair, cli, "t1", "t2")
+    print_sync_lines(cli)
+    log = log_text(cli)
+    assert re.search(r'table "public\.t2": state s at \S+ \(the apply stream is at \S+: no catch-up needed\)',
+                     log), log[-3000:]  # fmt: skip
+    assert not re.search(r'table "public\.t2": state c', log)
+
+
+def test_kill_9_during_live_sync_then_restart_ends_equal(pair, run_cli) -> None:
+    prepare(pair, rows=20_000)
+    cli = run_cli()
+    wait_ready(pair, cli, "t1")
+    with Workload(pair.publisher, ["t1", "t2"], first_id=300_000) as work:
+        wait_until(lambda: work.transactions > 10, timeout=TIMEOUT, what="the workload running")
+        add_t2(pair)
+        wait_until(lambda: re.search(r'table "public\.t2": state d', log_text(cli)), timeout=TIMEOUT,
+                   what=f"the live copy of t2 started; log:\n{cli.log_tail()}")  # fmt: skip
+        cli.kill9()
+        assert table_state(pair, "t2") in ("d", "f", "s", "r")
+        with contextlib.suppress(Exception):
+            pair.publisher.scalar("SELECT 1")
+        cli.start()
+        wait_ready(pair, cli, "t2")
+        work.finish()
+    assert_equal_eventually(pair, cli, "t1", "t2")
