@@ -83,9 +83,11 @@ def sync_origin_name(subid: int) -> str:
 
 def explain(exc: BaseException) -> str:
     """The error, with what to do about the usual causes."""
-    text = str(exc).strip()
+    text = " ".join(str(exc).split())  # one log line
     low = text.lower()
-    if "replication slots are in use" in low or "max_replication_slots" in low:
+    if " -- " in text:
+        pass  # explained already
+    elif "replication slots are in use" in low or "max_replication_slots" in low:
         text += (
             " -- the publisher has no free replication slot for the table sync's temporary slot: raise "
             "max_replication_slots on the publisher (or drop unused slots); the sync is retried"
@@ -270,7 +272,9 @@ class LiveSync:
             try:
                 copier.open_snapshot()
             except TablesyncError as exc:
-                raise LiveSyncError(explain(exc)) from exc
+                raise LiveSyncError(
+                    f"cannot get a temporary slot on the publisher: {explain(exc.__cause__ or exc)}"
+                ) from exc
             assert copier.slot is not None
             c_lsn = copier.slot.lsn
             copier.plan()

@@ -210,3 +210,33 @@ def test_kill_9_during_live_sync_then_restart_ends_equal(pair, run_cli) -> None:
         wait_ready(pair, cli, "t2")
         work.finish()
     assert_equal_eventually(pair, cli, "t1", "t2")
+
+
+def test_no_free_slot_is_reported_clearly_and_the_sync_retried(pair, run_cli) -> None:
+    """The publisher refuses the sync's temporary slot (max_replication_slots): the log says so and what to do; the
+    sync is retried and finishes once a slot is free."""
+    prepare(pair)
+    cli = run_cli()
+    wait_ready(pair, cli, "t1")
+    limit = int(pair.publisher.scalar("SHOW max_replication_slots"))
+    used = int(pair.publisher.scalar("SELECT count(*) FROM pg_replication_slots"))
+    fillers = [f"filler_{pair.name}_{i}" for i in range(limit - used)]
+    try:
+        for name in fillers:
+            pair.publisher.execute("SELECT pg_create_physical_replication_slot(%s)", (name,))
+        add_t2(pair)
+        wait_until(lambda: re.search(
+            r'table synchronization for subscription "s" failed \(tables public\.t2\): cannot get a temporary slot'
+            r".*all replication slots are in use.* raise max_replication_slots on the publisher", log_text(cli)),
+            timeout=TIMEOUT, what=f"the slot error in the log; log:\n{cli.log_tail()}")  # fmt: skip
+        assert table_state(pair, "t2") == "i"
+    finally:
+        for name in fillers:
+            with contextlib.suppress(psycopg.Error):
+                pair.publisher.execute("SELECT pg_drop_replication_slot(%s)", (name,))
+    with Workload(pair.publisher, ["t1", "t2"], first_id=400_000) as work:
+        wait_ready(pair, cli, "t2")
+        work.finish()
+    assert cli.alive and cli.starts == 1
+    assert_equal_eventually(pair, cli, "t1", "t2")
+    print_sync_lines(cli)
