@@ -181,7 +181,7 @@ class InitialCopy:
         self.catalog.ensure()
         self.sub = self.catalog.require(self.subname)
         states = self.catalog.table_states(self.sub.subid)
-        stream_lsn = self._stream_position()
+        stream_lsn = self._stream_position() if any(rs.state == "f" for rs in states) else 0
         recopy: set[str] = set()
         with self.catalog.engine.begin() as c:
             for rs in states:
@@ -206,8 +206,23 @@ class InitialCopy:
         return self.to_copy
 
     def _stream_position(self) -> int:
-        """Where the subscription's stream resumes: its origin's progress, else the slot's start X, else 0."""
+        """Where the subscription's stream resumes: the latest of its origin's progress, the slot's start X and the
+        slot's ``confirmed_flush_lsn`` on the publisher.
+
+        The last one matters after a live table sync (:mod:`tablesync.live`): while a table is copied, the stream
+        skips its changes and reports them flushed, so the publisher moves the slot past them and a restart resumes
+        there (behaviour 5), beyond the origin; those transactions are never sent again.
+        """
         assert self.sub is not None
+        confirmed = 0
+        if self.sub.subslotname:
+            with connect(self.publisher_conninfo, autocommit=True) as pconn:
+                row = pconn.execute(
+                    "SELECT confirmed_flush_lsn::text FROM pg_catalog.pg_replication_slots WHERE slot_name = %s",
+                    (self.sub.subslotname,),
+                ).fetchone()
+            if row and row[0]:
+                confirmed = parse_lsn(row[0])
         with self.catalog.engine.connect() as c:
             progress = c.execute(
                 sa.text(
@@ -217,7 +232,7 @@ class InitialCopy:
                 {"o": self.sub.origin_name},
             ).scalar()
         lsn = parse_lsn(progress) if progress else 0
-        return max(lsn, self.sub.subslotconsistentlsn or 0)
+        return max(lsn, self.sub.subslotconsistentlsn or 0, confirmed)
 
     @property
     def subid(self) -> int:
