@@ -41,7 +41,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -210,16 +210,28 @@ class LiveSync:
             self._go = current_lsn
             self._cond.notify_all()
 
-    def wait(self, interrupt: threading.Event | None = None, timeout: float | None = None) -> bool:
+    def wait(
+        self,
+        interrupt: threading.Event | None = None,
+        timeout: float | None = None,
+        *,
+        tick: Callable[[], None] | None = None,
+        tick_interval: float = STATUS_INTERVAL,
+    ) -> bool:
         """Block until the sync is done or failed (the apply loop's ``wait_for_relation_state_change``); stop
-        the sync when ``interrupt`` is set. True when finished."""
+        the sync when ``interrupt`` is set; call ``tick`` (the apply stream's status update, so that the publisher
+        does not time the waiting stream out) every ``tick_interval`` seconds. True when finished."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        last_tick = time.monotonic()
         with self._cond:
             while not self.finished:
                 if interrupt is not None and interrupt.is_set():
                     self.stop.set()
                 if deadline is not None and time.monotonic() >= deadline:
                     return False
+                if tick is not None and time.monotonic() - last_tick >= tick_interval:
+                    last_tick = time.monotonic()
+                    tick()
                 self._cond.wait(0.2)
         return True
 

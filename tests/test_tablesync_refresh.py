@@ -23,10 +23,22 @@ from test_cli_common import catalog_tables, create, make_tables, ok
 from test_tap_support import CliApplier
 
 from applier.testing import Database, tables_differ, wait_until
+from state.errors import IllegalTransition
+from state.tables import SyncState, TableState, join_apply_stream
 
 pytestmark = [pytest.mark.spark]
 
 TIMEOUT = 60.0
+
+
+def test_join_apply_stream_rule() -> None:
+    """P <= C: ``s`` at C; P > C: ``c`` at P (the catch-up's goal); only from ``w``."""
+    w = TableState("t", SyncState.SYNCWAIT, 100)
+    assert join_apply_stream(w, 50) == TableState("t", SyncState.SYNCDONE, 100)
+    assert join_apply_stream(w, 100) == TableState("t", SyncState.SYNCDONE, 100)
+    assert join_apply_stream(w, 101) == TableState("t", SyncState.CATCHUP, 101)
+    with pytest.raises(IllegalTransition):
+        join_apply_stream(TableState("t", SyncState.FINISHEDCOPY, 100), 50)
 
 
 class Workload:
@@ -259,7 +271,7 @@ def test_kill_9_during_catch_up_copies_again_after_restart(pair, run_cli) -> Non
         snapshot_lsn = m.group(1)
         wait_until(lambda: work.transactions > 30, timeout=TIMEOUT, what="workload after the snapshot")
         # a big transaction after the snapshot point: the catch-up needs seconds for it
-        pair.publisher.execute("INSERT INTO t2 SELECT g, 'big' FROM generate_series(1000001, 1400000) g")
+        pair.publisher.execute("INSERT INTO t2 SELECT g, 'big' FROM generate_series(1000001, 1250000) g")
         wait_until(lambda: re.search(r'table "public\.t2": state c', log_text(cli)), timeout=TIMEOUT,
                    what=f"the catch-up; log:\n{cli.log_tail()}")  # fmt: skip
         wait_until(lambda: pair.target.scalar(

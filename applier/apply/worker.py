@@ -18,6 +18,7 @@ no privilege), with a message that says what to do.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import logging
 import threading
@@ -119,6 +120,8 @@ class _CatalogTables(TableStates):
         self._checked: dict[int, int] = {}
         self.all_ready = False
         self.target: Target | None = None
+        #: sends the stream's last status again (set by the session): used while waiting for a live sync
+        self.keepalive: Any = None
         self.reload()
 
     def reload(self) -> None:
@@ -204,7 +207,7 @@ class _CatalogTables(TableStates):
             if self.target is not None:
                 self.target.pipeline.drain()
             live.proceed(current_lsn)
-            live.wait(worker.stop)
+            live.wait(worker.stop, tick=self.keepalive)
         if live.finished:
             worker.end_live_sync()
             self.reload()
@@ -393,6 +396,7 @@ class ApplyWorker:
             tracker = FeedbackTracker(start_lsn)
             two_phase = stream_two_phase(sub.subtwophasestate, tables.table_states())
             repl = self._connect_publisher(sub, start_lsn, two_phase)
+            tables.keepalive = lambda: repl.send_status(*dataclasses.astuple(tracker.last_sent))  # type: ignore[union-attr]
             if two_phase and sub.subtwophasestate == TwoPhaseState.PENDING:
                 self.catalog.update_subscription(sub.subid, subtwophasestate=TwoPhaseState.ENABLED.value)
                 tables.two_phase_state = TwoPhaseState.ENABLED.value
