@@ -175,8 +175,9 @@ class InitialCopy:
         An ``f`` table's rows are exactly the publisher's at its LSN. If the subscription's stream has not passed
         that point (the usual case: the copy runs before streaming), it becomes ``s`` there
         (:func:`state.tables.settle_finished_copy`). If the stream has gone past it — changes to the table were
-        skipped while it was not yet ``s`` — it would need a catch-up, which only tables added while streaming get
-        (not built yet): it is emptied and copied again instead, which is always correct.
+        skipped while it was not yet ``s`` — it would need a catch-up from its LSN, which only a running live sync
+        (:mod:`tablesync.live`) can do, with its temporary slot, gone by now: it is emptied and copied again
+        instead, which is always correct.
         """
         self.catalog.ensure()
         self.sub = self.catalog.require(self.subname)
