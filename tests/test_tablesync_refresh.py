@@ -20,7 +20,7 @@ import psycopg
 import pytest
 from psycopg import sql
 from test_cli_common import catalog_tables, create, make_tables, ok
-from test_tap_support import CliApplier
+from test_tap_support import CliApplier, set_decoding_work_mem, stream_txns
 
 from applier.testing import Database, tables_differ, wait_until
 from state.errors import IllegalTransition
@@ -44,9 +44,10 @@ def test_join_apply_stream_rule() -> None:
 class Workload:
     """Inserts, updates and deletes on the publisher, one small transaction after another, until stopped."""
 
-    def __init__(self, publisher: Database, tables: list[str], *, first_id: int = 100_000) -> None:
+    def __init__(self, publisher: Database, tables: list[str], *, first_id: int = 100_000, big_every: int = 0) -> None:
         self.publisher = publisher
         self.tables = tables
+        self.big_every = big_every  # every so many transactions, one with 500 new rows per table (streamed)
         self.ids = itertools.count(first_id)
         self.stop = threading.Event()
         self.transactions = 0
@@ -65,6 +66,12 @@ class Workload:
                                      (rnd.randint(1, 2000),))  # fmt: skip
                         if rnd.random() < 0.3:
                             conn.execute(sql.SQL("DELETE FROM {} WHERE id = %s").format(t), (rnd.randint(1, 2000),))
+                        if self.big_every and self.transactions % self.big_every == 0:
+                            first = next(self.ids)
+                            for _ in range(500):
+                                last = next(self.ids)
+                            conn.execute(sql.SQL("INSERT INTO {} SELECT g, 'big' FROM generate_series(%s, %s) g")
+                                         .format(t), (first, last))  # fmt: skip
                     conn.commit()
                     self.transactions += 1
                     self.stop.wait(0.005)
@@ -112,13 +119,13 @@ def table_state(pair: Any, table: str) -> str | None:
     return dict(catalog_tables(pair.target, "s")).get(table)
 
 
-def prepare(pair: Any, rows: int = 2000) -> None:
+def prepare(pair: Any, rows: int = 2000, streaming: str = "off") -> None:
     """t1 published and subscribed; t2 on both sides, with rows on the publisher, not yet published."""
     make_tables(pair, "t1", rows=rows)
     for db in (pair.publisher, pair.target):
         db.execute("CREATE TABLE t2 (id int PRIMARY KEY, v text)")
     pair.publisher.execute("INSERT INTO t2 SELECT g, 'row ' || g FROM generate_series(1, %s) g", (rows,))
-    create(pair, "s")
+    create(pair, "s", "--streaming", streaming)
 
 
 def wait_ready(pair: Any, cli: CliApplier, table: str, timeout: float = TIMEOUT) -> None:
@@ -137,13 +144,17 @@ def assert_equal_eventually(pair: Any, cli: CliApplier, *tables: str) -> None:
                    what=f"{t} equal to the publisher's; applier log:\n{cli.log_tail()}")  # fmt: skip
 
 
-def test_added_table_is_copied_and_caught_up_live_under_a_workload(pair, run_cli) -> None:
+@pytest.mark.parametrize("streaming", ["off", "on"])
+def test_added_table_is_copied_and_caught_up_live_under_a_workload(pair, run_cli, streaming) -> None:
     """P > C: the stream keeps applying t1 while t2 is copied, so it is past the copy's snapshot point when the
-    copy ends: t2 is caught up from the temporary slot, then joins the stream; run is never restarted."""
-    prepare(pair)
+    copy ends: t2 is caught up from the temporary slot, then joins the stream; run is never restarted. With
+    ``streaming = on`` the stream gets big transactions in chunks (applied at STREAM COMMIT), the catch-up whole."""
+    if streaming == "on":
+        set_decoding_work_mem(pair.publisher)
+    prepare(pair, streaming=streaming)
     cli = run_cli()
     wait_ready(pair, cli, "t1")
-    with Workload(pair.publisher, ["t1", "t2"]) as work:
+    with Workload(pair.publisher, ["t1", "t2"], big_every=40 if streaming == "on" else 0) as work:
         wait_until(lambda: work.transactions > 20, timeout=TIMEOUT, what="the workload running")
         out = add_t2(pair)
         assert "being copied and caught up by the running worker" in out
@@ -164,6 +175,8 @@ def test_added_table_is_copied_and_caught_up_live_under_a_workload(pair, run_cli
     origins = [r[0] for r in pair.target.query("SELECT roname FROM pg_replication_origin")]
     assert not [o for o in origins if o.endswith("_sync")], origins
     assert pair.publisher.scalar("SELECT count(*) FROM pg_replication_slots WHERE temporary") == 0
+    if streaming == "on":
+        assert stream_txns(pair.publisher, "s") > 0
 
 
 def test_stream_behind_the_snapshot_joins_without_catch_up(pair, run_cli) -> None:
