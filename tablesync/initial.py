@@ -217,11 +217,17 @@ class InitialCopy:
         assert self.sub is not None
         confirmed = 0
         if self.sub.subslotname:
-            with connect(self.publisher_conninfo, autocommit=True) as pconn:
-                row = pconn.execute(
-                    "SELECT confirmed_flush_lsn::text FROM pg_catalog.pg_replication_slots WHERE slot_name = %s",
-                    (self.sub.subslotname,),
-                ).fetchone()
+            try:
+                with connect(self.publisher_conninfo, autocommit=True) as pconn:
+                    row = pconn.execute(
+                        "SELECT confirmed_flush_lsn::text FROM pg_catalog.pg_replication_slots WHERE slot_name = %s",
+                        (self.sub.subslotname,),
+                    ).fetchone()
+            except psycopg.Error as exc:
+                raise TablesyncError(
+                    f"initial copy of {self.subname!r}: cannot read the position of slot "
+                    f"{self.sub.subslotname!r} on the publisher: {' '.join(str(exc).split())}"
+                ) from exc
             if row and row[0]:
                 confirmed = parse_lsn(row[0])
         with self.catalog.engine.connect() as c:
