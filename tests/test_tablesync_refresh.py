@@ -284,7 +284,7 @@ def test_kill_9_during_catch_up_copies_again_after_restart(pair, run_cli) -> Non
         snapshot_lsn = m.group(1)
         wait_until(lambda: work.transactions > 30, timeout=TIMEOUT, what="workload after the snapshot")
         # a big transaction after the snapshot point: the catch-up needs seconds for it
-        pair.publisher.execute("INSERT INTO t2 SELECT g, 'big' FROM generate_series(1000001, 1250000) g")
+        pair.publisher.execute("INSERT INTO t2 SELECT g, 'big' FROM generate_series(1000001, 1150000) g")
         wait_until(lambda: re.search(r'table "public\.t2": state c', log_text(cli)), timeout=TIMEOUT,
                    what=f"the catch-up; log:\n{cli.log_tail()}")  # fmt: skip
         wait_until(lambda: pair.target.scalar(
@@ -299,6 +299,7 @@ def test_kill_9_during_catch_up_copies_again_after_restart(pair, run_cli) -> Non
         wait_ready(pair, cli, "t2")
         work.finish()
     assert_equal_eventually(pair, cli, "t1", "t2")
+    print_sync_lines(cli)
     log = log_text(cli)
     restart = log[log.index("--- start 2 ---"):]
     assert re.search(r"public\.t2: copied at \S+ but the stream is at \S+: copying it again", restart), restart
