@@ -846,10 +846,11 @@ def refresh_publication(target: str, name: str, *, copy_data: bool = True, conso
     )
     if added and copy_data:
         holder = _holder(catalog, sub.subid)
-        # the copy runs when a worker starts (applier run), not inside a running one
+        # a running worker copies and catches them up live (tablesync.live); otherwise the next applier run does
         console.info(
-            "the new tables are copied when applier run next starts this subscription"
-            + (f"; its worker is running now ({holder}): restart that applier run" if holder else "")
+            f"the new tables are being copied and caught up by the running worker ({holder})"
+            if holder
+            else "the new tables are copied when applier run next starts this subscription"
         )
 
 

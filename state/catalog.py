@@ -392,9 +392,11 @@ class Catalog:
             c.execute(subscription.delete().where(subscription.c.subid == subid))
             c.execute(
                 sa.text(
-                    "SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin WHERE roname = :o"
+                    "SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin"
+                    " WHERE roname IN (:o, :sync)"
                 ),
-                {"o": origin_name(subid)},
+                # and the live table sync's catch-up origin, which a killed worker can leave (tablesync.live)
+                {"o": origin_name(subid), "sync": f"{origin_name(subid)}_sync"},
             )
 
     # tables -------------------------------------------------------------------------------------------------

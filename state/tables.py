@@ -220,3 +220,22 @@ def settle_finished_copy(table: TableState, stream_lsn: int) -> TableState:
     if table.lsn >= stream_lsn:
         return transition(table, SyncState.SYNCDONE, table.lsn)
     return transition(table, SyncState.SYNCWAIT, table.lsn)
+
+
+def join_apply_stream(table: TableState, current_lsn: int) -> TableState:
+    """How a table in ``w`` (its copy done at snapshot point C = its LSN) joins an apply stream that has processed
+    everything up to ``current_lsn`` (P).
+
+    P <= C: the stream has not yet seen any transaction finishing at or after C, and those before C are in the
+    copy: ``s`` at C, no catch-up. P > C: transactions between C and P went by while the table was being copied
+    (the stream skipped them): ``c`` at P, and a catch-up from C must apply them up to the first commit ending at or
+    after P, then set ``s`` there (behaviour 76-78; PostgreSQL always catches up to max(C, P), which for P <= C
+    only moves work from the stream to the catch-up).
+    """
+    if table.state is not SyncState.SYNCWAIT or table.lsn is None:
+        raise IllegalTransition(
+            f"table {table.name}: only a table in 'w' joins the apply stream, it is {table}"
+        )
+    if current_lsn <= table.lsn:
+        return TableState(table.name, SyncState.SYNCDONE, table.lsn)
+    return transition(table, SyncState.CATCHUP, current_lsn)

@@ -31,7 +31,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,13 +175,14 @@ class InitialCopy:
         An ``f`` table's rows are exactly the publisher's at its LSN. If the subscription's stream has not passed
         that point (the usual case: the copy runs before streaming), it becomes ``s`` there
         (:func:`state.tables.settle_finished_copy`). If the stream has gone past it — changes to the table were
-        skipped while it was not yet ``s`` — it would need a catch-up, which only tables added while streaming get
-        (not built yet): it is emptied and copied again instead, which is always correct.
+        skipped while it was not yet ``s`` — it would need a catch-up from its LSN, which only a running live sync
+        (:mod:`tablesync.live`) can do, with its temporary slot, gone by now: it is emptied and copied again
+        instead, which is always correct.
         """
         self.catalog.ensure()
         self.sub = self.catalog.require(self.subname)
         states = self.catalog.table_states(self.sub.subid)
-        stream_lsn = self._stream_position()
+        stream_lsn = self._stream_position() if any(rs.state == "f" for rs in states) else 0
         recopy: set[str] = set()
         with self.catalog.engine.begin() as c:
             for rs in states:
@@ -206,8 +207,29 @@ class InitialCopy:
         return self.to_copy
 
     def _stream_position(self) -> int:
-        """Where the subscription's stream resumes: its origin's progress, else the slot's start X, else 0."""
+        """Where the subscription's stream resumes: the latest of its origin's progress, the slot's start X and the
+        slot's ``confirmed_flush_lsn`` on the publisher.
+
+        The last one matters after a live table sync (:mod:`tablesync.live`): while a table is copied, the stream
+        skips its changes and reports them flushed, so the publisher moves the slot past them and a restart resumes
+        there (behaviour 5), beyond the origin; those transactions are never sent again.
+        """
         assert self.sub is not None
+        confirmed = 0
+        if self.sub.subslotname:
+            try:
+                with connect(self.publisher_conninfo, autocommit=True) as pconn:
+                    row = pconn.execute(
+                        "SELECT confirmed_flush_lsn::text FROM pg_catalog.pg_replication_slots WHERE slot_name = %s",
+                        (self.sub.subslotname,),
+                    ).fetchone()
+            except psycopg.Error as exc:
+                raise TablesyncError(
+                    f"initial copy of {self.subname!r}: cannot read the position of slot "
+                    f"{self.sub.subslotname!r} on the publisher: {' '.join(str(exc).split())}"
+                ) from exc
+            if row and row[0]:
+                confirmed = parse_lsn(row[0])
         with self.catalog.engine.connect() as c:
             progress = c.execute(
                 sa.text(
@@ -217,7 +239,7 @@ class InitialCopy:
                 {"o": self.sub.origin_name},
             ).scalar()
         lsn = parse_lsn(progress) if progress else 0
-        return max(lsn, self.sub.subslotconsistentlsn or 0)
+        return max(lsn, self.sub.subslotconsistentlsn or 0, confirmed)
 
     @property
     def subid(self) -> int:
@@ -449,6 +471,11 @@ class InitialCopy:
     # 6 ----------------------------------------------------------------------------------------------------------
     def complete(self) -> CopyResult:
         """Every copied table to ``s`` with LSN Y, markers removed, in one transaction."""
+        return self.finish_tables("s")
+
+    def finish_tables(self, state: str) -> CopyResult:
+        """Every copied table to ``state`` (``s``; or ``f`` for a live sync, which joins the apply stream later)
+        with LSN Y, markers removed, in one transaction."""
         assert self.slot is not None
         final = self.markers()
         tables: dict[str, TableCopy] = {}
@@ -457,7 +484,7 @@ class InitialCopy:
                 parts = final.get(relname, {})
                 rows = sum(r for r, _ in parts.values())
                 nbytes = sum(b for _, b in parts.values())
-                self.catalog.set_table_state(self.subid, plan.relid, "s", self.slot.lsn, conn=c)
+                self.catalog.set_table_state(self.subid, plan.relid, state, self.slot.lsn, conn=c)
                 self.catalog.set_table_progress(self.subid, plan.relid, rows, nbytes, conn=c)
                 self._delete_markers(c, relname)
                 tables[relname] = TableCopy(
@@ -496,19 +523,27 @@ class InitialCopy:
             self.claim()
             if self.stop.is_set():
                 return self.result(stopped=True)
-            handle = spark_job.spark_session(spark_master, dict(spark_conf or {}))
-            try:
-                if handle.ui_url:
-                    self.reporter.note(f"Spark UI: {handle.ui_url}")
-                elif handle.remote:
-                    self.reporter.note(f"Spark Connect: {handle.remote}")
-                if not self.copy(handle.session):
+            with self.spark(spark_master, spark_conf) as session:
+                if not self.copy(session):
                     return self.result(stopped=True)
                 return self.complete()  # before stopping Spark: the tables are ready a little sooner
-            finally:
-                spark_job.release(handle)
         finally:
             self.close()
+
+    @contextlib.contextmanager
+    def spark(
+        self, spark_master: str | None = None, spark_conf: Mapping[str, str] | None = None
+    ) -> Iterator[Any]:
+        """The Spark session for :meth:`copy` (started, and stopped afterwards, unless one is already active)."""
+        handle = spark_job.spark_session(spark_master, dict(spark_conf or {}))
+        try:
+            if handle.ui_url:
+                self.reporter.note(f"Spark UI: {handle.ui_url}")
+            elif handle.remote:
+                self.reporter.note(f"Spark Connect: {handle.remote}")
+            yield handle.session
+        finally:
+            spark_job.release(handle)
 
 
 def describe(result: CopyResult) -> str:

@@ -18,6 +18,7 @@ no privilege), with a message that says what to do.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import logging
 import threading
@@ -63,6 +64,10 @@ FLUSH_POLL_INTERVAL = 0.1
 BURST = 5000
 #: How often the worker hands its counters to the Prometheus metrics (off the per-message path).
 METRICS_INTERVAL = 1.0
+#: How often the sync-state pass re-reads the table states while the stream is busy (when idle: REREAD_INTERVAL).
+TABLES_REREAD_INTERVAL = 2.0
+#: After a failed live table sync, the next attempt waits this long (wal_retrieve_retry_interval is 5 s).
+LIVE_SYNC_RETRY = 5.0
 #: wal_receiver_timeout: silence from the publisher this long ends the session (a ping is sent at half of it).
 RECEIVER_TIMEOUT = 60.0
 
@@ -115,9 +120,12 @@ class _CatalogTables(TableStates):
         self._checked: dict[int, int] = {}
         self.all_ready = False
         self.target: Target | None = None
+        #: sends the stream's last status again (set by the session): used while waiting for a live sync
+        self.keepalive: Any = None
         self.reload()
 
     def reload(self) -> None:
+        self._last_reload = time.monotonic()
         self._set({r.relid: r for r in self.catalog.table_states(self.subid)})
 
     def _set(self, by_oid: dict[int, RelState]) -> None:
@@ -148,8 +156,11 @@ class _CatalogTables(TableStates):
 
     def after_transaction(self, current_lsn: int) -> None:
         """The sync-state pass (behaviour 76) and the two-phase restart check (57)."""
+        if time.monotonic() - self._last_reload >= TABLES_REREAD_INTERVAL:
+            self.reload()  # notice tables added by alter --refresh-publication even when never idle
         if self.all_ready and self.two_phase_state != "p":
             return
+        self._live_sync_pass(current_lsn)
         ready = process_syncing_tables(self.table_states(), current_lsn)
         if ready:
             if self.target is None:  # pragma: no cover - always set while streaming
@@ -176,6 +187,31 @@ class _CatalogTables(TableStates):
             self.worker.log.info(restart_for_two_phase_message(self.worker.subname))
             raise _Restart()
 
+    def _live_sync_pass(self, current_lsn: int) -> None:
+        """Tables added while streaming (``i``; ``d``/``f`` left by a failed live sync) are copied and caught up by
+        a :class:`tablesync.live.LiveSync` thread; at its SYNCWAIT the stream, here at a transaction boundary at
+        ``current_lsn``, tells it where to join and waits until the tables are ``s`` (behaviour 76)."""
+        worker = self.worker
+        live = worker.live_sync
+        if live is None:
+            if (
+                worker.live_sync_enabled
+                and time.monotonic() >= worker.live_retry_at
+                and any(r.state in ("i", "d", "f") for r in self.by_oid.values())
+            ):
+                worker.start_live_sync()
+            return
+        if live.phase.value == "copying":
+            return
+        if live.phase.value == "syncwait":
+            if self.target is not None:
+                self.target.pipeline.drain()
+            live.proceed(current_lsn)
+            live.wait(worker.stop, tick=self.keepalive)
+        if live.finished:
+            worker.end_live_sync()
+            self.reload()
+
 
 class ApplyWorker:
     """Streams one subscription's changes from its publisher and applies them to the target (see module doc).
@@ -195,6 +231,7 @@ class ApplyWorker:
         logger: logging.Logger | None = None,
         retry_initial: float = 0.5,
         retry_max: float = 30.0,
+        live_sync: bool = True,
     ) -> None:
         self.target_conninfo = target_conninfo
         self.subname = subname
@@ -208,6 +245,10 @@ class ApplyWorker:
         self.metrics = WorkerMetrics(subname)
         self._failures = 0
         self._subid: int | None = None
+        #: tables added while streaming are copied and caught up live (tablesync.live)
+        self.live_sync_enabled = live_sync
+        self.live_sync: Any = None  # a running tablesync.live.LiveSync
+        self.live_retry_at = 0.0
 
     # --- the outer loop ----------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -226,7 +267,25 @@ class ApplyWorker:
                 if outcome is not _Outcome.RESTART:
                     return
         finally:
+            if self.live_sync is not None:
+                self.live_sync.close()
+                self.live_sync = None
             self.catalog.engine.dispose()
+
+    # --- live table sync -------------------------------------------------------------------------------------------
+    def start_live_sync(self) -> None:
+        from tablesync.live import LiveSync
+
+        self.live_sync = LiveSync(self.target_conninfo, self.subname, log=self.log).start()
+
+    def end_live_sync(self) -> None:
+        """Forget a finished live sync; after a failure, the next one starts after ``LIVE_SYNC_RETRY``."""
+        live, self.live_sync = self.live_sync, None
+        if live is None:
+            return
+        live.close()
+        if live.phase.value == "failed":
+            self.live_retry_at = time.monotonic() + LIVE_SYNC_RETRY
 
     def _attempt(self) -> _Outcome:
         if self.stop.is_set():
@@ -337,6 +396,7 @@ class ApplyWorker:
             tracker = FeedbackTracker(start_lsn)
             two_phase = stream_two_phase(sub.subtwophasestate, tables.table_states())
             repl = self._connect_publisher(sub, start_lsn, two_phase)
+            tables.keepalive = lambda: repl.send_status(*dataclasses.astuple(tracker.last_sent))  # type: ignore[union-attr]
             if two_phase and sub.subtwophasestate == TwoPhaseState.PENDING:
                 self.catalog.update_subscription(sub.subid, subtwophasestate=TwoPhaseState.ENABLED.value)
                 tables.two_phase_state = TwoPhaseState.ENABLED.value

@@ -1,0 +1,413 @@
+"""Live table synchronisation: tables added (``alter --refresh-publication``) while the apply worker streams.
+
+PostgreSQL's tablesync worker, adapted to our Spark copy (behaviours 76-78). :class:`LiveSync` runs in a background
+thread of the apply worker's process, so the apply loop keeps applying the other tables meanwhile:
+
+1. copy: every table in ``i``/``d``/``f`` (a ``d``/``f`` one is left by an earlier live sync that failed: it is
+   emptied and copied again) is copied with the initial copy's machinery (:class:`~tablesync.initial.InitialCopy`:
+   a *temporary* slot with an exported snapshot at consistent point C on a replication connection of its own, the
+   plan, the claim with exactly-once partition markers, the Spark job). The tables go ``i`` -> ``d`` -> ``f`` at C;
+   the slot's connection stays open and idle.
+2. SYNCWAIT (``w``, in memory only): the thread waits for the apply loop. At a transaction boundary, at position P
+   (the end of the last transaction it processed, or the last received position when idle), the apply loop calls
+   :meth:`LiveSync.proceed` (:func:`state.tables.join_apply_stream`):
+
+   - P <= C: nothing of the tables' went by since C: they become ``s`` at C, and the stream applies their changes
+     from C on.
+   - P > C: CATCHUP (``c`` at P): on the temporary slot's own connection, START_REPLICATION from C (streaming and
+     two_phase off, behaviour 70) and apply, with the apply worker's own :class:`~applier.apply.handlers.Applier`
+     on a target session of its own, every transaction up to the first commit ending at or after P (or an idle
+     position at or after P); then SYNCDONE: ``s`` at that LSN L. Each caught-up transaction commits together with
+     the tables' ``f`` LSN moved to its end, so the rows and the LSN they are complete up to never disagree.
+
+   The apply loop waits for ``s`` (``wait_for_relation_state_change``), skips the tables' changes up to its LSN
+   and applies the later ones; the sync-state pass turns them ``r``.
+
+The catch-up session uses its own replication origin ``applier_<subid>_sync`` (created when needed, dropped at the
+end), never the subscription's ``applier_<subid>``, which is ahead already.
+
+Crash safety: if the process dies, the temporary slot goes with its connection; the tables are left ``d`` (copy
+unfinished: the next ``run`` empties and copies them again) or ``f`` with the LSN their rows are complete up to
+(the next ``run``'s initial copy makes them ``s`` there when the stream resumes at or before it, and copies them
+again otherwise). Nothing is lost or applied twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from applier.apply.feedback import FeedbackTracker
+from applier.apply.handlers import Applier, SkipState, TableStates
+from applier.apply.spool import Spool
+from applier.apply.target import Target
+from applier.decoder import MessageDecoder
+from applier.lsn import format_lsn
+from applier.messages import PrimaryKeepalive, XLogData
+from applier.replication import StreamOptions
+from state.catalog import RelState
+from state.tables import SyncState, TableState, join_apply_stream
+from tablesync.initial import COPY_STATES, InitialCopy, TablesyncError
+from tablesync.progress import CopyProgress
+
+#: wal_receiver_status_interval for the catch-up stream.
+STATUS_INTERVAL = 10.0
+
+
+class LiveSyncError(TablesyncError):
+    """A live table sync failed; the message says which tables and why. They stay ``d``/``f`` and are retried."""
+
+
+class Phase(enum.Enum):
+    COPYING = "copying"
+    SYNCWAIT = "syncwait"
+    CATCHUP = "catchup"
+    SYNCDONE = "syncdone"
+    FAILED = "failed"
+
+
+def sync_origin_name(subid: int) -> str:
+    """The replication origin of catch-up sessions (never the subscription's own ``applier_<subid>``)."""
+    return f"applier_{subid}_sync"
+
+
+def explain(exc: BaseException) -> str:
+    """The error, with what to do about the usual causes."""
+    text = " ".join(str(exc).split())  # one log line
+    low = text.lower()
+    if " -- " in text:
+        pass  # explained already
+    elif "replication slots are in use" in low or "max_replication_slots" in low:
+        text += (
+            " -- the publisher has no free replication slot for the table sync's temporary slot: raise "
+            "max_replication_slots on the publisher (or drop unused slots); the sync is retried"
+        )
+    elif "max_wal_senders" in low or "too many clients" in low:
+        text += (
+            " -- the publisher refused another replication connection for the table sync: raise max_wal_senders "
+            "(or max_connections) on the publisher; the sync is retried"
+        )
+    return text
+
+
+class _LogProgress(CopyProgress):
+    """The copy's notes go to the worker's log (no bars: ``applier run`` logs)."""
+
+    def __init__(self, log: logging.Logger, subname: str) -> None:
+        super().__init__("off")
+        self._log = log
+        self._subname = subname
+
+    def note(self, message: str) -> None:
+        self._log.info('table synchronization for subscription "%s": %s', self._subname, message)
+
+
+class LiveCopy(InitialCopy):
+    """:class:`InitialCopy` for tables added while streaming: every ``i``/``d``/``f`` table is copied (a ``d`` or
+    ``f`` one is emptied first), and they end ``f`` at the snapshot point (:meth:`finish_tables`), not ``s``: how
+    they join the stream is decided against the stream's position, which only the apply loop knows."""
+
+    def load(self) -> list[RelState]:
+        self.sub = self.catalog.require(self.subname)
+        states = self.catalog.table_states(self.sub.subid)
+        self.skipped = [rs.name for rs in states if rs.state not in COPY_STATES]
+        self.to_copy = [rs for rs in states if rs.state in COPY_STATES]
+        return self.to_copy
+
+
+class _SyncingTables(TableStates):
+    """The catch-up applies only the syncing tables, every transaction of theirs after C, up to the first commit
+    ending at or after P."""
+
+    def __init__(self, oids: set[int], until: int) -> None:
+        self.oids = oids
+        self.until = until
+        self.reached: int | None = None
+
+    def should_apply(self, local_oid: int, remote_final_lsn: int) -> bool:
+        return local_oid in self.oids
+
+    def after_transaction(self, current_lsn: int) -> None:
+        if self.reached is None and current_lsn >= self.until:
+            self.reached = current_lsn
+
+
+class _CatchupTarget(Target):
+    """The catch-up's target session: each commit also moves the syncing tables' ``f`` LSN to the transaction's
+    end, in the same local transaction as its rows."""
+
+    subid = 0
+    oids = "{}"
+
+    def commit(self, end_lsn: int, ts: int, ctx: Any, on_ok: Any) -> None:
+        self.end_copy()
+        self.pipeline.send_query(
+            b"UPDATE applier.subscription_rel SET srsublsn = $1::pg_catalog.pg_lsn, srupdated = now()"
+            b" WHERE subid = $2::bigint AND srrelid::oid = ANY($3::oid[]) AND srsubstate = 'f'",
+            [format_lsn(end_lsn).encode(), str(self.subid).encode(), self.oids.encode()],
+            ctx,
+        )
+        super().commit(end_lsn, ts, ctx, on_ok)
+
+
+class LiveSync:
+    """One live sync of every table in ``i``/``d``/``f``, in a background thread (see the module docstring).
+
+    The apply loop polls :attr:`phase`; at ``SYNCWAIT`` it calls :meth:`proceed` with its position and then
+    :meth:`wait` until ``SYNCDONE`` or ``FAILED``.
+    """
+
+    def __init__(
+        self,
+        target_conninfo: str,
+        subname: str,
+        *,
+        log: logging.Logger,
+        spark_master: str | None = None,
+        spark_conf: Mapping[str, str] | None = None,
+    ) -> None:
+        self.target_conninfo = target_conninfo
+        self.subname = subname
+        self.log = log
+        self.spark_master = spark_master
+        self.spark_conf = dict(spark_conf or {})
+        self.stop = threading.Event()
+        self.phase = Phase.COPYING
+        self.tables: dict[str, int] = {}  # name -> relid
+        self.snapshot_lsn: int | None = None  # C
+        self.catchup_lsn: int | None = None  # P, when a catch-up is needed
+        self.done_lsn: int | None = None  # L
+        self.caught_up = 0  # transactions applied by the catch-up
+        self.error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._go: int | None = None
+        self.thread = threading.Thread(target=self._run, name=f"tablesync-{subname}", daemon=True)
+
+    # --- the apply loop's side -----------------------------------------------------------------------------------
+    def start(self) -> LiveSync:
+        self.thread.start()
+        return self
+
+    @property
+    def finished(self) -> bool:
+        return self.phase in (Phase.SYNCDONE, Phase.FAILED)
+
+    def proceed(self, current_lsn: int) -> None:
+        """The apply loop is at a transaction boundary at ``current_lsn``: join the stream there."""
+        with self._cond:
+            if self.phase is not Phase.SYNCWAIT or self._go is not None:
+                return
+            self._go = current_lsn
+            self._cond.notify_all()
+
+    def wait(
+        self,
+        interrupt: threading.Event | None = None,
+        timeout: float | None = None,
+        *,
+        tick: Callable[[], None] | None = None,
+        tick_interval: float = STATUS_INTERVAL,
+    ) -> bool:
+        """Block until the sync is done or failed (the apply loop's ``wait_for_relation_state_change``); stop
+        the sync when ``interrupt`` is set; call ``tick`` (the apply stream's status update, so that the publisher
+        does not time the waiting stream out) every ``tick_interval`` seconds. True when finished."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        last_tick = time.monotonic()
+        with self._cond:
+            while not self.finished:
+                if interrupt is not None and interrupt.is_set():
+                    self.stop.set()
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                if tick is not None and time.monotonic() - last_tick >= tick_interval:
+                    last_tick = time.monotonic()
+                    tick()
+                self._cond.wait(0.2)
+        return True
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the sync (if still running) and wait for its thread."""
+        self.stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+
+    # --- the sync thread -------------------------------------------------------------------------------------------
+    def _set_phase(self, phase: Phase) -> None:
+        with self._cond:
+            self.phase = phase
+            self._cond.notify_all()
+
+    def _state_log(self, name: str, state: SyncState, lsn: int | None, extra: str = "") -> None:
+        self.log.info(
+            'logical replication table synchronization for subscription "%s", table "%s": state %s%s%s',
+            self.subname, name, state.value, f" at {format_lsn(lsn)}" if lsn is not None else "", extra,
+        )  # fmt: skip
+
+    def _run(self) -> None:
+        try:
+            self._sync()
+            self._set_phase(Phase.SYNCDONE)
+        except BaseException as exc:  # noqa: BLE001 - reported to the apply loop
+            self.error = exc
+            if self.stop.is_set():
+                self.log.info('table synchronization for subscription "%s" stopped; the tables (%s) are copied '
+                              "again later", self.subname, ", ".join(self.tables) or "none")  # fmt: skip
+            else:
+                self.log.error('table synchronization for subscription "%s" failed (tables %s): %s',
+                               self.subname, ", ".join(self.tables) or "?", explain(exc))  # fmt: skip
+            self._set_phase(Phase.FAILED)
+
+    def _sync(self) -> None:
+        copier = LiveCopy(
+            self.target_conninfo, self.subname, stop=self.stop, reporter=_LogProgress(self.log, self.subname)
+        )
+        try:
+            to_copy = copier.load()
+            if not to_copy:
+                return
+            self.tables = {rs.name: rs.relid for rs in to_copy}
+            for rs in to_copy:
+                self.log.info('logical replication table synchronization worker for subscription "%s", table "%s" '
+                              "has started", self.subname, rs.name)  # fmt: skip
+            try:
+                copier.open_snapshot()
+            except TablesyncError as exc:
+                raise LiveSyncError(
+                    f"cannot get a temporary slot on the publisher: {explain(exc.__cause__ or exc)}"
+                ) from exc
+            assert copier.slot is not None
+            c_lsn = copier.slot.lsn
+            copier.plan()
+            copier.claim()
+            for name in self.tables:
+                self._state_log(
+                    name, SyncState.DATASYNC, None, f" (copying at snapshot point {format_lsn(c_lsn)})"
+                )
+            if self.stop.is_set():
+                raise LiveSyncError("stopped")
+            with copier.spark(self.spark_master, self.spark_conf) as session:
+                if not copier.copy(session):
+                    raise LiveSyncError("stopped")
+            result = copier.finish_tables(SyncState.FINISHEDCOPY.value)
+            for name, t in result.tables.items():
+                self._state_log(name, SyncState.FINISHEDCOPY, c_lsn, f" ({t.rows} rows copied)")
+            # SYNCWAIT: in memory only; the apply loop decides how the tables join its stream
+            with self._cond:
+                self.snapshot_lsn = c_lsn
+                self.phase = Phase.SYNCWAIT
+                self._cond.notify_all()
+                for name in self.tables:
+                    self._state_log(name, SyncState.SYNCWAIT, c_lsn)
+                while self._go is None and not self.stop.is_set():
+                    self._cond.wait(0.5)
+            if self._go is None:
+                raise LiveSyncError("stopped")
+            joined = join_apply_stream(TableState("*", SyncState.SYNCWAIT, c_lsn), self._go)
+            if joined.state is SyncState.SYNCDONE:
+                self.done_lsn = c_lsn
+                with copier.catalog.engine.begin() as c:
+                    for relid in self.tables.values():
+                        copier.catalog.set_table_state(copier.subid, relid, "s", c_lsn, conn=c)
+                for name in self.tables:
+                    self._state_log(name, SyncState.SYNCDONE, c_lsn,
+                                    f" (the apply stream is at {format_lsn(self._go)}: no catch-up needed)")  # fmt: skip
+                return
+            self.catchup_lsn = self._go
+            self._set_phase(Phase.CATCHUP)
+            for name in self.tables:
+                self._state_log(name, SyncState.CATCHUP, self._go, f" (catching up from {format_lsn(c_lsn)})")
+            self.done_lsn = self._catch_up(copier, c_lsn, self._go)
+            for name in self.tables:
+                self._state_log(name, SyncState.SYNCDONE, self.done_lsn,
+                                f" (caught up {self.caught_up} transaction(s))")  # fmt: skip
+        finally:
+            copier.close()
+
+    def _catch_up(self, copier: LiveCopy, c_lsn: int, until: int) -> int:
+        """Stream the temporary slot from C and apply the syncing tables' transactions up to ``until``; set them
+        ``s`` at the LSN reached, which is returned."""
+        assert copier.slot is not None and copier.sub is not None
+        sub = copier.sub
+        repl = copier.slot.conn
+        origin = sync_origin_name(sub.subid)
+        with psycopg.connect(self.target_conninfo, autocommit=True) as c:
+            c.execute(
+                "SELECT pg_catalog.pg_replication_origin_create(%(o)s) WHERE NOT EXISTS"
+                " (SELECT 1 FROM pg_catalog.pg_replication_origin WHERE roname = %(o)s)",
+                {"o": origin},
+            )
+        options = StreamOptions(
+            publications=list(sub.subpublications), streaming="off", two_phase=False,
+            origin=sub.suborigin if sub.suborigin in ("any", "none") else None,  # type: ignore[arg-type]
+            binary=sub.subbinary,
+        )  # fmt: skip
+        repl.start_replication(copier.slot.slot_name, c_lsn, options)
+        target = _CatchupTarget.connect(
+            self.target_conninfo, origin=origin, application_name=f"applier {sub.subname} tablesync",
+            binary=sub.subbinary,
+        )  # fmt: skip
+        target.subid = sub.subid
+        target.oids = "{" + ",".join(str(r) for r in self.tables.values()) + "}"
+        spool_dir = Path(tempfile.mkdtemp(prefix=f"applier-sync-{sub.subid}-"))
+        try:
+            target.good_origin_lsn = target.origin_progress(origin)
+            tracker = FeedbackTracker(c_lsn)
+            tables = _SyncingTables(set(self.tables.values()), until)
+            applier = Applier(
+                subid=sub.subid, subname=sub.subname, target=target, tracker=tracker,
+                spool=Spool(spool_dir, sub.subid), tables=tables, skip=SkipState(0, sub.subname),
+                clear_skip_lsn=lambda _subid, _lsn: False, logger=self.log,
+            )  # fmt: skip
+            decoder = MessageDecoder()
+            last_received = c_lsn
+            last_status = time.monotonic()
+            while tables.reached is None:
+                if self.stop.is_set():
+                    raise LiveSyncError("stopped during catch-up")
+                item = repl.read(0.5)
+                if item is None:
+                    pass
+                elif item.__class__ is XLogData:
+                    last_received = max(last_received, item.data_start, item.wal_end)
+                    tracker.received(last_received)
+                    applier.handle(decoder.decode(item.payload), item.payload)
+                elif item.__class__ is PrimaryKeepalive:
+                    last_received = max(last_received, item.wal_end)
+                    tracker.received(item.wal_end)
+                    if item.reply_requested:
+                        last_status = 0.0
+                if target.pipeline.pending:
+                    target.pipeline.poll()
+                if tables.reached is None and applier.idle and last_received >= until:
+                    tables.reached = last_received  # idle at or past P (behaviour 78: checked when idle too)
+                if time.monotonic() - last_status >= STATUS_INTERVAL:
+                    pos = tracker.positions(None)
+                    repl.send_status(pos.write, pos.flush, pos.apply)
+                    last_status = time.monotonic()
+            reached = tables.reached
+            target.pipeline.drain()
+            self.caught_up = applier.transactions
+            target.mark_ready(sub.subid, [(relid, "s", reached) for relid in self.tables.values()], reached)
+            with contextlib.suppress(Exception):
+                target.query("SELECT pg_catalog.pg_replication_origin_session_reset()")
+                target.query("SELECT pg_catalog.pg_replication_origin_drop(%s)", (origin,))
+            return reached
+        except BaseException:
+            with contextlib.suppress(Exception):
+                target.abort()
+            raise
+        finally:
+            target.close()
+            shutil.rmtree(spool_dir, ignore_errors=True)
