@@ -198,3 +198,30 @@ def test_kill9_in_the_middle_of_groups_applies_each_transaction_once(pair):
     assert pair.target.scalar("SELECT n FROM counter") == 7500
     assert_tables_equal(pair.publisher, pair.target, "public.counter")
     s.catalog.engine.dispose()
+
+
+def test_error_in_a_copy_spanning_grouped_transactions(pair):
+    """Grouped transactions' inserts into one table continue one COPY; a unique violation in it (transaction 6 of
+    10, 300 rows each) still ends with transactions 1-5 committed and the error recorded for transaction 6."""
+    both(pair, "CREATE TABLE big (id int PRIMARY KEY, xid text)")
+    pair.target.execute("INSERT INTO big VALUES (1650, 'local')")
+    pair.publisher.execute(
+        """
+        CREATE PROCEDURE big_txns(cnt int) LANGUAGE plpgsql AS $$
+        BEGIN
+          FOR i IN 0..cnt - 1 LOOP
+            INSERT INTO big SELECT g, pg_current_xact_id()::text FROM generate_series(i * 300 + 1, i * 300 + 300) g;
+            COMMIT;
+          END LOOP;
+        END $$
+        """
+    )
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.big"], disable_on_error=True)
+    pair.publisher.execute("CALL big_txns(10)")
+    w = s.start()
+    w.thread.join(60)
+    assert not w.alive
+    err = s.catalog.last_error(s.sub.subid)
+    assert "duplicate key value violates unique constraint" in err["message"]
+    assert str(err["remote_xid"]) == pair.publisher.scalar("SELECT xid FROM big WHERE id = 1650")
+    assert pair.target.scalar("SELECT count(*) FROM big WHERE xid <> 'local'") == 1500

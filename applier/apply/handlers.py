@@ -209,6 +209,7 @@ class Applier:
         if group is None:
             return
         self._group = None
+        self._flush_run()
         end_lsn, commit_time, xid, finish_lsn = group
         size = self._group_size
         self._group_size = 0
@@ -310,7 +311,7 @@ class Applier:
                 self._group = None
                 self._group_size = self._group_rows = 0
             return False
-        self._flush_run()
+        # an insert run (a COPY, say) stays open: the next transaction's inserts into the same table continue it
         self._group_size += 1
         pending = self._pending_rows
         self._group_rows += pending[0] + pending[1] + pending[2] + pending[3]
