@@ -73,6 +73,8 @@ MESSAGE_NAMES: dict[type, str] = {
 }  # fmt: skip
 
 _SPOOLED = (Relation, Type, Insert, Update, Delete, Truncate, Message)
+#: Type bytes of the messages above (all carry the subtransaction xid right after the type byte inside a stream).
+RAW_SPOOL_TYPES = frozenset(b"RYIUDTM")
 
 #: Messages that may follow a deferred group commit without ending the group: a plain transaction's.
 _GROUPABLE = frozenset((Begin, Commit, Origin, Relation, Type, Insert, Update, Delete, Truncate, Message))
@@ -639,6 +641,15 @@ class Applier:
             self._clear_skip_lsn_separately(m.rollback_end_lsn, True)
 
     # --- streamed transactions -------------------------------------------------------------------------------
+    def spool_raw(self, payload: bytes) -> None:
+        """A change inside a stream chunk (type byte in :data:`RAW_SPOOL_TYPES`), spooled as received, undecoded:
+        only the subtransaction xid after the type byte is read (as ``stream_write_change`` does). It is decoded,
+        and checked, once, at replay."""
+        if self.stream_xid is None or len(payload) < 5:  # pragma: no cover - the worker's decoder says in-stream
+            self.handle(decode_message(payload, in_stream=True, encoding=self.encoding), payload)
+            return
+        self.spool.write(int.from_bytes(payload[1:5], "big"), payload)
+
     def handle_stream_start(self, m: StreamStart, payload: bytes = b"") -> None:
         """``apply_handle_stream_start``: open (or reopen) the transaction's spool file."""
         if self.stream_xid is not None:

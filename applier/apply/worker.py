@@ -34,7 +34,7 @@ import tenacity
 
 from applier.apply.context import ApplyError, ErrorContext
 from applier.apply.feedback import FeedbackTracker
-from applier.apply.handlers import Applier, SkipState, TableStates
+from applier.apply.handlers import RAW_SPOOL_TYPES, Applier, SkipState, TableStates
 from applier.apply.spool import Spool, default_spool_dir
 from applier.apply.target import Target, TargetConnectionError
 from applier.decoder import MessageDecoder
@@ -455,6 +455,7 @@ class ApplyWorker:
         last_reread = time.monotonic()
         read = repl.read
         handle = applier.handle
+        spool_raw = applier.spool_raw
         decode = decoder.decode
         stats = self.stats
         last_heard = time.monotonic()
@@ -480,7 +481,10 @@ class ApplyWorker:
                 if item.__class__ is XLogData:
                     tracker.received(max(item.data_start, item.wal_end))
                     payload = item.payload
-                    handle(decode(payload), payload)
+                    if decoder.in_stream and payload[0] in RAW_SPOOL_TYPES:
+                        spool_raw(payload)  # a streamed change: spooled undecoded, decoded once at replay
+                    else:
+                        handle(decode(payload), payload)
                 elif item.__class__ is PrimaryKeepalive:
                     tracker.received(item.wal_end)
                     if item.reply_requested:
