@@ -31,7 +31,7 @@ from applier.apply.relmap import (
 )
 from applier.apply.spool import Spool
 from applier.apply.target import COPY_THRESHOLD, Target
-from applier.decoder import decode_message
+from applier.decoder import decode_message, decode_plain_insert
 from applier.errors import ProtocolError
 from applier.lsn import format_lsn
 from applier.messages import (
@@ -466,6 +466,21 @@ class Applier:
                 for r in rows:
                     target.insert(entry, r, self._run_ctx)
             rows.clear()
+
+    def handle_insert_bytes(self, payload: bytes) -> None:
+        """An Insert outside a stream, from its bytes: a row for the open COPY of its relation goes straight in
+        (no message object, no dispatch); anything else takes :meth:`handle_insert`."""
+        relid, new = decode_plain_insert(payload)
+        entry = self._run_entry
+        if entry is not None and not self.skipping and self.stream_xid is None:
+            copy = self.target.copy_run
+            if copy is not None and copy.entry is entry and self.entries.get(relid) is entry:
+                kinds = new.kinds
+                if KIND_BINARY not in kinds and KIND_UNCHANGED_TOAST not in kinds:
+                    copy.add(new)
+                    self._pending_rows[0] += 1
+                    return
+        self.handle_insert(Insert(None, relid, new), payload)
 
     def _flush_run(self) -> None:
         """End the current insert run: send what is buffered as INSERTs, and close a COPY."""

@@ -456,6 +456,7 @@ class ApplyWorker:
         read = repl.read
         handle = applier.handle
         spool_raw = applier.spool_raw
+        insert = applier.handle_insert_bytes
         decode = decoder.decode
         stats = self.stats
         last_heard = time.monotonic()
@@ -481,8 +482,13 @@ class ApplyWorker:
                 if item.__class__ is XLogData:
                     tracker.received(max(item.data_start, item.wal_end))
                     payload = item.payload
-                    if decoder.in_stream and payload[0] in RAW_SPOOL_TYPES:
-                        spool_raw(payload)  # a streamed change: spooled undecoded, decoded once at replay
+                    if decoder.in_stream:
+                        if payload[0] in RAW_SPOOL_TYPES:
+                            spool_raw(payload)  # a streamed change: spooled undecoded, decoded once at replay
+                        else:
+                            handle(decode(payload), payload)
+                    elif payload[0] == 73:  # 'I'
+                        insert(payload)
                     else:
                         handle(decode(payload), payload)
                 elif item.__class__ is PrimaryKeepalive:
