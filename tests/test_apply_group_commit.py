@@ -225,3 +225,23 @@ def test_error_in_a_copy_spanning_grouped_transactions(pair):
     assert "duplicate key value violates unique constraint" in err["message"]
     assert str(err["remote_xid"]) == pair.publisher.scalar("SELECT xid FROM big WHERE id = 1650")
     assert pair.target.scalar("SELECT count(*) FROM big WHERE xid <> 'local'") == 1500
+
+
+def test_feedback_holds_while_a_group_commit_is_deferred():
+    """While a group's commit is deferred (its transactions applied, nothing queued), "no pending commits" must not
+    report everything received as flushed: the slot would then skip those transactions after a crash."""
+    from applier.apply.feedback import FeedbackTracker
+
+    t = FeedbackTracker(100)
+    t.received(200)
+    assert t.positions().flush == 200  # idle: everything received counts
+    t.holding = True  # a group of transactions up to 300 is applied, its commit deferred
+    t.received(400)  # ... and the next transaction is arriving
+    pos = t.positions()
+    assert pos.flush == 200 and pos.apply == 200
+    token = t.queued(300)  # the group commit is sent
+    t.holding = False
+    t.confirmed(token)
+    t.resolve(1000)
+    assert t.positions(999).flush == 200  # not durable yet
+    assert t.positions(1000).flush == 400  # durable, nothing pending any more: everything received

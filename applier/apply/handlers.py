@@ -220,6 +220,7 @@ class Applier:
             self.groups += 1
         ctx = ErrorContext(self.origin, "COMMIT", None, xid, finish_lsn)
         token = self.tracker.queued(end_lsn)
+        self.tracker.holding = False
         self.target.commit(end_lsn, commit_time, ctx, lambda _res: self.tracker.confirmed(token))
 
     def context(self, message_type: str, relation: str | None = None) -> ErrorContext:
@@ -312,12 +313,14 @@ class Applier:
                 # this commit (in _commit_internal) also commits the open group's local transaction
                 self._group = None
                 self._group_size = self._group_rows = 0
+                self.tracker.holding = False
             return False
         # an insert run (a COPY, say) stays open: the next transaction's inserts into the same table continue it
         self._group_size += 1
         pending = self._pending_rows
         self._group_rows += pending[0] + pending[1] + pending[2] + pending[3]
         self._group = (m.end_lsn, m.commit_time, self.remote_xid, self.remote_final_lsn)
+        self.tracker.holding = True  # feedback must not report these transactions before the group commits
         if self._group_size >= GROUP_MAX_TRANSACTIONS or self._group_rows >= GROUP_MAX_ROWS:
             self.end_group()
         return True
