@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -112,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--wait-target", type=float, metavar="SECONDS", default=None,
         help="wait this long for a target that is down or starting up before failing (default 60; 0: fail at once)",
+    )
+    p.add_argument(
+        "--no-group-commit", action="store_true",
+        help="commit every remote transaction in a local transaction of its own, as PostgreSQL does (default: "
+        "transactions that arrive back to back share one; same as APPLIER_GROUP_COMMIT=0)",
     )
     p.add_argument(
         "--log-format", choices=("text", "json"), default=None,
@@ -230,6 +236,8 @@ def _dispatch(args: argparse.Namespace, extra: list[str], parser: argparse.Argum
 
         runner.configure_logging(target, log_format=args.log_format)
         wait = runner.WAIT_TARGET if args.wait_target is None else args.wait_target
+        if args.no_group_commit:
+            os.environ["APPLIER_GROUP_COMMIT"] = "0"  # the worker processes inherit it
         return runner.run(target, args.names, metrics_port=args.metrics_port, wait_target=wait)
     elif args.command == "status":
         entries = subs.status(target, args.name)

@@ -60,6 +60,7 @@ __all__ = [
     "MessageDecoder",
     "decode_envelope",
     "decode_message",
+    "decode_plain_insert",
 ]
 
 Buffer = bytes | bytearray | memoryview
@@ -450,6 +451,21 @@ def _decode_insert(buf: bytes, in_stream: bool, encoding: str) -> Insert:
     return _make_insert(xid, relid, new)
 
 
+def decode_plain_insert(buf: bytes) -> tuple[int, TupleData]:
+    """An Insert outside a stream, as ``(relid, new tuple)``: what :func:`decode_message` checks and raises, without
+    building the :class:`Insert` (the apply loop's fast path for rows that go into an open COPY)."""
+    try:
+        relid, action = _RELID_MARKER(buf, 1)
+    except struct.error:
+        raise _CHANGE_HEAD.truncated(buf, 1, "Insert") from None
+    if action != _MARK_NEW:
+        raise DecodeError("Insert", 5, f"expected new tuple 'N' but got {_show(action)}")
+    new, off = _read_tuple(buf, 6, "Insert")
+    if off != len(buf):
+        raise _trailing(buf, off, "Insert")
+    return relid, new
+
+
 def _decode_update(buf: bytes, in_stream: bool, encoding: str) -> Update:
     xid, relid, action, off = _change_head(buf, in_stream, "Update")
     old_kind: str | None
@@ -745,6 +761,10 @@ def decode_envelope(buf: Buffer) -> XLogData | PrimaryKeepalive | StandbyStatusU
     XLogData without a message in it, raise :class:`DecodeError`.
     """
     if type(buf) is not bytes:
+        if type(buf) is memoryview and len(buf) > 25 and buf[0] == 119:
+            # what libpq hands over: copy only the message out of it, not the whole envelope and then the message
+            data_start, wal_end, send_time = _XLOG_DATA_UNPACK(buf, 1)
+            return _make_xlogdata(data_start, wal_end, send_time, bytes(buf[25:]))
         buf = _as_bytes(buf)
     if not buf:
         raise DecodeError("CopyData", 0, "empty CopyData message: no type byte")

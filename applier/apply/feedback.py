@@ -66,6 +66,10 @@ class FeedbackTracker:
         self.last_received = start_lsn
         self._entries: deque[CommitToken] = deque()
         self._last = Positions(start_lsn, start_lsn, start_lsn)
+        #: set while remote transactions are applied but their (group) commit is not queued yet: then "nothing
+        #: pending" does not mean "everything received is applied", and flush/apply must not move to last_received
+        #: (the slot would skip those transactions after a restart)
+        self.holding = False
 
     # --- events ----------------------------------------------------------------------------------------------
     def received(self, lsn: int) -> None:
@@ -124,7 +128,7 @@ class FeedbackTracker:
                 flush = max(flush, entries.popleft().remote_end)
             else:
                 break
-        if not self._entries:
+        if not self._entries and not self.holding:
             write = flush = self.last_received
         last = self._last
         pos = Positions(

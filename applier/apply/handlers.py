@@ -31,7 +31,7 @@ from applier.apply.relmap import (
 )
 from applier.apply.spool import Spool
 from applier.apply.target import COPY_THRESHOLD, Target
-from applier.decoder import decode_message
+from applier.decoder import decode_message, decode_plain_insert
 from applier.errors import ProtocolError
 from applier.lsn import format_lsn
 from applier.messages import (
@@ -73,6 +73,16 @@ MESSAGE_NAMES: dict[type, str] = {
 }  # fmt: skip
 
 _SPOOLED = (Relation, Type, Insert, Update, Delete, Truncate, Message)
+#: Type bytes of the messages above (all carry the subtransaction xid right after the type byte inside a stream).
+RAW_SPOOL_TYPES = frozenset(b"RYIUDTM")
+
+#: Messages that may follow a deferred group commit without ending the group: a plain transaction's.
+_GROUPABLE = frozenset((Begin, Commit, Origin, Relation, Type, Insert, Update, Delete, Truncate, Message))
+#: A group commit is sent after at most this many remote transactions (the worker also ends a group whenever the
+#: publisher has nothing more waiting, and after each burst of messages).
+GROUP_MAX_TRANSACTIONS = 1000
+#: ... or once its remote transactions hold this many row changes.
+GROUP_MAX_ROWS = 100_000
 
 
 class TableStates:
@@ -114,6 +124,8 @@ class Applier:
         encoding: str = "utf-8",
         logger: logging.Logger | None = None,
         prepared: dict[str, tuple[int, int]] | None = None,
+        group_commit: bool = False,
+        ungrouped_until: int = 0,
     ) -> None:
         self.subid = subid
         self.subname = subname
@@ -148,6 +160,15 @@ class Applier:
         self._run_rows: list[TupleData] = []
         self._run_ctx: ErrorContext | None = None
         self._ctx_cache: dict[tuple[str, int], ErrorContext] = {}
+        # group commit (see handle_commit): consecutive plain transactions share one local transaction
+        self.group_commit = group_commit
+        #: transactions finishing at or before this LSN are committed one by one (the retry after an error)
+        self.ungrouped_until = ungrouped_until
+        #: the deferred commit of the open group: (end_lsn, commit_time, remote xid, finish LSN), or None
+        self._group: tuple[int, int, int | None, int] | None = None
+        self._group_size = 0  # remote transactions in the open local transaction's group
+        self._group_rows = 0
+        self.groups = 0  # group commits sent (stats)
         self.transactions = 0  # remote transactions finished (for tests and stats)
         # for metrics: finished transactions by kind, and row changes of finished transactions by operation (a
         # transaction's rows count once it ends; an error drops them with the transaction)
@@ -169,12 +190,38 @@ class Applier:
     # --- dispatch --------------------------------------------------------------------------------------------
     def handle(self, msg: Any, payload: bytes = b"") -> None:
         """Apply one decoded message; ``payload`` is its raw bytes (needed to spool streamed changes)."""
+        if self._group is not None and msg.__class__ not in _GROUPABLE and not self.in_remote_transaction:
+            self.end_group()
         self._dispatch[msg.__class__](msg, payload)
 
     @property
     def idle(self) -> bool:
         """Not inside a remote transaction nor a stream chunk: housekeeping may run (behaviour 11)."""
         return not self.in_remote_transaction and self.stream_xid is None
+
+    @property
+    def group_pending(self) -> bool:
+        """A group commit is deferred: the worker calls :meth:`end_group` when nothing more is waiting."""
+        return self._group is not None
+
+    def end_group(self) -> None:
+        """Send the deferred commit of the open group: origin progress to the last remote transaction's end and
+        COMMIT, in the group's one local transaction (so exactly-once holds as for a single transaction)."""
+        group = self._group
+        if group is None:
+            return
+        self._group = None
+        self._flush_run()
+        end_lsn, commit_time, xid, finish_lsn = group
+        size = self._group_size
+        self._group_size = 0
+        self._group_rows = 0
+        if size > 1:
+            self.groups += 1
+        ctx = ErrorContext(self.origin, "COMMIT", None, xid, finish_lsn)
+        token = self.tracker.queued(end_lsn)
+        self.tracker.holding = False
+        self.target.commit(end_lsn, commit_time, ctx, lambda _res: self.tracker.confirmed(token))
 
     def context(self, message_type: str, relation: str | None = None) -> ErrorContext:
         """The error context of what is being applied now (behaviour 54)."""
@@ -236,9 +283,47 @@ class Applier:
                 f"{format_lsn(self.remote_final_lsn)})",
             )  # fmt: skip
         kind = "skipped" if self.skipping else "commit"
+        if self._defer_commit(m):
+            self._end_remote(kind)
+            return
         self._commit_internal(m.end_lsn, m.commit_time, "COMMIT")
         self._end_remote(kind)
         self.tables.after_transaction(m.end_lsn)
+
+    def _defer_commit(self, m: Commit) -> bool:
+        """Group commit: leave the local transaction open so that the next remote transactions, if they have
+        already arrived, join it; the worker ends the group (:meth:`end_group`) as soon as the publisher has nothing
+        more waiting, so no commit is delayed. Only plain transactions group, and only while nothing else needs the
+        commit itself: no skip-LSN to clear, no table being synchronised (the sync-state pass runs after every
+        commit then), no retry of a failed group."""
+        if not self.group_commit:
+            return False
+        target = self.target
+        if not target.in_transaction and self._group is None:
+            return False  # nothing applied and no group open: nothing to commit (as the native worker)
+        tables = self.tables
+        if (
+            self.skipping
+            or self.skip.skip_lsn
+            or m.commit_lsn <= self.ungrouped_until
+            or not getattr(tables, "all_ready", False)
+            or getattr(tables, "two_phase_state", "") == "p"
+        ):
+            if self._group is not None:  # pragma: no cover - the conditions only change between groups
+                # this commit (in _commit_internal) also commits the open group's local transaction
+                self._group = None
+                self._group_size = self._group_rows = 0
+                self.tracker.holding = False
+            return False
+        # an insert run (a COPY, say) stays open: the next transaction's inserts into the same table continue it
+        self._group_size += 1
+        pending = self._pending_rows
+        self._group_rows += pending[0] + pending[1] + pending[2] + pending[3]
+        self._group = (m.end_lsn, m.commit_time, self.remote_xid, self.remote_final_lsn)
+        self.tracker.holding = True  # feedback must not report these transactions before the group commits
+        if self._group_size >= GROUP_MAX_TRANSACTIONS or self._group_rows >= GROUP_MAX_ROWS:
+            self.end_group()
+        return True
 
     def _commit_internal(self, end_lsn: int, commit_time: int, message_type: str) -> None:
         """``apply_handle_commit_internal``: commit if a local transaction exists (something applied, or a
@@ -384,6 +469,21 @@ class Applier:
                 for r in rows:
                     target.insert(entry, r, self._run_ctx)
             rows.clear()
+
+    def handle_insert_bytes(self, payload: bytes) -> None:
+        """An Insert outside a stream, from its bytes: a row for the open COPY of its relation goes straight in
+        (no message object, no dispatch); anything else takes :meth:`handle_insert`."""
+        relid, new = decode_plain_insert(payload)
+        entry = self._run_entry
+        if entry is not None and not self.skipping and self.stream_xid is None:
+            copy = self.target.copy_run
+            if copy is not None and copy.entry is entry and self.entries.get(relid) is entry:
+                kinds = new.kinds
+                if KIND_BINARY not in kinds and KIND_UNCHANGED_TOAST not in kinds:
+                    copy.add(new)
+                    self._pending_rows[0] += 1
+                    return
+        self.handle_insert(Insert(None, relid, new), payload)
 
     def _flush_run(self) -> None:
         """End the current insert run: send what is buffered as INSERTs, and close a COPY."""
@@ -559,6 +659,15 @@ class Applier:
             self._clear_skip_lsn_separately(m.rollback_end_lsn, True)
 
     # --- streamed transactions -------------------------------------------------------------------------------
+    def spool_raw(self, payload: bytes) -> None:
+        """A change inside a stream chunk (type byte in :data:`RAW_SPOOL_TYPES`), spooled as received, undecoded:
+        only the subtransaction xid after the type byte is read (as ``stream_write_change`` does). It is decoded,
+        and checked, once, at replay."""
+        if self.stream_xid is None or len(payload) < 5:  # pragma: no cover - the worker's decoder says in-stream
+            self.handle(decode_message(payload, in_stream=True, encoding=self.encoding), payload)
+            return
+        self.spool.write(int.from_bytes(payload[1:5], "big"), payload)
+
     def handle_stream_start(self, m: StreamStart, payload: bytes = b"") -> None:
         """``apply_handle_stream_start``: open (or reopen) the transaction's spool file."""
         if self.stream_xid is not None:
@@ -633,3 +742,6 @@ class Applier:
         self._run_rows.clear()
         self._ctx_cache.clear()
         self._pending_rows = [0, 0, 0, 0]
+        self._group = None
+        self._group_size = 0
+        self._group_rows = 0

@@ -88,8 +88,7 @@ class Spool:
         if subxid is not None and subxid != xid and subxid not in xact.known_subxids:
             xact.known_subxids.add(subxid)
             xact.subxacts.append((subxid, xact.size))
-        self._file.write(_LEN.pack(len(payload)))
-        self._file.write(payload)
+        self._file.write(_LEN.pack(len(payload)) + payload)
         xact.size += 4 + len(payload)
         xact.changes += 1
 

@@ -130,8 +130,9 @@ class Pipeline:
         self._pending.append((ctx, on_ok))
 
     def sync(self) -> None:
-        """Mark a sync point. Nothing is flushed here: libpq sends once its buffer fills, and :meth:`poll` /
-        :meth:`drain` flush, so a burst of small transactions goes out in a few large writes."""
+        """Mark a sync point. This also flushes: psycopg's ``pipeline_sync`` is libpq's ``PQpipelineSync``, which
+        writes out everything buffered (``PQsendPipelineSync``, which would not, is not wrapped by psycopg 3.3). So
+        sync points are kept rare: plain commits share a pipeline segment and need none."""
         self.enter()
         self.pgconn.pipeline_sync()
         self._pending.append(_SYNC)

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ import tenacity
 
 from applier.apply.context import ApplyError, ErrorContext
 from applier.apply.feedback import FeedbackTracker
-from applier.apply.handlers import Applier, SkipState, TableStates
+from applier.apply.handlers import RAW_SPOOL_TYPES, Applier, SkipState, TableStates
 from applier.apply.spool import Spool, default_spool_dir
 from applier.apply.target import Target, TargetConnectionError
 from applier.decoder import MessageDecoder
@@ -72,6 +73,11 @@ LIVE_SYNC_RETRY = 5.0
 RECEIVER_TIMEOUT = 60.0
 
 
+def group_commit_default() -> bool:
+    """Group commit is on unless the environment says ``APPLIER_GROUP_COMMIT=0`` (or off/false/no)."""
+    return os.environ.get("APPLIER_GROUP_COMMIT", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
 class ApplyWorkerError(ApplierError):
     """An error waiting will not fix; the message says what to do."""
 
@@ -103,6 +109,7 @@ class WorkerStats:
     transactions: int = 0
     messages: int = 0
     errors: int = 0
+    groups: int = 0  # group commits of several remote transactions
     last_error: str | None = None
     started_streaming: threading.Event = field(default_factory=threading.Event)
 
@@ -232,6 +239,7 @@ class ApplyWorker:
         retry_initial: float = 0.5,
         retry_max: float = 30.0,
         live_sync: bool = True,
+        group_commit: bool | None = None,
     ) -> None:
         self.target_conninfo = target_conninfo
         self.subname = subname
@@ -249,6 +257,13 @@ class ApplyWorker:
         self.live_sync_enabled = live_sync
         self.live_sync: Any = None  # a running tablesync.live.LiveSync
         self.live_retry_at = 0.0
+        #: group commit (README: where we differ); off with ``APPLIER_GROUP_COMMIT=0`` / ``run --no-group-commit``
+        self.group_commit = group_commit if group_commit is not None else group_commit_default()
+        #: after a session ended by an error, remote transactions up to what it had received are applied one local
+        #: transaction each, so that an error recurring there names exactly one remote transaction
+        self._ungrouped_until = 0
+        self._grouped_session = False  # the last session grouped transactions finishing after _grouped_after
+        self._grouped_after = 0
 
     # --- the outer loop ----------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -305,6 +320,15 @@ class ApplyWorker:
         self.stats.last_error = str(exc)
         self.metrics.error(exc)
         ctx: ErrorContext | None = exc.context if isinstance(exc, ApplyError) else None
+        if self._grouped_session and ctx is not None and ctx.finish_lsn and ctx.finish_lsn > self._grouped_after:
+            # the failing remote transaction may have shared its local transaction with others (group commit), which
+            # the error then rolled back too: retry at once, applying what this session received one remote
+            # transaction per local one, and let that attempt record the error (and disable the subscription) for
+            # the one transaction it concerns, with everything before it committed, as the native worker would
+            self.log.warning('logical replication apply worker for subscription "%s" will apply the transactions '
+                             "it received one by one after: %s", self.subname, exc)  # fmt: skip
+            self._ungrouped_until = max(self._ungrouped_until, ctx.finish_lsn)
+            return _Outcome.RESTART
         self.log.error('logical replication apply worker for subscription "%s": %s', self.subname, exc)
         try:
             sub = self.catalog.get(self.subname)
@@ -361,6 +385,7 @@ class ApplyWorker:
 
     # --- one session ---------------------------------------------------------------------------------------------
     def _session(self) -> _Outcome:
+        self._grouped_session = False
         sub = self.catalog.get(self.subname) if self.catalog.exists() else None
         if sub is None:
             if self.stats.sessions == 0:
@@ -386,6 +411,7 @@ class ApplyWorker:
         spool: Spool | None = None
         repl: ReplicationConnection | None = None
         applier: Applier | None = None
+        tracker: FeedbackTracker | None = None
         clean = False
         try:
             spool = Spool(self._spool_directory(target, sub), sub.subid)
@@ -407,18 +433,24 @@ class ApplyWorker:
             applier = Applier(
                 subid=sub.subid, subname=sub.subname, target=target, tracker=tracker, spool=spool,
                 tables=tables, skip=skip, clear_skip_lsn=self.catalog.clear_skip_lsn, logger=self.log,
-                prepared=target.prepared_transactions(sub.subid),
+                prepared=target.prepared_transactions(sub.subid), group_commit=self.group_commit,
+                ungrouped_until=self._ungrouped_until,
             )  # fmt: skip
+            self._grouped_session = self.group_commit
+            self._grouped_after = self._ungrouped_until
             outcome = self._stream(sub, repl, target, applier, tracker, tables, skip)
             clean = True
             return outcome
         finally:
             if applier is not None:
                 self.stats.transactions += applier.transactions
+                self.stats.groups += applier.groups
                 self.metrics.publish(applier.kinds, applier.rows)
                 self.metrics.session_ended()
                 if applier.transactions:
                     self._failures = 0
+            if not clean and tracker is not None:
+                self._ungrouped_until = max(self._ungrouped_until, tracker.last_received)
             if not clean and not target.closed:
                 target.abort()
             target.close()
@@ -483,6 +515,8 @@ class ApplyWorker:
         last_reread = time.monotonic()
         read = repl.read
         handle = applier.handle
+        spool_raw = applier.spool_raw
+        insert = applier.handle_insert_bytes
         decode = decoder.decode
         stats = self.stats
         last_heard = time.monotonic()
@@ -508,12 +542,22 @@ class ApplyWorker:
                 if item.__class__ is XLogData:
                     tracker.received(max(item.data_start, item.wal_end))
                     payload = item.payload
-                    handle(decode(payload), payload)
+                    if decoder.in_stream:
+                        if payload[0] in RAW_SPOOL_TYPES:
+                            spool_raw(payload)  # a streamed change: spooled undecoded, decoded once at replay
+                        else:
+                            handle(decode(payload), payload)
+                    elif payload[0] == 73:  # 'I'
+                        insert(payload)
+                    else:
+                        handle(decode(payload), payload)
                 elif item.__class__ is PrimaryKeepalive:
                     tracker.received(item.wal_end)
                     if item.reply_requested:
                         force = True
             stats.messages += n
+            if applier.group_pending and not applier.in_remote_transaction:
+                applier.end_group()  # the publisher has nothing more waiting (or a burst ended): commit the group
             if time.monotonic() - last_published >= METRICS_INTERVAL:
                 last_published = time.monotonic()
                 self.metrics.publish(applier.kinds, applier.rows)
@@ -582,7 +626,7 @@ class ApplyWorker:
     def _stop_session(self, repl: ReplicationConnection, target: Target, applier: Applier,
                       tracker: FeedbackTracker) -> _Outcome:  # fmt: skip
         """Stop requested: finish what is committed, abandon a half-applied remote transaction (it is re-sent)."""
-        if applier.in_remote_transaction:
+        if applier.in_remote_transaction or applier.group_pending:
             self.log.info("abandoning remote transaction %s on stop; it will be applied after restart",
                           applier.remote_xid)  # fmt: skip
             target.abort()
