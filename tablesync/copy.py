@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from psycopg import sql
+from psycopg import pq, sql
 from psycopg.conninfo import conninfo_to_dict
 from tenacity import (
     retry,
@@ -48,8 +49,9 @@ log = logging.getLogger("applier.tablesync")
 CLAIM_PART = -1
 #: Same value formats on both sides, so text COPY round-trips exactly (what the native worker sets, behaviour 1).
 SESSION_OPTIONS = "-c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3"
-#: How much of the COPY stream is gathered before it is handed to the target (fewer, larger writes).
-WRITE_CHUNK = 256 * 1024
+#: How much of the COPY stream is gathered before it is handed to the target (fewer, larger writes): psycopg's
+#: largest single write (``psycopg._copy_base.MAX_BUFFER_SIZE``; it splits bigger buffers, copying them).
+WRITE_CHUNK = 128 * 1024
 
 
 class SupersededError(RuntimeError):
@@ -88,20 +90,57 @@ def connect(conninfo: str, **kwargs: Any) -> psycopg.Connection[Any]:
     return psycopg.connect(conninfo, options=options, client_encoding="UTF8", **kwargs)
 
 
-def _pump(src: psycopg.Copy, dst: psycopg.Copy) -> int:
-    """Move raw COPY data from ``src`` to ``dst`` in large writes; return the byte count."""
+def _relay(pconn: psycopg.Connection[Any], copy_out: str, dst: psycopg.Copy) -> int:
+    """Run ``copy_out`` (a ``COPY ... TO STDOUT``) on the publisher and write its raw data to ``dst`` in large
+    writes; return the byte count.
+
+    The publisher sends one CopyData message per row. psycopg's ``Copy.read()`` costs a generator and a wait loop
+    per message (~0.65 µs of CPU a row, measured); here libpq is driven directly — ``PQgetCopyData`` in blocking
+    mode, one C call per row (~0.27 µs) — and rows are gathered into chunks of psycopg's largest single write.
+    """
+    pg = pconn.pgconn
+    pg.send_query(copy_out.encode())
+    while pg.flush() == 1:  # psycopg's connections are non-blocking: push the whole query out
+        select.select([], [pg.socket], [])
+    res = pg.get_result()
+    if res is None or res.status != pq.ExecStatus.COPY_OUT:
+        while pg.get_result() is not None:
+            pass
+        raise _error(pconn, res)
     total = 0
     buf = bytearray()
-    for data in src:
+    get, write = pg.get_copy_data, dst.write
+    while True:
+        nbytes, data = get(0)
+        if nbytes <= 0:  # -1: the end; -2: the connection failed
+            break
         buf += data
         if len(buf) >= WRITE_CHUNK:
             total += len(buf)
-            dst.write(buf)
+            write(buf)
             buf = bytearray()
+    if nbytes == -2:
+        raise psycopg.OperationalError(
+            f"reading COPY data from the publisher failed: {pg.get_error_message().strip()}"
+        )
     if buf:
         total += len(buf)
-        dst.write(buf)
+        write(buf)
+    res = pg.get_result()
+    while pg.get_result() is not None:
+        pass
+    if res is None or res.status != pq.ExecStatus.COMMAND_OK:
+        raise _error(pconn, res)
     return total
+
+
+def _error(conn: psycopg.Connection[Any], res: pq.abc.PGresult | None) -> psycopg.Error:
+    """The psycopg exception for a failed result (its SQLSTATE class), or for a lost connection."""
+    if res is None or conn.pgconn.status != pq.ConnStatus.OK:
+        return psycopg.OperationalError(
+            f"publisher connection lost: {conn.pgconn.get_error_message().strip()}"
+        )
+    return psycopg.errors.error_from_result(res, encoding=conn.info.encoding)
 
 
 class PartitionCopier:
@@ -195,10 +234,9 @@ class PartitionCopier:
             tconn.execute("SET LOCAL synchronous_commit = off")
             tconn.execute(sql.SQL(task.lock_target))  # type: ignore[arg-type]
             # The claim is checked before the snapshot is imported: an orphaned task stops here either way.
-            pcur, tcur = self._publisher(task.snapshot).cursor(), tconn.cursor()
-            with pcur.copy(sql.SQL(task.copy_out)) as src:  # type: ignore[arg-type]
-                with tcur.copy(sql.SQL(task.copy_in)) as dst:  # type: ignore[arg-type]
-                    nbytes = _pump(src, dst)
+            pconn, tcur = self._publisher(task.snapshot), tconn.cursor()
+            with tcur.copy(sql.SQL(task.copy_in)) as dst:  # type: ignore[arg-type]
+                nbytes = _relay(pconn, task.copy_out, dst)
             rows = tcur.rowcount
             tconn.execute(_MARKER_INSERT, (*key, task.part, rows, nbytes))
             tconn.commit()
