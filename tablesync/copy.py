@@ -25,7 +25,9 @@ encodings still copy correctly.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import os
 import select
 import time
 from dataclasses import dataclass
@@ -95,30 +97,38 @@ def _relay(pconn: psycopg.Connection[Any], copy_out: str, dst: psycopg.Copy) -> 
     writes; return the byte count.
 
     The publisher sends one CopyData message per row. psycopg's ``Copy.read()`` costs a generator and a wait loop
-    per message (~0.65 µs of CPU a row, measured); here libpq is driven directly — ``PQgetCopyData`` in blocking
-    mode, one C call per row (~0.27 µs) — and rows are gathered into chunks of psycopg's largest single write.
+    per message (~0.65 µs of CPU a row, measured); here libpq is driven directly — ``PQgetCopyData``, one C call
+    per row (~0.3 µs) — and rows are gathered into chunks of psycopg's largest single write. libpq is used in
+    non-blocking mode and waits happen in ``select``: psycopg's ``pq`` calls keep the GIL while libpq blocks, which
+    would freeze the driver's other threads (Spark starting) while the driver copies (:class:`HeadStart`).
     """
     pg = pconn.pgconn
+    fd = pg.socket
     pg.send_query(copy_out.encode())
     while pg.flush() == 1:  # psycopg's connections are non-blocking: push the whole query out
-        select.select([], [pg.socket], [])
-    res = pg.get_result()
+        select.select([], [fd], [])
+    res = _result(pg, fd)
     if res is None or res.status != pq.ExecStatus.COPY_OUT:
-        while pg.get_result() is not None:
+        while _result(pg, fd) is not None:
             pass
         raise _error(pconn, res)
     total = 0
     buf = bytearray()
-    get, write = pg.get_copy_data, dst.write
+    get, write, consume, wait = pg.get_copy_data, dst.write, pg.consume_input, select.select
+    rlist: list[int] = [fd]
     while True:
-        nbytes, data = get(0)
-        if nbytes <= 0:  # -1: the end; -2: the connection failed
+        nbytes, data = get(1)
+        if nbytes > 0:
+            buf += data
+            if len(buf) >= WRITE_CHUNK:
+                total += len(buf)
+                write(buf)
+                buf = bytearray()
+        elif nbytes == 0:  # nothing buffered: wait for the socket (without the GIL)
+            wait(rlist, [], [])
+            consume()
+        else:  # -1: the end; -2: the connection failed
             break
-        buf += data
-        if len(buf) >= WRITE_CHUNK:
-            total += len(buf)
-            write(buf)
-            buf = bytearray()
     if nbytes == -2:
         raise psycopg.OperationalError(
             f"reading COPY data from the publisher failed: {pg.get_error_message().strip()}"
@@ -126,12 +136,20 @@ def _relay(pconn: psycopg.Connection[Any], copy_out: str, dst: psycopg.Copy) -> 
     if buf:
         total += len(buf)
         write(buf)
-    res = pg.get_result()
-    while pg.get_result() is not None:
+    res = _result(pg, fd)
+    while _result(pg, fd) is not None:
         pass
     if res is None or res.status != pq.ExecStatus.COMMAND_OK:
         raise _error(pconn, res)
     return total
+
+
+def _result(pg: pq.abc.PGconn, fd: int) -> pq.abc.PGresult | None:
+    """``PQgetResult`` once it cannot block (waiting in ``select``, which releases the GIL)."""
+    while pg.is_busy():
+        select.select([fd], [], [])
+        pg.consume_input()
+    return pg.get_result()
 
 
 def _error(conn: psycopg.Connection[Any], res: pq.abc.PGresult | None) -> psycopg.Error:
@@ -254,3 +272,78 @@ def copy_partition(
     """Copy one partition exactly once on connections of its own (see :meth:`PartitionCopier.copy`)."""
     with PartitionCopier(publisher_conninfo, target_conninfo, attempts=attempts) as copier:
         return copier.copy(task)
+
+
+class HeadStart:
+    """Copies partitions on the driver's machine while Spark starts, so the copy does not wait seconds for the JVM.
+
+    A child process per stream (``multiprocessing`` spawn: a thread would hold the GIL between rows and slow every
+    py4j call of the Spark start-up to a crawl) copies ``tasks`` one after another from the end of the list (the smallest
+    partitions, which the Spark job would take last) until :meth:`stop`; the partition under way then finishes.
+    Each is a normal exactly-once copy (:class:`PartitionCopier`): the Spark job leaves out the partitions in
+    :attr:`done`, and a Spark task that reaches the one still under way waits for it on its advisory lock and finds
+    its marker. A failure here is not the copy's: the partition is left to the Spark job, which retries and reports.
+    """
+
+    def __init__(
+        self, tasks: list[PartitionTask], publisher_conninfo: str, target_conninfo: str, *, streams: int = 1
+    ) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self._stop = ctx.Event()
+        todo = [dataclasses.asdict(t) for t in reversed(tasks)]
+        self._procs: list[Any] = []
+        self._results: list[Any] = []
+        for i in range(max(1, streams)):  # stream i takes every streams-th partition, so they never collide
+            receiver, sender = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_head_start_main,
+                args=(todo[i :: max(1, streams)], publisher_conninfo, target_conninfo, self._stop, sender),
+                name=f"tablesync-head-start-{i}", daemon=True,
+            )  # fmt: skip
+            proc.start()
+            sender.close()
+            self._procs.append(proc)
+            self._results.append(receiver)
+        self._done: set[int] = set()
+
+    @property
+    def done(self) -> frozenset[int]:
+        """Task ids copied (committed with their markers) by the head start so far."""
+        for r in self._results:
+            with contextlib.suppress(EOFError, OSError):
+                while r.poll():
+                    self._done.add(r.recv())
+        return frozenset(self._done)
+
+    def stop(self) -> None:
+        """Take no new partition (the one under way finishes)."""
+        self._stop.set()
+
+    def join(self) -> frozenset[int]:
+        """Stop, wait for the partition under way, and return :attr:`done`."""
+        self._stop.set()
+        for proc in self._procs:
+            proc.join()
+        done = self.done
+        for r in self._results:
+            r.close()
+        return done
+
+
+def _head_start_main(
+    todo: list[dict[str, Any]], publisher_conninfo: str, target_conninfo: str, stop: Any, results: Any
+) -> None:
+    parent = os.getppid()
+    with PartitionCopier(publisher_conninfo, target_conninfo, attempts=1) as copier:
+        for desc in todo:
+            if stop.is_set() or os.getppid() != parent:  # stopped, or the driver died (kill -9)
+                return
+            task = PartitionTask(**desc)
+            try:
+                copier.copy(task)
+            except Exception as exc:  # noqa: BLE001 - left to the Spark job, which reports real failures
+                log.info("head start: %s part %d left to Spark (%s)", task.relname, task.part, exc)
+                return
+            results.send(task.task_id)
