@@ -8,7 +8,12 @@ of ``--rows-per-table`` rows. Three clusters: the publisher, a native subscriber
   (``max_sync_workers_per_subscription = 2``, text COPY unless ``--native-binary``).
 * Ours: the catalog rows are written, then a fresh process runs the copy (``python -m tablesync.testing``), timed
   from launch to exit: interpreter, imports, Spark/JVM start-up, the snapshot, the job and the catalog updates are
-  all included. It ends with the tables in ``s`` (the apply loop turns them ``r`` when it streams past Y).
+  all included, until our process exits (a Spark JVM abandoned because the driver's head start copied everything
+  before it was ready may take a moment more to go away; that is waited for outside the timed part). It ends with
+  the tables in ``s`` (the apply loop turns them ``r`` when it streams past Y). Each line also shows the CPU seconds
+  the publisher and the subscriber's cluster used during the run, our process tree's (what it reaped), and when our
+  copy reached its phases: ``snapshot`` taken, ``spark`` ready (with ``head_parts`` of ``parts`` partitions copied
+  by the driver meanwhile), ``start`` of the Spark job, ``copied`` (tables in ``s``), in seconds since launch.
 
 Each side's result is verified outside the timed part (row count and an order-independent hash per table).
 MB/s is the publisher's heap size (``pg_relation_size``) over the elapsed time, for both sides.
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -160,10 +166,12 @@ def cluster_cpu(cluster: PostgresCluster) -> float:
 
 #: Progress lines of the copy (``tablesync: ...`` on stderr) that mark the end of a phase.
 PHASE_MARKS = (("snapshot", "snapshot "), ("spark", "Spark "), ("start", "copying "), ("copied", "copied "))
+#: ``Spark ready after S s; meanwhile the driver copied N/M partition(s)``
+HEAD_START = re.compile(r"Spark ready after ([\d.]+)s; meanwhile the driver copied (\d+)/(\d+)")
 
 
 def run_ours(
-    pub: Database, target: PostgresCluster, dbname: str, names: list[str], master: str
+    pub: Database, target: PostgresCluster, dbname: str, names: list[str], master: str, head_start: str | None
 ) -> tuple[float, dict[str, float]]:
     """Run our copy in a fresh process; return its wall time and details: when each phase mark was printed
     (seconds since launch) and the CPU seconds of the process tree (driver, JVM, Python workers)."""
@@ -171,6 +179,8 @@ def run_ours(
     create_tables(db, names)
     subscribe(db.dsn, pub.dsn, dbname, [f"public.{n}" for n in names])
     env = dict(os.environ, PYSPARK_PYTHON=sys.executable)
+    if head_start is not None:
+        env["APPLIER_TABLESYNC_HEAD_START"] = head_start
     marks: dict[str, float] = {}
     err: list[str] = []
     started = time.monotonic()
@@ -183,18 +193,27 @@ def run_ours(
         assert proc.stderr is not None
         for line in proc.stderr:
             err.append(line)
+            if m := HEAD_START.search(line):
+                marks["spark_ready_after"] = float(m.group(1))
+                marks["head_parts"] = float(m.group(2))
+                marks["parts"] = float(m.group(3))
             for key, prefix in PHASE_MARKS:
                 if line.startswith("tablesync: " + prefix) and key not in marks:
                     marks[key] = time.monotonic() - started
 
+    chunks: list[str] = []
     reader = threading.Thread(target=read_err, daemon=True)
     reader.start()
-    assert proc.stdout is not None
-    out = proc.stdout.read()
+    out_reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)  # type: ignore[union-attr]
+    out_reader.start()
+    # Timed until our process exits. A JVM abandoned at the end (the driver copied everything before Spark was
+    # ready) still holds the pipes a moment after; it is waited for here, outside the timed part.
     _, status, usage = os.wait4(proc.pid, 0)
     elapsed = time.monotonic() - started
     proc.returncode = os.waitstatus_to_exitcode(status)
-    reader.join(5)
+    out_reader.join(30)
+    reader.join(30)
+    out = "".join(chunks)
     if proc.returncode != 0:
         raise SystemExit(f"our copy failed:\n{out}\n{''.join(err)[-5000:]}")
     marks["cpu"] = usage.ru_utime + usage.ru_stime
@@ -212,6 +231,10 @@ def main() -> int:
         "--pg", default=None, help="server version (15, 16, 18) or bindir; default APPLIER_TEST_PG or 18"
     )
     ap.add_argument("--master", default="local[*,4]")
+    ap.add_argument(
+        "--head-start", default=None, help="APPLIER_TABLESYNC_HEAD_START for our copy (partitions the driver copies "
+        "at once while Spark starts; 0 = Spark only); default: the environment's, else 1",
+    )  # fmt: skip
     ap.add_argument("--native-binary", action="store_true", help="native subscription with binary = true")
     ap.add_argument("--durable", action="store_true", help="fsync on (default off, as in the tests)")
     ap.add_argument("--json", type=Path, default=Path("bench/out/tablesync.json"))
@@ -268,7 +291,7 @@ def main() -> int:
                     if side == "native":
                         secs = run_native(pub, cluster, dbname, names, args.native_binary)
                     else:
-                        secs, marks = run_ours(pub, cluster, dbname, names, args.master)
+                        secs, marks = run_ours(pub, cluster, dbname, names, args.master, args.head_start)
                     time.sleep(0.3)  # let the walsender / backends exit, so their CPU is counted
                     pcpu, scpu = cluster_cpu(pubc) - cpu0[0], cluster_cpu(cluster) - cpu0[1]
                     got = fingerprint(cluster.database(dbname), names)
@@ -305,6 +328,7 @@ def main() -> int:
                 {
                     "pg": binaries.major,
                     "master": args.master,
+                    "head_start": args.head_start,
                     "native_binary": args.native_binary,
                     "durable": args.durable,
                     "cpus": os.cpu_count(),
