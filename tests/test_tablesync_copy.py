@@ -517,7 +517,9 @@ def test_the_drivers_head_start_and_spark_share_the_partitions_exactly_once(pair
         nparts = len(copier.tasks)
         assert nparts > 6
         copier.claim()
-        copier.head_start = HeadStart(copier.tasks, copier.publisher_conninfo, copier.target_conninfo, streams=2)
+        copier.head_start = HeadStart(
+            copier.tasks, copier.publisher_conninfo, copier.target_conninfo, streams=2
+        )
         wait_until(lambda: len(copier.head_start.done) >= 2, what="the head start to copy two partitions")
         copier.head_start.stop()
         assert copier.copy(spark)
