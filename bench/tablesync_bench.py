@@ -233,7 +233,7 @@ def main() -> int:
     ap.add_argument("--master", default="local[*,4]")
     ap.add_argument(
         "--head-start", default=None, help="APPLIER_TABLESYNC_HEAD_START for our copy (partitions the driver copies "
-        "at once while Spark starts; 0 = Spark only); default: the environment's, else 1",
+        "at once while Spark starts; 0 = Spark only); default: the environment's, else 2",
     )  # fmt: skip
     ap.add_argument("--native-binary", action="store_true", help="native subscription with binary = true")
     ap.add_argument("--durable", action="store_true", help="fsync on (default off, as in the tests)")

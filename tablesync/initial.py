@@ -506,7 +506,7 @@ class InitialCopy:
                 if self.stop.is_set():
                     starter.abandon()
                     return self.result(stopped=True)
-                streams = int(os.environ.get("APPLIER_TABLESYNC_HEAD_START", "1") or 0)
+                streams = int(os.environ.get("APPLIER_TABLESYNC_HEAD_START", "2") or 0)
                 if streams > 0:  # the driver copies while Spark starts (tablesync.copy.HeadStart)
                     try:
                         self.head_start = HeadStart(
