@@ -8,7 +8,12 @@ of ``--rows-per-table`` rows. Three clusters: the publisher, a native subscriber
   (``max_sync_workers_per_subscription = 2``, text COPY unless ``--native-binary``).
 * Ours: the catalog rows are written, then a fresh process runs the copy (``python -m tablesync.testing``), timed
   from launch to exit: interpreter, imports, Spark/JVM start-up, the snapshot, the job and the catalog updates are
-  all included. It ends with the tables in ``s`` (the apply loop turns them ``r`` when it streams past Y).
+  all included, until our process exits (a Spark JVM abandoned because the driver's head start copied everything
+  before it was ready may take a moment more to go away; that is waited for outside the timed part). It ends with
+  the tables in ``s`` (the apply loop turns them ``r`` when it streams past Y). Each line also shows the CPU seconds
+  the publisher and the subscriber's cluster used during the run, our process tree's (what it reaped), and when our
+  copy reached its phases: ``snapshot`` taken, ``spark`` ready (with ``head_parts`` of ``parts`` partitions copied
+  by the driver meanwhile), ``start`` of the Spark job, ``copied`` (tables in ``s``), in seconds since launch.
 
 Each side's result is verified outside the timed part (row count and an order-independent hash per table).
 MB/s is the publisher's heap size (``pg_relation_size``) over the elapsed time, for both sides.
@@ -22,11 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from psycopg import sql
@@ -49,6 +56,12 @@ class Outcome:
     rows: int
     heap_mb: float
     seconds: float
+    #: CPU seconds during the run: the publisher cluster, the subscriber's cluster, our process tree (0 for native)
+    pub_cpu: float = 0.0
+    sub_cpu: float = 0.0
+    proc_cpu: float = 0.0
+    #: ours: seconds since launch when the snapshot, the Spark session, the job start and the copied line appeared
+    marks: dict[str, float] = field(default_factory=dict)
 
     @property
     def rows_per_s(self) -> float:
@@ -129,20 +142,82 @@ def run_native(pub: Database, native: PostgresCluster, dbname: str, names: list[
     return elapsed
 
 
-def run_ours(pub: Database, target: PostgresCluster, dbname: str, names: list[str], master: str) -> float:
+def cluster_cpu(cluster: PostgresCluster) -> float:
+    """CPU seconds the cluster has used so far: its postmaster plus every backend it has reaped (``cutime``)
+    plus the live ones. Read from /proc (0.0 elsewhere)."""
+    try:
+        pid = int((Path(cluster.datadir) / "postmaster.pid").read_text().split()[0])
+        tick = os.sysconf("SC_CLK_TCK")
+
+        def ticks(p: int, children: bool) -> int:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            return sum(int(f) for f in fields[11 : 15 if children else 13])
+
+        total = ticks(pid, True)
+        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+            try:
+                total += ticks(int(child), True)
+            except OSError:  # exited meanwhile: counted in the postmaster's cutime
+                pass
+        return total / tick
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+#: Progress lines of the copy (``tablesync: ...`` on stderr) that mark the end of a phase.
+PHASE_MARKS = (("snapshot", "snapshot "), ("spark", "Spark "), ("start", "copying "), ("copied", "copied "))
+#: ``Spark ready after S s; meanwhile the driver copied N/M partition(s)``
+HEAD_START = re.compile(r"Spark ready after ([\d.]+)s; meanwhile the driver copied (\d+)/(\d+)")
+
+
+def run_ours(
+    pub: Database, target: PostgresCluster, dbname: str, names: list[str], master: str, head_start: str | None
+) -> tuple[float, dict[str, float]]:
+    """Run our copy in a fresh process; return its wall time and details: when each phase mark was printed
+    (seconds since launch) and the CPU seconds of the process tree (driver, JVM, Python workers)."""
     db = target.create_database(dbname)
     create_tables(db, names)
     subscribe(db.dsn, pub.dsn, dbname, [f"public.{n}" for n in names])
     env = dict(os.environ, PYSPARK_PYTHON=sys.executable)
+    if head_start is not None:
+        env["APPLIER_TABLESYNC_HEAD_START"] = head_start
+    marks: dict[str, float] = {}
+    err: list[str] = []
     started = time.monotonic()
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "tablesync.testing", db.dsn, dbname, "--master", master],
-        env=env, capture_output=True, text=True,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+
+    def read_err() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            err.append(line)
+            if m := HEAD_START.search(line):
+                marks["spark_ready_after"] = float(m.group(1))
+                marks["head_parts"] = float(m.group(2))
+                marks["parts"] = float(m.group(3))
+            for key, prefix in PHASE_MARKS:
+                if line.startswith("tablesync: " + prefix) and key not in marks:
+                    marks[key] = time.monotonic() - started
+
+    chunks: list[str] = []
+    reader = threading.Thread(target=read_err, daemon=True)
+    reader.start()
+    out_reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)  # type: ignore[union-attr]
+    out_reader.start()
+    # Timed until our process exits. A JVM abandoned at the end (the driver copied everything before Spark was
+    # ready) still holds the pipes a moment after; it is waited for here, outside the timed part.
+    _, status, usage = os.wait4(proc.pid, 0)
     elapsed = time.monotonic() - started
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    out_reader.join(30)
+    reader.join(30)
+    out = "".join(chunks)
     if proc.returncode != 0:
-        raise SystemExit(f"our copy failed:\n{proc.stdout}\n{proc.stderr[-5000:]}")
-    return elapsed
+        raise SystemExit(f"our copy failed:\n{out}\n{''.join(err)[-5000:]}")
+    marks["cpu"] = usage.ru_utime + usage.ru_stime
+    return elapsed, marks
 
 
 def main() -> int:
@@ -156,6 +231,10 @@ def main() -> int:
         "--pg", default=None, help="server version (15, 16, 18) or bindir; default APPLIER_TEST_PG or 18"
     )
     ap.add_argument("--master", default="local[*,4]")
+    ap.add_argument(
+        "--head-start", default=None, help="APPLIER_TABLESYNC_HEAD_START for our copy (partitions the driver copies "
+        "at once while Spark starts; 0 = Spark only); default: the environment's, else 2",
+    )  # fmt: skip
     ap.add_argument("--native-binary", action="store_true", help="native subscription with binary = true")
     ap.add_argument("--durable", action="store_true", help="fsync on (default off, as in the tests)")
     ap.add_argument("--json", type=Path, default=Path("bench/out/tablesync.json"))
@@ -207,19 +286,30 @@ def main() -> int:
                 )
                 for side, cluster in order:
                     dbname = f"{side}_{case}_{i}"
+                    cpu0 = (cluster_cpu(pubc), cluster_cpu(cluster))
+                    marks: dict[str, float] = {}
                     if side == "native":
                         secs = run_native(pub, cluster, dbname, names, args.native_binary)
                     else:
-                        secs = run_ours(pub, cluster, dbname, names, args.master)
+                        secs, marks = run_ours(pub, cluster, dbname, names, args.master, args.head_start)
+                    time.sleep(0.3)  # let the walsender / backends exit, so their CPU is counted
+                    pcpu, scpu = cluster_cpu(pubc) - cpu0[0], cluster_cpu(cluster) - cpu0[1]
                     got = fingerprint(cluster.database(dbname), names)
                     if got != expected:
                         raise SystemExit(
                             f"{side} {case}: copy differs from the publisher: {got} vs {expected}"
                         )
-                    o = Outcome(case, side, len(names), total_rows, mb, secs)
+                    o = Outcome(
+                        case, side, len(names), total_rows, mb, secs, pcpu, scpu, marks.pop("cpu", 0.0), marks
+                    )
                     outcomes.append(o)
-                    print(f"   {side:<6} {secs:7.2f}s  {o.rows_per_s:>10,.0f} rows/s  {o.mb_per_s:7.1f} MB/s  (verified)",
-                          flush=True)  # fmt: skip
+                    detail = f"cpu s: pub {pcpu:.1f} sub {scpu:.1f}"
+                    if side == "ours":
+                        detail += f" ours {o.proc_cpu:.1f}; at s: " + " ".join(
+                            f"{k} {v:.1f}" for k, v in marks.items()
+                        )
+                    print(f"   {side:<6} {secs:7.2f}s  {o.rows_per_s:>10,.0f} rows/s  {o.mb_per_s:7.1f} MB/s  (verified; "
+                          f"{detail}; load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
                     cluster.drop_database(dbname)
         print(
             "\n(medians of the runs above)\n| case | tables | rows | heap MB | native s | ours s | native MB/s | ours MB/s | native/ours time |"
@@ -238,6 +328,7 @@ def main() -> int:
                 {
                     "pg": binaries.major,
                     "master": args.master,
+                    "head_start": args.head_start,
                     "native_binary": args.native_binary,
                     "durable": args.durable,
                     "cpus": os.cpu_count(),

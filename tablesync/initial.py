@@ -45,7 +45,7 @@ from applier.replication import ReplicationConnection, ReplicationConnectionErro
 from state.catalog import Catalog, RelState, Subscription
 from state.tables import SyncState, TableState, settle_finished_copy
 from tablesync import job as spark_job
-from tablesync.copy import CLAIM_PART, connect
+from tablesync.copy import CLAIM_PART, HeadStart, connect
 from tablesync.planner import (
     DEFAULT_PARTITION_BYTES,
     PartitionTask,
@@ -167,6 +167,7 @@ class InitialCopy:
         self._finished_tables: set[str] = set()
         self._skipped_parts: dict[str, int] = {}
         self.spark_seconds = 0.0
+        self.head_start: HeadStart | None = None  # partitions the driver copies while Spark starts
 
     # 1 ----------------------------------------------------------------------------------------------------------
     def load(self) -> list[RelState]:
@@ -413,14 +414,17 @@ class InitialCopy:
         tag = f"applier-tablesync-{self.subid}-{secrets.token_hex(4)}"
         outcome: dict[str, Any] = {}
 
+        head_done = self.head_start.done if self.head_start is not None else frozenset()
+        tasks = [t for t in self.tasks if t.task_id not in head_done]
+
         def run() -> None:
             try:
                 bins = pack_tasks(
-                    self.tasks, target_bytes=self.partition_bytes,
+                    tasks, target_bytes=self.partition_bytes,
                     min_bins=2 * spark_job.default_parallelism(session),
                 )  # fmt: skip
                 outcome["results"] = spark_job.run_partition_tasks(
-                    session, self.tasks, self.publisher_conninfo, self.target_conninfo, bins=bins, tag=tag
+                    session, tasks, self.publisher_conninfo, self.target_conninfo, bins=bins, tag=tag
                 )
             except BaseException as exc:  # noqa: BLE001 - handed to the driver thread
                 outcome["error"] = exc
@@ -448,6 +452,8 @@ class InitialCopy:
                     self._record_progress(m)
                     self.reporter.update(m)
         self.spark_seconds = time.monotonic() - started
+        if self.head_start is not None:
+            head_done = self.head_start.join()
         final = self.markers()
         self._record_progress(final)
         self.reporter.update(final)
@@ -455,7 +461,7 @@ class InitialCopy:
         if stopped and ("error" in outcome or missing):
             return False  # (a stop that came too late to interrupt anything lets the copy complete)
         for r in outcome.get("results", []):
-            if r.skipped:
+            if r.skipped and r.task_id not in head_done:  # (not a retry: the driver's head start copied it)
                 self._skipped_parts[r.relname] = self._skipped_parts.get(r.relname, 0) + 1
         if "error" in outcome:
             raise TablesyncError(
@@ -518,15 +524,53 @@ class InitialCopy:
                 return self.result()
             if self.stop.is_set():
                 return self.result(stopped=True)
-            self.open_snapshot()
-            self.plan()
-            self.claim()
-            if self.stop.is_set():
-                return self.result(stopped=True)
-            with self.spark(spark_master, spark_conf) as session:
-                if not self.copy(session):
+            # Spark starts in the background meanwhile (the JVM takes seconds; the next three steps need no Spark).
+            starter = spark_job.SessionStarter(spark_master, dict(spark_conf or {}))
+            try:
+                self.open_snapshot()
+                self.plan()
+                self.claim()
+                if self.stop.is_set():
+                    starter.abandon()
+                    return self.result(stopped=True)
+                # the driver copies while a local Spark starts (tablesync.copy.HeadStart): on one machine its
+                # processes and Spark's local executors share the same cores anyway; a cluster does the copying
+                default_streams = "2" if spark_job.runs_locally(spark_master) else "0"
+                streams = int(os.environ.get("APPLIER_TABLESYNC_HEAD_START", default_streams) or 0)
+                if streams > 0:
+                    try:
+                        self.head_start = HeadStart(
+                            self.tasks, self.publisher_conninfo, self.target_conninfo, streams=streams
+                        )
+                    except Exception as exc:  # noqa: BLE001 - e.g. a daemonic process may not start children
+                        self.reporter.note(f"copying with Spark only ({exc})")
+                # Wait for Spark, unless the driver's head start copies everything first: then Spark is not needed.
+                while self.head_start is not None and not starter.ready(0.1):
+                    if self.stop.is_set():
+                        starter.abandon()
+                        return self.result(stopped=True)
+                    if len(self.head_start.done) == len(self.tasks):
+                        self.reporter.note("the driver copied every partition before Spark was ready")
+                        starter.abandon()
+                        return self.complete() if self.copy(None) else self.result(stopped=True)
+                handle = starter.handle()
+                if self.head_start is not None:
+                    self.head_start.stop()
+                    self.reporter.note(
+                        f"Spark ready after {starter.ready_after or 0:.1f}s; meanwhile the driver copied "
+                        f"{len(self.head_start.done)}/{len(self.tasks)} partition(s)"
+                    )
+                if handle.ui_url:
+                    self.reporter.note(f"Spark UI: {handle.ui_url}")
+                elif handle.remote:
+                    self.reporter.note(f"Spark Connect: {handle.remote}")
+                if not self.copy(handle.session):
                     return self.result(stopped=True)
                 return self.complete()  # before stopping Spark: the tables are ready a little sooner
+            finally:
+                if self.head_start is not None:
+                    self.head_start.join()
+                starter.release()
         finally:
             self.close()
 

@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -126,6 +127,9 @@ def default_local_conf() -> dict[str, str]:
         "spark.app.name": "applier-tablesync",
         "spark.driver.memory": f"{mem_mb}m",
         "spark.ui.showConsoleProgress": "false",
+        # The web UI (Jetty) costs about a second of start-up on a small machine, and the copy prints its own
+        # progress: off unless asked for (``spark_conf={"spark.ui.enabled": "true"}``).
+        "spark.ui.enabled": "false",
         # The JVM only schedules: C1-only JIT and the serial GC start it in half the time on a small machine, and
         # whole-stage codegen / adaptive execution only slow down a one-stage job over a tiny range.
         "spark.driver.extraJavaOptions": (
@@ -150,6 +154,14 @@ class SparkHandle:
     created: bool
     remote: str | None
     ui_url: str | None
+
+
+def runs_locally(spark_master: str | None = None) -> bool:
+    """Whether the copy's Spark tasks would run on this machine (``local[...]``, the default) rather than on a
+    cluster (Spark Connect, ``spark://``, ``yarn``, ...)."""
+    if spark_master:
+        return spark_master.startswith("local")
+    return not os.environ.get("SPARK_REMOTE")
 
 
 def spark_session(
@@ -194,6 +206,98 @@ def spark_session(
     with contextlib.suppress(Exception):
         session.sparkContext.setLogLevel("ERROR")
     return SparkHandle(session, True, None, _ui_url(session))
+
+
+def _warm_workers(batches: Iterator[Any]) -> Iterator[Any]:
+    """A warm-up task: import what the copy tasks import, in a Python worker that Spark then reuses."""
+    import pyarrow as pa
+
+    import tablesync.copy  # noqa: F401 - psycopg, tenacity and the copier, loaded once per worker
+
+    for batch in batches:
+        yield pa.RecordBatch.from_pylist([{"n": len(batch)}], schema=pa.schema([("n", pa.int64())]))
+
+
+#: One session start (and its stop) at a time in a process: a start abandoned by one copy (see
+#: :meth:`SessionStarter.abandon`) is stopped before the next copy's session is built.
+_START_LOCK = threading.Lock()
+
+
+class SessionStarter:
+    """Starts the Spark session in a background thread, so the JVM's start-up overlaps the work that does not need
+    it (the snapshot, planning, claims, the driver's head start); :meth:`handle` waits for it.
+
+    For a local session created here it then runs a tiny job of one task per core that imports the copy's modules:
+    Spark's first job (scheduler set-up, the Python worker daemon, a worker per core importing pyarrow and
+    psycopg) is paid in the background too, and the copy's tasks reuse those workers
+    (``spark.python.worker.reuse``). :meth:`release` stops a session created here, whatever happened;
+    :meth:`abandon` lets the start finish and stop on its own, without waiting.
+    """
+
+    def __init__(self, spark_master: str | None = None, spark_conf: Mapping[str, str] | None = None) -> None:
+        self._master = spark_master
+        self._conf = dict(spark_conf or {})
+        self._handle: SparkHandle | None = None
+        self._error: BaseException | None = None
+        self._abandoned = False
+        self._done = threading.Event()
+        self._mu = threading.Lock()
+        self.started = time.monotonic()
+        self.ready_after: float | None = None  # seconds from start to a usable (and warmed) session
+        self._thread = threading.Thread(target=self._start, name="tablesync-spark-start", daemon=True)
+        self._thread.start()
+
+    def _start(self) -> None:
+        with _START_LOCK:
+            try:
+                self._handle = spark_session(self._master, self._conf)
+                if self._handle.created and self._handle.remote is None:
+                    with contextlib.suppress(Exception):
+                        n = default_parallelism(self._handle.session)
+                        self._handle.session.range(0, n, 1, n).mapInArrow(_warm_workers, "n long").collect()
+                self.ready_after = time.monotonic() - self.started
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller of handle()
+                self._error = exc
+            finally:
+                with self._mu:
+                    self._done.set()
+                    stop_now = self._abandoned
+                if stop_now and self._handle is not None:
+                    release(self._handle)
+                    self._handle = None
+
+    def ready(self, timeout: float | None = None) -> bool:
+        """Whether the start has ended (successfully or not), waiting up to ``timeout`` seconds."""
+        return self._done.wait(timeout)
+
+    def handle(self) -> SparkHandle:
+        """The session, once started; raises what starting it raised."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._handle is not None
+        return self._handle
+
+    def release(self) -> None:
+        """Wait for the start to end, then stop the session if it was created here (see :func:`release`).
+        Returns at once after :meth:`abandon`."""
+        if self._abandoned:
+            return
+        self._thread.join()
+        self._stop_session()
+
+    def _stop_session(self) -> None:
+        if self._handle is not None:
+            release(self._handle)
+            self._handle = None
+
+    def abandon(self) -> None:
+        """The session is not needed: stop it when its start ends (in the background), without waiting."""
+        with self._mu:
+            self._abandoned = True
+            done = self._done.is_set()
+        if done:
+            self._stop_session()
 
 
 def release(handle: SparkHandle) -> None:

@@ -496,3 +496,65 @@ def test_a_slow_snapshot_says_it_waits_for_open_transactions(pair, monkeypatch):
         assert copier.slot is not None
     finally:
         copier.close()  # (a prepared transaction left by a failure is rolled back by the pair fixture)
+
+
+def test_the_drivers_head_start_and_spark_share_the_partitions_exactly_once(pair, spark):
+    """The driver copies partitions while Spark starts (``HeadStart``); the Spark job takes the others, including
+    one the driver may still be copying (its task waits on the advisory lock and finds the marker). Every row once,
+    and none of it counted as a retried partition."""
+    from tablesync.copy import HeadStart
+
+    both(pair, "CREATE TABLE hs (id int PRIMARY KEY, v text)")
+    pair.publisher.execute("INSERT INTO hs SELECT g, repeat('x', 50) || g FROM generate_series(1, 30000) g")
+    pair.publisher.execute("CREATE PUBLICATION pub FOR TABLE hs")
+    subscribe(pair.target.dsn, pair.publisher.dsn, pair.name, ["public.hs"])
+    before = table_digest(pair.publisher, "public.hs")
+    copier = InitialCopy(pair.target.dsn, pair.name, partition_bytes=SMALL_PARTS)
+    try:
+        copier.load()
+        copier.open_snapshot()
+        copier.plan()
+        nparts = len(copier.tasks)
+        assert nparts > 6
+        copier.claim()
+        copier.head_start = HeadStart(
+            copier.tasks, copier.publisher_conninfo, copier.target_conninfo, streams=2
+        )
+        wait_until(lambda: len(copier.head_start.done) >= 2, what="the head start to copy two partitions")
+        copier.head_start.stop()
+        assert copier.copy(spark)
+        result = copier.complete()
+    finally:
+        copier.close()
+    assert 2 <= len(copier.head_start.done) < nparts
+    assert table_digest(pair.target, "public.hs") == before
+    assert result.tables["public.hs"].rows == 30000
+    assert result.tables["public.hs"].skipped_partitions == 0
+
+
+def test_a_copy_the_driver_finishes_before_spark_is_ready_does_not_wait_for_spark(pair, monkeypatch):
+    """Spark never becomes ready here (its start blocks): the driver's head start copies every partition, the
+    copy completes, and the abandoned start is left to end on its own."""
+    import threading
+
+    from tablesync import job
+
+    both(pair, "CREATE TABLE hs2 (id int PRIMARY KEY, v text)")
+    pair.publisher.execute("INSERT INTO hs2 SELECT g, 'v' || g FROM generate_series(1, 5000) g")
+    pair.publisher.execute("CREATE PUBLICATION pub FOR TABLE hs2")
+    subscribe(pair.target.dsn, pair.publisher.dsn, pair.name, ["public.hs2"])
+    release = threading.Event()
+
+    def never_ready(*args, **kwargs):
+        release.wait(60)
+        raise RuntimeError("Spark start-up abandoned by the test")
+
+    monkeypatch.setattr(job, "spark_session", never_ready)
+    try:
+        result = run_initial_copy(pair.target.dsn, pair.name, progress=False, partition_bytes=SMALL_PARTS)
+    finally:
+        release.set()
+    assert result.completed and result.rows == 5000
+    assert result.tables["public.hs2"].partitions > 1
+    assert table_digest(pair.target, "public.hs2") == table_digest(pair.publisher, "public.hs2")
+    assert states(pair)["public.hs2"][0] == "s"
