@@ -409,21 +409,24 @@ def test_keepalive_with_reply_requested_is_answered(pair) -> None:
         slot = rc.create_slot(pair.name, temporary=True)
         rc.start_replication(pair.name, slot.consistent_point, StreamOptions([pair.name]))
         requested = 0
-        last = slot.consistent_point
+        last = replied = slot.consistent_point
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
             msg = rc.read(0.2)
             if isinstance(msg, PrimaryKeepalive):
-                last = max(last, msg.wal_end)
+                last = max(last, msg.wal_end)  # other tests' WAL moves it on between replies
                 if msg.reply_requested:
                     requested += 1
                     rc.send_status(last, last, last)
+                    replied = last
         assert requested >= 2
-        reply = db.query(
-            "SELECT reply_time IS NOT NULL, flush_lsn::text FROM pg_stat_replication WHERE application_name = %s",
-            (pair.name,),
-        )
-        assert reply == [(True, _lsn_text(last))]
+        wait_until(
+            lambda: db.query(
+                "SELECT reply_time IS NOT NULL, flush_lsn::text FROM pg_stat_replication"
+                " WHERE application_name = %s", (pair.name,),
+            ) == [(True, _lsn_text(replied))],
+            timeout=10, what="the last reply to show in pg_stat_replication",
+        )  # fmt: skip
 
 
 def test_stream_ended_when_the_walsender_is_terminated(pair) -> None:
