@@ -197,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--ranges", type=int, default=16, metavar="N", help="key ranges per table (default 16)")
     p.add_argument(
+        "--spark-rows", type=int, default=None, metavar="N",
+        help="hash tables of at least N rows (estimated) as a Spark job (default 5000000; 0: all; SPARK_REMOTE: a cluster)",
+    )  # fmt: skip
+    p.add_argument(
         "--settle-timeout",
         type=float,
         default=30.0,
@@ -266,6 +270,7 @@ def _dispatch(args: argparse.Namespace, extra: list[str], parser: argparse.Argum
             publisher=args.publisher,
             ranges=args.ranges,
             settle_timeout=args.settle_timeout,
+            spark_rows=verify.SPARK_ROWS if args.spark_rows is None else args.spark_rows,
         )
         print(report.to_json() if args.json else verify.format_report(report))
         return 0 if report.equal else 1

@@ -21,10 +21,14 @@ Tables without a primary key have no key ranges: their whole-table counts and ha
 are compared, and the output says so; differing keys cannot be named for them, and a keyless table that is written
 to without pause may never settle into equal hashes (it is then reported as differing: verify it in a quiet moment).
 
-Hashing runs in Python over a thread pool (publisher and target queried in parallel, ranges in parallel), not as a
-Spark job: the hash is computed by the servers, the client only moves a 32-byte digest per range, so Spark's start-up
-would cost more than it saves for all but very large tables. Identifiers are composed with ``psycopg.sql`` only;
-connection strings (and so passwords) never appear in the output.
+Where the first pass runs: the hash is computed by the servers and only a 32-byte digest per range travels, so for
+most tables a thread pool here (publisher and target queried in parallel, ranges in parallel) is the fastest way,
+and Spark's start-up would cost more than it saves. Tables of at least ``spark_rows`` rows (the publisher's estimate;
+``--spark-rows``) are hashed as a Spark job instead — one task per range and side, on ``local[*]`` or a cluster
+(``SPARK_REMOTE``, as the initial copy) — so very large tables spread their hashing over many connections and
+machines; the re-checks and the narrowing of the few differing ranges stay here, where the settle waits are.
+Identifiers are composed with ``psycopg.sql`` only; connection strings (and so passwords) never appear in the
+output.
 
 Exit status (from the CLI): 0 when every table is equal, 1 otherwise.
 """
@@ -53,6 +57,8 @@ LEAF_ROWS = 500
 SPLIT = 16
 #: at most this many differing keys are listed per table (all are counted)
 MAX_KEYS = 100
+#: tables with at least this many rows (the publisher's estimate) are hashed as a Spark job
+SPARK_ROWS = 5_000_000
 
 
 class VerifyError(ApplierError):
@@ -77,6 +83,7 @@ class TableReport:
     differing: int = 0
     keys: list[DifferingKey] = field(default_factory=list)
     note: str | None = None
+    spark: bool = False  # the first pass ran as a Spark job (a table of at least spark_rows rows)
 
     @property
     def equal(self) -> bool:
@@ -122,6 +129,8 @@ def format_report(report: VerifyReport) -> str:
     rows = [head]
     for t in report.tables:
         method = f"{t.ranges} key ranges" if t.key is not None else "whole table (no primary key)"
+        if t.spark:
+            method += " (Spark)"
         rows.append(
             (t.table, str(t.publisher_rows), str(t.target_rows), str(t.matched), str(t.differing), method)
         )
@@ -206,6 +215,14 @@ class _Side:
         )
         return {tuple(r[:-1]): r[-1] for r in conn.execute(query, params)}
 
+    def estimated_rows(self, conn: psycopg.Connection[Any]) -> int:
+        """The planner's row estimate (``pg_class.reltuples``; -1 or 0 before the first ANALYZE)."""
+        query = sql.SQL("SELECT reltuples::bigint FROM pg_catalog.pg_class WHERE oid = {}::regclass").format(
+            sql.Literal(self.table.as_string())
+        )
+        row = conn.execute(query).fetchone()
+        return int(row[0]) if row is not None else 0
+
     def bounds(self, conn: psycopg.Connection[Any], rng: Range, parts: int) -> list[Bound]:
         """Keys splitting the range into ``parts`` ranges of about equal row counts (quantiles of the keys)."""
         assert self.key is not None
@@ -220,6 +237,40 @@ class _Side:
             " WHERE rn %% {step} = 0 AND rn < {n} ORDER BY {keys}"
         ).format(keys=self._cols(self.key), t=self.table, w=where, step=sql.Literal(step), n=sql.Literal(n))
         return [tuple(r) for r in conn.execute(query, params)]
+
+
+def spark_hashes(jobs: Sequence[tuple[_Side, Range | None]], spark_master: str | None = None) -> list[tuple[int, str | None]]:
+    """:meth:`_Side.hash` of every (side, range) as one Spark job, one task each, results in order.
+
+    Each task connects to its server and lets it hash the range; only (rows, md5) comes back. The same job runs on
+    ``local[*]`` and through Spark Connect (``tablesync.job.spark_session``)."""
+    if not jobs:
+        return []
+    from tablesync import job as spark_job
+
+    todo = list(jobs)
+
+    def hash_ranges(batches: Iterator[Any]) -> Iterator[Any]:
+        import pyarrow as pa
+
+        schema = pa.schema([("i", pa.int64()), ("rows", pa.int64()), ("md5", pa.string())])
+        for batch in batches:
+            out = []
+            for i in batch.column(0).to_pylist():
+                side, rng = todo[i]
+                with side.connect() as conn:
+                    rows, md5 = side.hash(conn, rng)
+                out.append({"i": i, "rows": rows, "md5": md5})
+            yield pa.RecordBatch.from_pylist(out, schema=schema)
+
+    handle = spark_job.spark_session(spark_master)
+    try:
+        n = len(todo)
+        result = handle.session.range(0, n, 1, n).mapInArrow(hash_ranges, "i long, rows long, md5 string").collect()
+    finally:
+        spark_job.release(handle)
+    by_index = {r.i: (int(r.rows), r.md5) for r in result}
+    return [by_index[i] for i in range(len(todo))]
 
 
 def _split(rng: Range, bounds: list[Bound]) -> list[Range]:
@@ -239,6 +290,8 @@ class _Context:
     settle_timeout: float
     attempts: int
     pool: ThreadPoolExecutor
+    spark_rows: int = SPARK_ROWS
+    spark_master: str | None = None
 
     def wait_applied(self, lsn: str) -> bool:
         """Until the target has applied everything the publisher had committed at ``lsn``; False on timeout."""
@@ -320,9 +373,17 @@ class _TableCheck:
 
     def by_ranges(self, ranges: int) -> None:
         with self.pub.connect() as c:
+            estimate = self.pub.estimated_rows(c)
+            on_spark = self.ctx.spark_rows <= 0 or estimate >= self.ctx.spark_rows
             bounds = self.pub.bounds(c, (None, None), ranges)
         parts = _split((None, None), bounds)
         self.report.ranges = len(parts)
+        if on_spark:
+            self.report.spark = True
+            hashes = spark_hashes([(side, rng) for rng in parts for side in (self.pub, self.tgt)],
+                                  self.ctx.spark_master)  # fmt: skip
+            self._compare_ranges([(rng, hashes[2 * i], hashes[2 * i + 1]) for i, rng in enumerate(parts)])
+            return
 
         def hash_range(side: _Side, rng: Range) -> Callable[[], tuple[int, str | None]]:
             def run() -> tuple[int, str | None]:
@@ -339,9 +400,14 @@ class _TableCheck:
             )
             for rng in parts
         ]
+        self._compare_ranges([(rng, fp.result(), ft.result()) for rng, fp, ft in futures])
+
+    def _compare_ranges(
+        self, hashed: Sequence[tuple[Range, tuple[int, str | None], tuple[int, str | None]]]
+    ) -> None:
+        """First-pass results in: count rows, re-check the ranges that differ once settled, narrow what still does."""
         differing: list[Range] = []
-        for rng, fp, ft in futures:
-            p, t = fp.result(), ft.result()
+        for rng, p, t in hashed:
             self.report.publisher_rows += p[0]
             self.report.target_rows += t[0]
             if p != t:
@@ -458,12 +524,16 @@ def verify(
     settle_timeout: float = 30.0,
     attempts: int = 3,
     workers: int = 4,
+    spark_rows: int = SPARK_ROWS,
+    spark_master: str | None = None,
 ) -> VerifyReport:
     """Compare every table of subscription ``name`` between its publisher and ``target``.
 
     ``publisher`` overrides the stored conninfo (which never holds a password: pass one here, or use ~/.pgpass /
     PGPASSWORD). ``ranges`` is how many key ranges a table is split into first; a differing range is re-read up to
-    ``attempts`` times, each after waiting up to ``settle_timeout`` seconds for the target to catch up.
+    ``attempts`` times, each after waiting up to ``settle_timeout`` seconds for the target to catch up. Tables of at
+    least ``spark_rows`` rows (estimated) get their first pass as a Spark job on ``spark_master`` (default:
+    ``SPARK_REMOTE``, else ``local[*]``).
     """
     from applier.subscriptions import open_catalog, require_subscription
 
@@ -478,7 +548,7 @@ def verify(
         ThreadPoolExecutor(max_workers=max(workers, 2) * 2) as pool,
     ):
         ctx = _Context(pub_conninfo, target, sub.origin_name, sub.subslotname or sub.subname, settle_timeout,
-                       max(attempts, 1), pool)  # fmt: skip
+                       max(attempts, 1), pool, spark_rows, spark_master)  # fmt: skip
         for rel in rels:
             t_schema, t_name = _names(tconn, rel.relid)
             p_schema, p_name = _names(pconn, rel.remote_name)

@@ -92,6 +92,31 @@ def test_verify_names_changed_missing_and_extra_keys(pair: ReplicationPair) -> N
         w.stop()
 
 
+@pytest.mark.spark
+def test_verify_hashes_large_tables_as_a_spark_job(pair: ReplicationPair) -> None:
+    """With ``--spark-rows 0`` every keyed table's first pass runs as a Spark job: same findings, and the report
+    says which tables went through Spark."""
+    s = subscribed(pair)
+    pair.target.execute("UPDATE acct SET balance = balance + 1 WHERE id = 1234")
+    pair.target.execute("DELETE FROM acct WHERE id = 77")
+    pair.target.execute("INSERT INTO pair_key VALUES (7, 'stray', 'x')")
+    w = s.start()
+    try:
+        res = run_cli(pair, "--json", "--settle-timeout", "5", "--spark-rows", "0")
+        assert res.returncode == 1, res.stdout + res.stderr
+        tables = {t["table"]: t for t in json.loads(res.stdout)["tables"]}
+        acct, pair_key, nokey = tables["public.acct"], tables["public.pair_key"], tables["public.nokey"]
+        assert acct["spark"] and pair_key["spark"] and not nokey["spark"]
+        assert {(k["kind"], k["key"]["id"]) for k in acct["keys"]} == {("changed", 1234), ("missing", 77)}
+        assert (acct["publisher_rows"], acct["target_rows"]) == (3000, 2999)
+        assert [(k["kind"], k["key"]) for k in pair_key["keys"]] == [("extra", {"a": 7, "b": "stray"})]
+        assert nokey["equal"]
+        text = run_cli(pair, "--settle-timeout", "5", "--spark-rows", "0")
+        assert "key ranges (Spark)" in text.stdout and "DIFFERENT" in text.stdout
+    finally:
+        w.stop()
+
+
 def test_verify_never_prints_a_password(pair: ReplicationPair) -> None:
     s = subscribed(pair)
     w = s.start()
