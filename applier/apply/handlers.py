@@ -574,16 +574,7 @@ class Applier:
         lookup round trip; rows of finished ones are removed in batches (``Catalog.reconcile_prepared``).
         """
         gid = gid_for(self.subid, xid)
-        self.target.own_transaction(
-            b"INSERT INTO applier.prepared_xact (gid, subid, remote_xid, prepare_lsn, prepare_end_lsn, prepare_time)"
-            b" VALUES ($1, $2::bigint, $3::bigint, $4::pg_catalog.pg_lsn, $5::pg_catalog.pg_lsn, $6::bigint)"
-            b" ON CONFLICT (gid) DO UPDATE SET subid = excluded.subid, remote_xid = excluded.remote_xid,"
-            b" prepare_lsn = excluded.prepare_lsn, prepare_end_lsn = excluded.prepare_end_lsn,"
-            b" prepare_time = excluded.prepare_time, recorded_at = now()",
-            [gid.encode(), str(self.subid).encode(), str(xid).encode(),
-             format_lsn(prepare_lsn).encode(), format_lsn(end_lsn).encode(), str(prepare_time).encode()],
-            ctx,
-        )  # fmt: skip
+        self.target.record_prepared(gid, self.subid, xid, prepare_lsn, end_lsn, prepare_time, ctx)
         self.prepared[gid] = (end_lsn, prepare_time)
 
     def _forget_prepared(self, gid: str) -> None:
