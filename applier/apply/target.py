@@ -493,10 +493,13 @@ class Target:
         persist in the session until the next transaction that writes a commit/abort record)."""
         self.end_copy()
         self._origin_setup(end_lsn, ts, ctx)
-        self.pipeline.sync()  # COMMIT PREPARED cannot share an implicit transaction with anything
+        # COMMIT PREPARED refuses to run after another statement of its pipeline segment (PostgreSQL's "cannot be
+        # executed within a pipeline"), so it starts a segment. Nothing needs to end one after it: it commits at
+        # once, and what follows (BEGIN, or the origin setup of the next one) starts a transaction of its own. Its
+        # error, if any, surfaces at the next sync point, as a plain COMMIT's does (see commit()).
+        self.pipeline.sync()
         verb = b"COMMIT PREPARED " if commit else b"ROLLBACK PREPARED "
         self.pipeline.send_query(verb + self._gid_literal(gid), None, ctx, self._confirming(end_lsn, on_ok))
-        self.pipeline.sync()
 
     def mark_ready(self, subid: int, tables: Sequence[tuple[int, str, int | None]], origin_lsn: int) -> None:
         """Set table states and advance the session's origin to ``origin_lsn`` in one local transaction, and wait
