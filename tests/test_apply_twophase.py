@@ -210,9 +210,13 @@ def test_target_two_phase_statements_share_pipeline_segments(pair):
         assert pair.target.query("SELECT id FROM public.t ORDER BY 1") == [(1,), (3,)]
         assert ours(s) == []
         recorded = pair.target.query(
-            "SELECT gid, remote_xid, prepare_end_lsn::text, prepare_time FROM applier.prepared_xact ORDER BY 1")
+            "SELECT gid, remote_xid, prepare_end_lsn::text, prepare_time FROM applier.prepared_xact ORDER BY 1"
+        )
         assert recorded == [(f"pg_gid_{subid}_{n}", n, f"0/{n}008", 1000 + n) for n in (1, 2, 3)]
-        assert pair.target.scalar("SELECT pg_replication_origin_progress(%s, false)::text", (origin,)) == "0/3010"
+        assert (
+            pair.target.scalar("SELECT pg_replication_origin_progress(%s, false)::text", (origin,))
+            == "0/3010"
+        )
 
         # an unknown GID: the error surfaces with COMMIT PREPARED's context, and the transaction queued after it
         # in the same segment is not applied
