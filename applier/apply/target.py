@@ -521,8 +521,9 @@ class Target:
 
     def record_prepared(self, gid: str, subid: int, xid: int, prepare_lsn: int, end_lsn: int, prepare_time: int,
                         ctx: ErrorContext | None) -> None:  # fmt: skip
-        """Queue the ``applier.prepared_xact`` record of a transaction about to be prepared (behaviour 65), in a
-        transaction of its own, as a statement prepared once per session (no parse and plan per transaction)."""
+        """Queue the ``applier.prepared_xact`` record of a transaction about to be prepared (behaviour 65), as a
+        statement prepared once per session (no parse and plan per transaction): in a transaction of its own, or
+        in the open local transaction, whose commit the caller then sends (a group commit's)."""
         if not self._record_prepared_ready:
             self.pipeline.send_prepare(
                 b"applier_record_prepared",
@@ -535,18 +536,21 @@ class Target:
                 [], ctx,
             )  # fmt: skip
             self._record_prepared_ready = True
-        if self.in_transaction:
-            raise RuntimeError("record_prepared() inside the apply transaction")
-        self._prepare_fixed(ctx)
+        if self._copy is not None:
+            self.end_copy()
+        own = not self.in_transaction  # else it rides in the open (group commit's) transaction
         p = self.pipeline
-        p.send_prepared(b"applier_begin", (), None, ctx)
+        if own:
+            self._prepare_fixed(ctx)
+            p.send_prepared(b"applier_begin", (), None, ctx)
         p.send_prepared(
             b"applier_record_prepared",
             [gid.encode(), str(subid).encode(), str(xid).encode(), format_lsn(prepare_lsn).encode(),
              format_lsn(end_lsn).encode(), str(prepare_time).encode()],
             None, ctx,
         )  # fmt: skip
-        p.send_prepared(b"applier_commit", (), None, ctx)
+        if own:
+            p.send_prepared(b"applier_commit", (), None, ctx)
 
     def _gid_literal(self, gid: str) -> bytes:
         """``gid`` as an SQL string literal; ours (``pg_gid_<subid>_<xid>``) need no escaping, so the general
