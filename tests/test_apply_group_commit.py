@@ -245,3 +245,44 @@ def test_feedback_holds_while_a_group_commit_is_deferred():
     t.resolve(1000)
     assert t.positions(999).flush == 200  # not durable yet
     assert t.positions(1000).flush == 400  # durable, nothing pending any more: everything received
+
+
+def test_prepared_xact_record_rides_in_a_group_commit_and_survives_a_restart(pair):
+    """A prepared transaction right after a group of plain ones: its ``applier.prepared_xact`` record (what
+    ROLLBACK PREPARED compares, behaviour 65) is committed with the group, before the PREPARE, so it is there while
+    the transaction stays prepared, also for a worker started afresh; ROLLBACK PREPARED then finds it."""
+    _schema(pair)
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.counter", "public.log"],
+                           two_phase_state="e")  # fmt: skip
+    pub = pair.publisher
+    with pub.connect() as conn:
+        for i in range(20):
+            conn.execute("CALL small_txns(3)")
+            conn.execute("BEGIN")
+            conn.execute("INSERT INTO log (v) VALUES (%s)", (f"prepared {i}",))
+            conn.execute(f"PREPARE TRANSACTION 'gc_{i}'")
+            if i < 19:
+                conn.execute(f"{'ROLLBACK' if i % 5 == 0 else 'COMMIT'} PREPARED 'gc_{i}'")
+    w = s.start()
+    try:
+        wait_for_catchup(pub, pair.name, timeout=60)
+    finally:
+        w.stop()
+    assert w.worker.stats.errors == 0
+    assert w.worker.stats.records_in_group > 0
+    ours = pair.target.query("SELECT gid FROM pg_prepared_xacts WHERE gid LIKE %s", (f"pg\\_gid\\_{s.sub.subid}\\_%",))
+    assert len(ours) == 1
+    gid = ours[0][0]
+    assert pair.target.scalar("SELECT count(*) FROM applier.prepared_xact WHERE gid = %s", (gid,)) == 1
+
+    pub.execute("ROLLBACK PREPARED 'gc_19'")
+    pub.execute("CALL small_txns(2)")
+    w = s.start()  # a new worker: it knows the record only from the table
+    try:
+        wait_for_catchup(pub, pair.name, timeout=60)
+        wait_until(lambda: pair.target.scalar("SELECT count(*) FROM pg_prepared_xacts WHERE gid = %s", (gid,)) == 0,
+                   timeout=TIMEOUT)  # fmt: skip
+    finally:
+        w.stop()
+    assert w.worker.stats.errors == 0
+    assert_tables_equal(pair.publisher, pair.target, "public.counter", "public.log")

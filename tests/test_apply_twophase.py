@@ -180,3 +180,57 @@ def test_skip_lsn_of_a_prepared_transaction_prepares_it_empty(pair):
         assert s.refresh().subskiplsn is None and ours(s) == []
     finally:
         w.stop()
+
+
+def test_target_two_phase_statements_share_pipeline_segments(pair):
+    """What the 2PC path of the apply session relies on (applier/apply/target.py): COMMIT/ROLLBACK PREPARED start a
+    pipeline segment but need no sync point after them, so the next transaction (the prepared_xact record, BEGIN,
+    the changes, PREPARE TRANSACTION) rides in the same segment; the record is a statement prepared once per
+    session; and a failing COMMIT PREPARED still reports its own context (remote xid, finish LSN) once the segment
+    is read, with nothing after it applied."""
+    from applier.apply.context import ApplyError, ErrorContext
+    from applier.apply.target import Target
+
+    both(pair, "CREATE TABLE t (id int PRIMARY KEY)")
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"], two_phase_state="e")
+    origin, subid = s.sub.origin_name, s.sub.subid
+    target = Target.connect(pair.target.dsn, origin=origin)
+    done: list[int] = []
+    try:
+        for n, lsn in ((1, 0x1000), (2, 0x2000), (3, 0x3000)):
+            ctx = ErrorContext(origin, "BEGIN PREPARE", None, n, lsn)
+            gid = f"pg_gid_{subid}_{n}"
+            target.record_prepared(gid, subid, n, lsn, lsn + 8, 1000 + n, ctx)
+            target.begin(ctx)
+            target.pipeline.send_query(b"INSERT INTO public.t VALUES ($1::int)", [str(n).encode()], ctx)
+            target.prepare(gid, lsn + 8, 1000 + n, ctx, lambda _r, n=n: done.append(n))
+            target.finish_prepared(n != 2, gid, lsn + 16, 2000 + n, ctx, lambda _r, n=n: done.append(-n))
+        target.pipeline.drain()
+        assert done == [1, -1, 2, -2, 3, -3]
+        assert pair.target.query("SELECT id FROM public.t ORDER BY 1") == [(1,), (3,)]
+        assert ours(s) == []
+        recorded = pair.target.query(
+            "SELECT gid, remote_xid, prepare_end_lsn::text, prepare_time FROM applier.prepared_xact ORDER BY 1"
+        )
+        assert recorded == [(f"pg_gid_{subid}_{n}", n, f"0/{n}008", 1000 + n) for n in (1, 2, 3)]
+        assert (
+            pair.target.scalar("SELECT pg_replication_origin_progress(%s, false)::text", (origin,))
+            == "0/3010"
+        )
+
+        # an unknown GID: the error surfaces with COMMIT PREPARED's context, and the transaction queued after it
+        # in the same segment is not applied
+        bad = ErrorContext(origin, "COMMIT PREPARED", None, 77, 0x7000)
+        target.finish_prepared(True, f"pg_gid_{subid}_77", 0x7010, 1, bad, lambda _r: done.append(77))
+        target.begin(bad)
+        target.pipeline.send_query(b"INSERT INTO public.t VALUES (4)", None, bad)
+        target.commit(0x8000, 1, bad, lambda _r: done.append(8))
+        with pytest.raises(ApplyError) as err:
+            target.pipeline.drain()
+        assert err.value.context is bad
+        assert "does not exist" in err.value.message
+        target.abort()
+        assert done[-1] == -3
+        assert pair.target.query("SELECT id FROM public.t ORDER BY 1") == [(1,), (3,)]
+    finally:
+        target.close()

@@ -169,6 +169,7 @@ class Applier:
         self._group_size = 0  # remote transactions in the open local transaction's group
         self._group_rows = 0
         self.groups = 0  # group commits sent (stats)
+        self.records_in_group = 0  # prepared_xact records that rode in a group commit (stats)
         self.transactions = 0  # remote transactions finished (for tests and stats)
         # for metrics: finished transactions by kind, and row changes of finished transactions by operation (a
         # transaction's rows count once it ends; an error drops them with the transaction)
@@ -190,7 +191,13 @@ class Applier:
     # --- dispatch --------------------------------------------------------------------------------------------
     def handle(self, msg: Any, payload: bytes = b"") -> None:
         """Apply one decoded message; ``payload`` is its raw bytes (needed to spool streamed changes)."""
-        if self._group is not None and msg.__class__ not in _GROUPABLE and not self.in_remote_transaction:
+        # (BEGIN PREPARE ends the group itself: its prepared_xact record rides in it, see _record_prepared)
+        if (
+            self._group is not None
+            and msg.__class__ not in _GROUPABLE
+            and not self.in_remote_transaction
+            and msg.__class__ is not BeginPrepare
+        ):
             self.end_group()
         self._dispatch[msg.__class__](msg, payload)
 
@@ -566,7 +573,8 @@ class Applier:
         self, xid: int, prepare_lsn: int, end_lsn: int, prepare_time: int, ctx: ErrorContext
     ) -> None:
         """Store (gid, prepare_end_lsn, prepare_time), what ``LookupGXact`` compares (behaviour 65), committed
-        before the local transaction begins, so it is visible while the transaction stays prepared.
+        before the local transaction begins, so it is visible while the transaction stays prepared: in the open
+        group commit's local transaction when there is one, else in a transaction of its own.
 
         It is queued on the apply session in a transaction of its own (no extra round trip); with asynchronous
         commit it still becomes durable no later than the PREPARE, whose WAL flush covers it. The worker also keeps
@@ -574,16 +582,15 @@ class Applier:
         lookup round trip; rows of finished ones are removed in batches (``Catalog.reconcile_prepared``).
         """
         gid = gid_for(self.subid, xid)
-        self.target.own_transaction(
-            b"INSERT INTO applier.prepared_xact (gid, subid, remote_xid, prepare_lsn, prepare_end_lsn, prepare_time)"
-            b" VALUES ($1, $2::bigint, $3::bigint, $4::pg_catalog.pg_lsn, $5::pg_catalog.pg_lsn, $6::bigint)"
-            b" ON CONFLICT (gid) DO UPDATE SET subid = excluded.subid, remote_xid = excluded.remote_xid,"
-            b" prepare_lsn = excluded.prepare_lsn, prepare_end_lsn = excluded.prepare_end_lsn,"
-            b" prepare_time = excluded.prepare_time, recorded_at = now()",
-            [gid.encode(), str(self.subid).encode(), str(xid).encode(),
-             format_lsn(prepare_lsn).encode(), format_lsn(end_lsn).encode(), str(prepare_time).encode()],
-            ctx,
-        )  # fmt: skip
+        if self._group is not None:
+            # a group commit is deferred (plain transactions just before this one): the record rides in its local
+            # transaction, committed here, before this transaction begins; one local transaction end fewer
+            self._flush_run()
+            self.target.record_prepared(gid, self.subid, xid, prepare_lsn, end_lsn, prepare_time, ctx)
+            self.records_in_group += 1
+            self.end_group()
+        else:
+            self.target.record_prepared(gid, self.subid, xid, prepare_lsn, end_lsn, prepare_time, ctx)
         self.prepared[gid] = (end_lsn, prepare_time)
 
     def _forget_prepared(self, gid: str) -> None:

@@ -23,6 +23,7 @@ Session settings are the native worker's (behaviour 51) plus the value formats o
 from __future__ import annotations
 
 import logging
+import re
 import select
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -58,6 +59,9 @@ MAX_IN_FLIGHT = 4000
 COPY_THRESHOLD = 200
 
 _SYNC = object()
+
+#: A GID that is a valid SQL string literal once put in single quotes (see Target._gid_literal).
+_PLAIN_GID = re.compile(r"[A-Za-z0-9_]+")
 
 
 class TargetConnectionError(psycopg.OperationalError):
@@ -296,6 +300,7 @@ class Target:
         self.in_transaction = False
         self._stmt_seq = 0
         self._fixed_prepared = False
+        self._record_prepared_ready = False
         self._copy: _CopyRun | None = None
 
     # --- setup -----------------------------------------------------------------------------------------------
@@ -478,8 +483,8 @@ class Target:
         self.end_copy()
         self.begin(ctx)
         self._origin_setup(end_lsn, ts, ctx)
-        stmt = sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)).as_bytes(self.conn)
-        self.pipeline.send_query(stmt, None, ctx, self._confirming(end_lsn, on_ok))
+        self.pipeline.send_query(b"PREPARE TRANSACTION " + self._gid_literal(gid), None, ctx,
+                                 self._confirming(end_lsn, on_ok))  # fmt: skip
         self.in_transaction = False
 
     def finish_prepared(self, commit: bool, gid: str, end_lsn: int, ts: int, ctx: ErrorContext | None,
@@ -488,11 +493,13 @@ class Target:
         persist in the session until the next transaction that writes a commit/abort record)."""
         self.end_copy()
         self._origin_setup(end_lsn, ts, ctx)
-        self.pipeline.sync()  # COMMIT PREPARED cannot share an implicit transaction with anything
-        verb = "COMMIT PREPARED {}" if commit else "ROLLBACK PREPARED {}"
-        stmt = sql.SQL(verb).format(sql.Literal(gid)).as_bytes(self.conn)
-        self.pipeline.send_query(stmt, None, ctx, self._confirming(end_lsn, on_ok))
+        # COMMIT PREPARED refuses to run after another statement of its pipeline segment (PostgreSQL's "cannot be
+        # executed within a pipeline"), so it starts a segment. Nothing needs to end one after it: it commits at
+        # once, and what follows (BEGIN, or the origin setup of the next one) starts a transaction of its own. Its
+        # error, if any, surfaces at the next sync point, as a plain COMMIT's does (see commit()).
         self.pipeline.sync()
+        verb = b"COMMIT PREPARED " if commit else b"ROLLBACK PREPARED "
+        self.pipeline.send_query(verb + self._gid_literal(gid), None, ctx, self._confirming(end_lsn, on_ok))
 
     def mark_ready(self, subid: int, tables: Sequence[tuple[int, str, int | None]], origin_lsn: int) -> None:
         """Set table states and advance the session's origin to ``origin_lsn`` in one local transaction, and wait
@@ -512,16 +519,45 @@ class Target:
         self.in_transaction = False
         self.pipeline.drain()
 
-    def own_transaction(
-        self, command: bytes, params: Sequence[bytes | None], ctx: ErrorContext | None
-    ) -> None:
-        """Queue ``command`` in a transaction of its own (no sync point, no origin progress of its own)."""
-        if self.in_transaction:
-            raise RuntimeError("own_transaction() inside the apply transaction")
-        self._prepare_fixed(ctx)
-        self.pipeline.send_prepared(b"applier_begin", (), None, ctx)
-        self.pipeline.send_query(command, params, ctx)
-        self.pipeline.send_prepared(b"applier_commit", (), None, ctx)
+    def record_prepared(self, gid: str, subid: int, xid: int, prepare_lsn: int, end_lsn: int, prepare_time: int,
+                        ctx: ErrorContext | None) -> None:  # fmt: skip
+        """Queue the ``applier.prepared_xact`` record of a transaction about to be prepared (behaviour 65), as a
+        statement prepared once per session (no parse and plan per transaction): in a transaction of its own, or
+        in the open local transaction, whose commit the caller then sends (a group commit's)."""
+        if not self._record_prepared_ready:
+            self.pipeline.send_prepare(
+                b"applier_record_prepared",
+                b"INSERT INTO applier.prepared_xact (gid, subid, remote_xid, prepare_lsn, prepare_end_lsn,"
+                b" prepare_time) VALUES ($1, $2::bigint, $3::bigint, $4::pg_catalog.pg_lsn, $5::pg_catalog.pg_lsn,"
+                b" $6::bigint) ON CONFLICT (gid) DO UPDATE SET subid = excluded.subid,"
+                b" remote_xid = excluded.remote_xid, prepare_lsn = excluded.prepare_lsn,"
+                b" prepare_end_lsn = excluded.prepare_end_lsn, prepare_time = excluded.prepare_time,"
+                b" recorded_at = now()",
+                [], ctx,
+            )  # fmt: skip
+            self._record_prepared_ready = True
+        if self._copy is not None:
+            self.end_copy()
+        own = not self.in_transaction  # else it rides in the open (group commit's) transaction
+        p = self.pipeline
+        if own:
+            self._prepare_fixed(ctx)
+            p.send_prepared(b"applier_begin", (), None, ctx)
+        p.send_prepared(
+            b"applier_record_prepared",
+            [gid.encode(), str(subid).encode(), str(xid).encode(), format_lsn(prepare_lsn).encode(),
+             format_lsn(end_lsn).encode(), str(prepare_time).encode()],
+            None, ctx,
+        )  # fmt: skip
+        if own:
+            p.send_prepared(b"applier_commit", (), None, ctx)
+
+    def _gid_literal(self, gid: str) -> bytes:
+        """``gid`` as an SQL string literal; ours (``pg_gid_<subid>_<xid>``) need no escaping, so the general
+        quoting (which asks the connection for its encoding and string settings) is only for anything else."""
+        if _PLAIN_GID.fullmatch(gid):
+            return b"'" + gid.encode() + b"'"
+        return sql.Literal(gid).as_bytes(self.conn)
 
     def prepared_transactions(self, subid: int) -> dict[str, tuple[int, int]]:
         """Our recorded prepared transactions that exist on the target: gid -> (prepare_end_lsn, prepare_time)."""

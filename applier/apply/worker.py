@@ -110,6 +110,7 @@ class WorkerStats:
     messages: int = 0
     errors: int = 0
     groups: int = 0  # group commits of several remote transactions
+    records_in_group: int = 0  # prepared_xact records committed in a group commit rather than on their own
     last_error: str | None = None
     started_streaming: threading.Event = field(default_factory=threading.Event)
 
@@ -445,6 +446,7 @@ class ApplyWorker:
             if applier is not None:
                 self.stats.transactions += applier.transactions
                 self.stats.groups += applier.groups
+                self.stats.records_in_group += applier.records_in_group
                 self.metrics.publish(applier.kinds, applier.rows)
                 self.metrics.session_ended()
                 if applier.transactions:
