@@ -32,7 +32,6 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
-from hypothesis.errors import InvalidArgument
 from test_tap_support import (
     TIMEOUT,
     CliApplier,
@@ -51,11 +50,6 @@ from applier.testing.workloads import TABLES, Workload, create_schema, run_workl
 FAST_EXAMPLES = 3
 MAX_ACTIONS = 30
 _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large]
-
-try:
-    settings.get_profile("long")
-except InvalidArgument:
-    settings.register_profile("long", max_examples=500, deadline=None)
 
 _counter = itertools.count(1)
 

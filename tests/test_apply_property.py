@@ -24,14 +24,9 @@ each round, separated by the TRUNCATE), with the subscription options, ready for
 Profiles. Unless the ``long`` profile is active the run is bounded and reproducible (also under hypothesis' own
 ``ci`` profile, which it selects when ``CI`` is set): ``FAST_EXAMPLES`` derandomized examples of rounds of at most
 ``FAST_ACTIONS`` actions, well under a minute on a loaded 2-core machine. Under ``long`` the test uses that
-profile's ``max_examples`` (and randomness) and longer rounds. This module registers a ``long`` profile (500
-examples) if none is registered yet, but hypothesis' pytest plugin loads the profile named by
-``--hypothesis-profile`` before test modules are imported, so the module must be loaded first::
-
-    PYTHONPATH=tests .venv/bin/pytest -p test_apply_property --hypothesis-profile=long tests/test_apply_property.py
-
-(or register ``long`` in ``tests/conftest.py``, which this task may not edit; then plain
-``--hypothesis-profile=long`` works). The settings are chosen when the test runs, not at import, so both work.
+profile's ``max_examples`` (and randomness) and longer rounds. ``tests/conftest.py`` registers ``long`` (hypothesis
+loads the profile named by ``--hypothesis-profile`` before test modules are imported), so
+``--hypothesis-profile=long`` just works; the settings are chosen when the test runs, not at import.
 """
 
 from __future__ import annotations
@@ -43,7 +38,6 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
-from hypothesis.errors import InvalidArgument
 from test_tap_support import assert_replica, catchup, fresh_subscription, module_pair, set_decoding_work_mem
 
 from applier.testing import PostgresCluster
@@ -54,11 +48,6 @@ FAST_EXAMPLES = 10
 FAST_ACTIONS = 30
 LONG_ACTIONS = 80
 _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large]
-
-try:
-    settings.get_profile("long")
-except InvalidArgument:
-    settings.register_profile("long", max_examples=500, deadline=None)
 
 _counter = itertools.count(1)
 

@@ -61,7 +61,6 @@ from applier.testing.workloads import TABLES, Step, Workload, create_schema, run
 
 TIMEOUT = 90.0  # generous: the CI machine is a shared 2-core box, and crash recovery can take seconds
 
-settings.register_profile("long", max_examples=150, deadline=None, stateful_step_count=50)
 _LONG = settings.get_current_profile_name() == "long"
 
 #: examples per property: bounded by default, deep under ``--hypothesis-profile=long``
