@@ -187,7 +187,7 @@ def test_kill9_in_the_middle_of_groups_applies_each_transaction_once(pair):
         for _ in range(3):
             wait_until(lambda: walsender_pid(pair.publisher, pair.name) is not None, timeout=TIMEOUT)
             wait_until(lambda: pair.target.scalar("SELECT count(*) FROM log") > 0, timeout=TIMEOUT)
-            time.sleep(rng.uniform(0.05, 0.4))
+            time.sleep(rng.uniform(0.05, 0.4))  # a random moment to kill at, not a wait for a condition
             applier.kill9()
             pair.publisher.execute("CALL small_txns(500)")
             applier.start()

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 
+import psycopg
 import pytest
 from psycopg import sql
 
@@ -359,6 +360,15 @@ def test_partitioned_root_and_inheritance_parent(pair, spark):
     assert pair.target.query("SELECT v, count(*) FROM par GROUP BY v") == [("par", 100)]
 
 
+def hold_partitions(pair, subid: int, table: str, parts: range) -> psycopg.Connection:
+    """A target session holding the advisory locks of ``table``'s partitions ``parts``: their copy tasks wait
+    (tablesync.copy locks a partition before copying it) until it is closed or its session ends."""
+    conn = pair.target.connect()
+    for part in parts:
+        conn.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", (f"applier.tablesync:{subid}:{table}:{part}",))
+    return conn
+
+
 @pytest.mark.core
 def test_stop_while_copying_keeps_finished_partitions_and_the_next_run_completes(pair, spark):
     import threading
@@ -368,12 +378,7 @@ def test_stop_while_copying_keeps_finished_partitions_and_the_next_run_completes
     pair.publisher.execute("CREATE PUBLICATION pub FOR TABLE t")
     sub = subscribe(pair.target.dsn, pair.publisher.dsn, pair.name, ["public.t"])
     # Partitions 3 and up wait for locks this session holds, so the copy cannot finish before the stop.
-    blocker = pair.target.connect()
-    for part in range(3, 200):
-        blocker.execute(
-            "SELECT pg_advisory_lock(hashtextextended(%s, 0))",
-            (f"applier.tablesync:{sub.subid}:public.t:{part}",),
-        )
+    blocker = hold_partitions(pair, sub.subid, "public.t", range(3, 200))
     stop = threading.Event()
 
     def stop_after_first_partitions() -> None:
@@ -437,12 +442,7 @@ def test_a_target_restart_mid_copy_is_retried(pair, spark, target_cluster):
     pair.publisher.execute("CREATE PUBLICATION pub FOR TABLE t")
     sub = subscribe(pair.target.dsn, pair.publisher.dsn, pair.name, ["public.t"])
     # Partitions 3 and up wait (for locks this session holds) until the restart ends the session.
-    blocker = pair.target.connect()
-    for part in range(3, 200):
-        blocker.execute(
-            "SELECT pg_advisory_lock(hashtextextended(%s, 0))",
-            (f"applier.tablesync:{sub.subid}:public.t:{part}",),
-        )
+    blocker = hold_partitions(pair, sub.subid, "public.t", range(3, 200))
 
     def restart_after_first_partitions() -> None:
         wait_until(
