@@ -174,6 +174,11 @@ def spark_session(
       (default ``local[*,4]``: every core, four attempts per task) with :func:`default_local_conf`.
     ``spark_conf`` entries override the defaults.
     """
+    with _START_LOCK:
+        return _spark_session(spark_master, spark_conf)
+
+
+def _spark_session(spark_master: str | None, spark_conf: Mapping[str, str] | None) -> SparkHandle:
     from pyspark.sql import SparkSession
 
     remote = spark_master if spark_master and spark_master.startswith("sc://") else None
@@ -219,8 +224,10 @@ def _warm_workers(batches: Iterator[Any]) -> Iterator[Any]:
 
 
 #: One session start (and its stop) at a time in a process: a start abandoned by one copy (see
-#: :meth:`SessionStarter.abandon`) is stopped before the next copy's session is built.
-_START_LOCK = threading.Lock()
+#: :meth:`SessionStarter.abandon`) is stopped before the next copy's session is built. Re-entrant, because
+#: :func:`spark_session` takes it too: a live table sync that asks for a session while an abandoned start is still
+#: running would otherwise get that session as "already active" and have it stopped under its job.
+_START_LOCK = threading.RLock()
 
 
 class SessionStarter:
