@@ -484,6 +484,34 @@ class ReplicationConnection:
                 self._drain_after_failure()
                 raise self._lost(exc) from None
 
+    def read_inserts(self, into: list[memoryview], limit: int) -> XLogData | PrimaryKeepalive | None:
+        """Drain libpq's buffer without decoding Inserts: every XLogData whose message is an Insert is appended
+        to ``into`` as received (envelope included) until ``limit`` of them are there; the first other message
+        is decoded and returned (after everything in ``into``, in stream order). ``None``: the buffer is empty
+        or ``limit`` was reached. Never waits on the socket (:meth:`read` does that)."""
+        pgconn = self._pgconn
+        if pgconn is None or not self._streaming or self._ended:
+            raise ReplicationConnectionError("read_inserts() needs a started stream")
+        get = pgconn.get_copy_data
+        append = into.append
+        while len(into) < limit:
+            try:
+                nbytes, data = get(1)
+            except psycopg.OperationalError as exc:
+                raise self._lost(exc) from None
+            if nbytes > 25 and data[0] == 119 and data[25] == 73:  # XLogData carrying an 'I'
+                append(data)
+                continue
+            if nbytes > 0:
+                msg = decode_envelope(data)
+                if msg is not None and msg.__class__ is not StandbyStatusUpdate:
+                    return msg
+                continue
+            if nbytes < 0:
+                self._end_of_copy()
+            return None
+        return None
+
     def send_status(
         self, write_lsn: int, flush_lsn: int, apply_lsn: int, *, reply_requested: bool = False
     ) -> None:

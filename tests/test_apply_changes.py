@@ -209,3 +209,44 @@ def test_partitioned_target_via_root_and_row_movement(pair):
         assert pair.target.scalar("SELECT count(*) FROM p") == 0
     finally:
         w.stop()
+
+
+def test_long_insert_runs_are_converted_in_stretches(pair):
+    """Thousands of inserts in one transaction arrive faster than they are applied, so the worker converts them
+    into COPY text a stretch at a time: values COPY must escape, NULLs, and a few rows of another table in the
+    middle (which end the stretch and the COPY) all land exactly as on the publisher."""
+    both(
+        pair,
+        "CREATE TABLE la (id int PRIMARY KEY, v text, n numeric, note text)",
+        "CREATE TABLE lb (id int PRIMARY KEY, v text)",
+    )
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.la", "public.lb"])
+    pub = pair.publisher
+    # written before the worker starts, so the whole backlog is waiting in the stream
+    pub.execute(
+        """
+        DO $$
+        BEGIN
+          FOR i IN 1..12000 LOOP
+            INSERT INTO la VALUES (
+              i,
+              CASE i % 5 WHEN 0 THEN NULL WHEN 1 THEN E'tab\\there' WHEN 2 THEN E'back\\\\slash\\nnl\\rcr'
+                         WHEN 3 THEN '\\N' ELSE 'plain ' || i END,
+              CASE WHEN i % 7 = 0 THEN NULL ELSE i / 3.0 END,
+              repeat('é', i % 4));
+            IF i % 3000 = 0 THEN
+              INSERT INTO lb SELECT i + g, E'b\\t' || g FROM generate_series(1, 3) g;
+            END IF;
+          END LOOP;
+        END $$
+        """
+    )
+    pub.execute("INSERT INTO lb SELECT g, NULL FROM generate_series(100000, 100500) g")
+    w = s.start()
+    try:
+        wait_for_catchup(pub, pair.name, timeout=60)
+        assert_tables_equal(pub, pair.target, "public.la", "public.lb")
+    finally:
+        w.stop()
+    assert w.worker.stats.errors == 0
+    assert w.worker.stats.converted_rows > 5000

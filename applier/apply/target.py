@@ -889,6 +889,13 @@ class _CopyRun:
         if len(self.buf) >= _COPY_CHUNK:
             self._send()
 
+    def add_text(self, text: bytes, rows: int) -> None:
+        """Append ``rows`` rows already in COPY text format (from :mod:`applier.apply.copytext`)."""
+        self.buf += text
+        self.rows += rows
+        if len(self.buf) >= _COPY_CHUNK:
+            self._send()
+
     def _send(self) -> None:
         pgconn = self.target.pgconn
         data = bytes(self.buf)

@@ -22,6 +22,7 @@ import dataclasses
 import enum
 import logging
 import os
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -63,6 +64,8 @@ STATUS_INTERVAL = 10.0
 FLUSH_POLL_INTERVAL = 0.1
 #: Messages applied before the loop looks at feedback, results and the stop event again.
 BURST = 5000
+#: dataStart and walEnd of an XLogData envelope
+_XLOG_POSITIONS = struct.Struct(">QQ").unpack_from
 #: How often the worker hands its counters to the Prometheus metrics (off the per-message path).
 METRICS_INTERVAL = 1.0
 #: How often the sync-state pass re-reads the table states while the stream is busy (when idle: REREAD_INTERVAL).
@@ -111,6 +114,7 @@ class WorkerStats:
     errors: int = 0
     groups: int = 0  # group commits of several remote transactions
     records_in_group: int = 0  # prepared_xact records committed in a group commit rather than on their own
+    converted_rows: int = 0  # Inserts converted into COPY text a stretch at a time (applier.apply.copytext)
     last_error: str | None = None
     started_streaming: threading.Event = field(default_factory=threading.Event)
 
@@ -447,6 +451,7 @@ class ApplyWorker:
                 self.stats.transactions += applier.transactions
                 self.stats.groups += applier.groups
                 self.stats.records_in_group += applier.records_in_group
+                self.stats.converted_rows += applier.converted_rows
                 self.metrics.publish(applier.kinds, applier.rows)
                 self.metrics.session_ended()
                 if applier.transactions:
@@ -519,6 +524,13 @@ class ApplyWorker:
         handle = applier.handle
         spool_raw = applier.spool_raw
         insert = applier.handle_insert_bytes
+        copy_lane = applier.copy_lane
+        read_inserts = repl.read_inserts
+        insert_run = applier.handle_insert_run
+        inserts: list[memoryview] = []
+
+        def insert_one(data: bytes | memoryview) -> None:
+            insert(bytes(data[25:]))
         decode = decoder.decode
         stats = self.stats
         last_heard = time.monotonic()
@@ -537,9 +549,22 @@ class ApplyWorker:
             timeout = 0.2 if tracker.pending else 1.0
             n = 0
             while n < BURST:
-                item = read(timeout if n == 0 else 0)
+                item = None
+                if copy_lane() is not None:
+                    # an open COPY: Inserts are gathered undecoded and converted stretch by stretch
+                    item = read_inserts(inserts, BURST - n)
+                    if inserts:
+                        n += len(inserts)
+                        data_start, wal_end = _XLOG_POSITIONS(inserts[-1], 1)
+                        tracker.received(max(data_start, wal_end))
+                        insert_run(inserts, 25, 26, insert_one)
+                        inserts.clear()
+                        if item is None:
+                            continue
                 if item is None:
-                    break
+                    item = read(timeout if n == 0 else 0)
+                    if item is None:
+                        break
                 n += 1
                 if item.__class__ is XLogData:
                     tracker.received(max(item.data_start, item.wal_end))
