@@ -484,14 +484,15 @@ class ReplicationConnection:
                 self._drain_after_failure()
                 raise self._lost(exc) from None
 
-    def read_inserts(self, into: list[memoryview], limit: int) -> XLogData | PrimaryKeepalive | None:
-        """Drain libpq's buffer without decoding Inserts: every XLogData whose message is an Insert is appended
-        to ``into`` as received (envelope included) until ``limit`` of them are there; the first other message
-        is decoded and returned (after everything in ``into``, in stream order). ``None``: the buffer is empty
-        or ``limit`` was reached. Never waits on the socket (:meth:`read` does that)."""
+    def read_undecoded(self, into: list[memoryview], limit: int, wanted: bytes) -> XLogData | PrimaryKeepalive | None:
+        """Drain libpq's buffer without decoding the messages the caller handles in bulk: every XLogData whose
+        message type byte ``t`` has ``wanted[t]`` set (and that is at least 5 bytes long) is appended to ``into``
+        as received, envelope included, until ``limit`` of them are there; the first other message is decoded and
+        returned (it comes after everything in ``into``, in stream order). ``None``: the buffer is empty or
+        ``limit`` was reached. Never waits on the socket (:meth:`read` does that)."""
         pgconn = self._pgconn
         if pgconn is None or not self._streaming or self._ended:
-            raise ReplicationConnectionError("read_inserts() needs a started stream")
+            raise ReplicationConnectionError("read_undecoded() needs a started stream")
         get = pgconn.get_copy_data
         append = into.append
         while len(into) < limit:
@@ -499,7 +500,7 @@ class ReplicationConnection:
                 nbytes, data = get(1)
             except psycopg.OperationalError as exc:
                 raise self._lost(exc) from None
-            if nbytes > 25 and data[0] == 119 and data[25] == 73:  # XLogData carrying an 'I'
+            if nbytes >= 30 and data[0] == 119 and wanted[data[25]]:  # an XLogData the caller wants
                 append(data)
                 continue
             if nbytes > 0:

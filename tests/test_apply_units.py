@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -113,6 +115,54 @@ def test_spool_subtransaction_abort_truncates_and_replay_is_ordered(tmp_path):
     assert list(s.replay(100)) == [b"top-1"]
     s.abort(100, 100)
     assert not s.has(100) and list(tmp_path.iterdir()) == []
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from([100, 101, 102, 103]), st.binary(max_size=300), st.booleans()), max_size=40
+    ),
+    st.sampled_from([None, 101, 102]),
+    st.integers(8, 64),
+)
+def test_spool_batches_write_and_read_what_single_writes_do(ops, abort, read_size) -> None:
+    """``write_batch`` (the worker's path for a stream chunk) leaves the same file and the same subtransaction
+    offsets as one ``write`` per message, and ``replay_batches`` gives every record back in order whatever the read
+    size (records larger than a read included)."""
+    import tempfile
+    from pathlib import Path
+
+    from applier.apply import spool as spool_module
+
+    payloads = [b"I" + x.to_bytes(4, "big") + body for x, body, _ in ops]
+    with tempfile.TemporaryDirectory() as d:
+        one, many = Spool(Path(d) / "one", 1), Spool(Path(d) / "many", 1)
+        for s in (one, many):
+            s.start_chunk(100, True)
+        for p in payloads:
+            one.write(int.from_bytes(p[1:5], "big"), p)
+        batch: list[bytes] = []
+        for p, (_, _, batched) in zip(payloads, ops, strict=True):
+            if batched:
+                batch.append(b"envelope" + p)
+                continue
+            many.write_batch(batch, 8)
+            batch = []
+            many.write(int.from_bytes(p[1:5], "big"), p)
+        many.write_batch(batch, 8)
+        for s in (one, many):
+            s.close_chunk()
+            if abort is not None:
+                s.abort(100, abort)
+        assert many._xacts[100] == dataclasses.replace(one._xacts[100], path=many._xacts[100].path)
+        assert many._xacts[100].path.read_bytes() == one._xacts[100].path.read_bytes()
+        old = spool_module._READ_BUFFER
+        spool_module._READ_BUFFER = read_size
+        try:
+            assert list(many.replay(100)) == list(one.replay(100))
+            if abort is None:
+                assert list(many.replay(100)) == payloads
+        finally:
+            spool_module._READ_BUFFER = old
 
 
 def test_spool_cleanup_and_unknown_xids(tmp_path):

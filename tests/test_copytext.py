@@ -50,7 +50,7 @@ def _copy_lines(rows: list[tuple[bytes | None, ...]]) -> bytes:
 def test_copy_text_equals_row_by_row(shape: tuple[int, list], memoryviews: bool) -> None:
     ncols, rows = shape
     messages = [_xlog(encode_message(Insert(None, RELID, _tuple(r)))) for r in rows]
-    run = InsertRun([memoryview(m) for m in messages] if memoryviews else messages, 25, 26)
+    run = InsertRun.of([memoryview(m) for m in messages] if memoryviews else messages, 25, 26)
     assert run.relid_heads().tolist() == [HEAD] * len(rows)
     assert run.copy_text(0, len(rows), ncols) == _copy_lines(rows)
     # any stretch of it
@@ -66,7 +66,7 @@ def test_spooled_in_stream_inserts(shape: tuple[int, list], data: st.DataObject)
     ncols, rows = shape
     xids = data.draw(st.lists(ms.xids(), min_size=len(rows), max_size=len(rows)))
     messages = [encode_message(Insert(x, RELID, _tuple(r))) for x, r in zip(xids, rows, strict=True)]
-    run = InsertRun(messages, 0, 5)
+    run = InsertRun.of(messages, 0, 5)
     assert run.relid_heads().tolist() == [HEAD] * len(rows)
     assert run.copy_text(0, len(rows), ncols) == _copy_lines(rows)
 
@@ -80,7 +80,7 @@ def test_heads_tell_relations_and_other_messages_apart() -> None:
         _xlog(encode_message(Update(None, RELID, None, None, t))),
         _xlog(b"I"),  # too short to be an Insert
     ]
-    assert InsertRun(messages, 25, 26).relid_heads().tolist() == [HEAD, ((RELID + 1) << 8) | 78, -1, -1, -1]
+    assert InsertRun.of(messages, 25, 26).relid_heads().tolist() == [HEAD, ((RELID + 1) << 8) | 78, -1, -1, -1]
 
 
 @given(st.integers(1, 4).flatmap(lambda n: st.tuples(st.just(n), _rows(n))), st.data())
@@ -102,7 +102,7 @@ def test_damaged_messages_are_left_to_the_row_by_row_path(shape: tuple[int, list
         kinds = [i for i in range(33, len(wire)) if wire[i] == ord("t")]
         if kinds:
             wire[data.draw(st.sampled_from(kinds))] = data.draw(st.sampled_from([ord("b"), ord("u")]))
-    run = InsertRun([bytes(m) for m in messages], 25, 26)
+    run = InsertRun.of([bytes(m) for m in messages], 25, 26)
     heads = run.relid_heads().tolist()
     if heads[victim] != HEAD:
         return  # the caller would not even offer it as an Insert into this relation

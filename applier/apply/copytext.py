@@ -30,7 +30,7 @@ _NEEDS_ESCAPE = _ESCAPE_LETTER != 0
 
 
 class InsertRun:
-    """Messages that may hold Inserts, joined once so that any stretch of them can be converted.
+    """Messages that may hold Inserts, in one buffer, so that any stretch of them can be converted.
 
     ``relid_pos`` is where, in each message, the relation id is (followed by the ``'N'`` marker and the
     TupleData); ``kind_pos`` is where the ``'I'`` type byte is. In a live XLogData that is 25 and 26 (after the
@@ -39,25 +39,37 @@ class InsertRun:
 
     __slots__ = ("_data", "_starts", "_ends", "_null", "kind_pos", "relid_pos", "count")
 
-    def __init__(self, messages: Sequence[bytes | memoryview], kind_pos: int, relid_pos: int) -> None:
-        self.count = len(messages)
-        lens = np.fromiter(map(len, messages), dtype=_I64, count=self.count)
-        self._ends = np.cumsum(lens)
-        self._starts = self._ends - lens
-        joined = b"".join(messages)
-        # the NULL marker lives after the last message, so NULL columns can be copied like any value
-        self._null = len(joined)
-        self._data = np.frombuffer(joined + b"\\N", dtype=np.uint8)
+    def __init__(self, buffer: bytes, starts: np.ndarray, ends: np.ndarray, kind_pos: int, relid_pos: int) -> None:
+        """Messages at ``buffer[starts[i]:ends[i]]``."""
+        self.count = len(starts)
+        self._starts = starts
+        self._ends = ends
+        # the NULL marker lives after the buffer, so NULL columns can be copied like any value
+        self._null = len(buffer)
+        self._data = np.frombuffer(buffer + b"\\N", dtype=np.uint8)
         self.kind_pos = kind_pos
         self.relid_pos = relid_pos
 
-    def relid_heads(self) -> np.ndarray:
-        """Per message, the 5 bytes ``relid|'N'`` as one integer, or -1 when it is not an Insert at all."""
-        data, starts, ends = self._data, self._starts, self._ends
+    @classmethod
+    def of(cls, messages: Sequence[bytes | memoryview], kind_pos: int, relid_pos: int) -> InsertRun:
+        """Separate messages, joined once."""
+        lens = np.fromiter(map(len, messages), dtype=_I64, count=len(messages))
+        ends = np.cumsum(lens)
+        return cls(b"".join(messages), ends - lens, ends, kind_pos, relid_pos)
+
+    def others(self) -> list[int]:
+        """Indexes of the messages that are not Inserts (by their type byte)."""
+        kinds = self._data[np.minimum(self._starts + self.kind_pos, self._null)]
+        return np.flatnonzero(kinds != 73).tolist()  # type: ignore[no-any-return]
+
+    def relid_heads(self, first: int = 0, stop: int | None = None) -> np.ndarray:
+        """Per message (``first`` to ``stop - 1``), the 5 bytes ``relid|'N'`` as one integer, or -1 when it is
+        not an Insert at all."""
+        data, starts, ends = self._data, self._starts[first:stop], self._ends[first:stop]
         p = starts + self.relid_pos
         ok = (ends >= p + 7) & (data[np.minimum(starts + self.kind_pos, self._null - 1)] == 73)
         p = np.where(ok, p, 0)
-        head = np.zeros(self.count, dtype=_I64)
+        head = np.zeros(len(starts), dtype=_I64)
         for i in range(5):
             head = (head << 8) | data[p + i]
         return np.where(ok, head, -1)

@@ -508,22 +508,18 @@ class Applier:
             return None
         return (relid << 8) | 78, len(entry.names)
 
-    def handle_insert_run(
-        self, messages: Sequence[bytes | memoryview], kind_pos: int, relid_pos: int,
-        one: Callable[[bytes | memoryview], None],
-    ) -> None:  # fmt: skip
-        """Messages in arrival order, mostly Inserts: every stretch of at least :data:`VECTOR_MIN` of them that
-        goes into the open COPY is converted in one go (:mod:`applier.apply.copytext`); ``one`` handles the rest
-        message by message, exactly as if they had come alone (so a malformed one gets its precise error, and a
-        new relation starts its own run and, once long enough, its own COPY)."""
-        run = InsertRun(messages, kind_pos, relid_pos)
-        heads = run.relid_heads().tolist()
-        count = len(heads)
-        i = 0
-        while i < count:
-            head = heads[i]
+    def handle_insert_run(self, run: InsertRun, first: int, stop: int, one: Callable[[int], None]) -> None:
+        """Messages ``first`` to ``stop - 1`` of ``run``, in arrival order, mostly Inserts: every stretch of at
+        least :data:`VECTOR_MIN` of them that goes into the open COPY is converted in one go
+        (:mod:`applier.apply.copytext`); ``one(i)`` handles the rest message by message, exactly as if they had
+        come alone (so a malformed one gets its precise error, and a new relation starts its own run and, once
+        long enough, its own COPY)."""
+        heads = run.relid_heads(first, stop).tolist()
+        i = first
+        while i < stop:
+            head = heads[i - first]
             end = i + 1
-            while end < count and heads[end] == head:
+            while end < stop and heads[end - first] == head:
                 end += 1
             while i < end:
                 lane = self.copy_lane() if end - i >= VECTOR_MIN else None
@@ -535,10 +531,10 @@ class Applier:
                         self.converted_rows += end - i
                     else:  # not the simple shape: the whole stretch row by row
                         for j in range(i, end):
-                            one(messages[j])
+                            one(j)
                     i = end
                     break
-                one(messages[i])
+                one(i)
                 i += 1
 
     def _flush_run(self) -> None:
@@ -724,6 +720,11 @@ class Applier:
             return
         self.spool.write(int.from_bytes(payload[1:5], "big"), payload)
 
+    def spool_batch(self, messages: Sequence[bytes | memoryview], offset: int) -> None:
+        """Several changes of the open stream chunk at once, as :meth:`spool_raw` spools one
+        (``messages[i][offset:]`` is each one's raw bytes)."""
+        self.spool.write_batch(messages, offset)
+
     def handle_stream_start(self, m: StreamStart, payload: bytes = b"") -> None:
         """``apply_handle_stream_start``: open (or reopen) the transaction's spool file."""
         if self.stream_xid is not None:
@@ -756,13 +757,32 @@ class Applier:
         """``apply_spooled_messages``: run the spooled changes through the normal handlers."""
         self._start_remote(xid, final_lsn, message_type)
         handle = self._dispatch
-        for payload in self.spool.replay(xid):
-            msg = decode_message(payload, in_stream=True, encoding=self.encoding)
-            if not isinstance(msg, _SPOOLED):
-                raise self._protocol_error(
-                    message_type, f"unexpected {MESSAGE_NAMES[msg.__class__]} in spool of {xid}"
-                )
-            handle[msg.__class__](msg, payload)
+        encoding = self.encoding
+        for buffer, starts, ends in self.spool.replay_batches(xid):
+            at, to = starts.tolist(), ends.tolist()
+
+            def one(i: int, buffer: bytes = buffer, at: list[int] = at, to: list[int] = to) -> None:
+                payload = buffer[at[i] : to[i]]
+                msg = decode_message(payload, in_stream=True, encoding=encoding)
+                if not isinstance(msg, _SPOOLED):
+                    raise self._protocol_error(
+                        message_type, f"unexpected {MESSAGE_NAMES[msg.__class__]} in spool of {xid}"
+                    )
+                handle[msg.__class__](msg, payload)
+
+            # stretches of Inserts between the other changes go through handle_insert_run
+            run = InsertRun(buffer, starts, ends, 0, 5)
+            count = len(at)
+            first = 0
+            for k in [*run.others(), count]:
+                if k - first >= VECTOR_MIN:
+                    self.handle_insert_run(run, first, k, one)
+                else:
+                    for j in range(first, k):
+                        one(j)
+                if k < count:
+                    one(k)
+                first = k + 1
 
     def handle_stream_commit(self, m: StreamCommit, payload: bytes = b"") -> None:
         """``apply_handle_stream_commit``: replay the spool in one local transaction, then the Commit path."""

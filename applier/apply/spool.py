@@ -18,10 +18,12 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
+
+import numpy as np
 
 _LEN = struct.Struct(">i")
 _READ_BUFFER = 1 << 20
@@ -92,6 +94,49 @@ class Spool:
         xact.size += 4 + len(payload)
         xact.changes += 1
 
+    def write_batch(self, messages: Sequence[bytes | memoryview], offset: int) -> None:
+        """Append several change messages of the open chunk at once: ``messages[i][offset:]`` is each one's raw
+        bytes (``offset`` skips an envelope). Same records and bookkeeping as :meth:`write` one by one, with the
+        per-message work done as array operations and a single ``write``. Every message must be at least
+        5 bytes long (type byte and subtransaction xid)."""
+        xid = self._open_xid
+        if xid is None or self._file is None:
+            raise RuntimeError("spool write outside a stream chunk")
+        xact = self._xacts[xid]
+        count = len(messages)
+        if not count:
+            return
+        lens = np.fromiter(map(len, messages), dtype=np.int64, count=count)
+        src_end = np.cumsum(lens)
+        src_start = src_end - lens + offset
+        data = np.frombuffer(b"".join(messages), dtype=np.uint8)
+        sizes = lens - offset  # record payload sizes
+        if (sizes < 5).any():
+            raise ValueError("a streamed change shorter than its type byte and xid")
+        subxids = np.zeros(count, dtype=np.int64)
+        for k in range(1, 5):
+            subxids = (subxids << 8) | data[src_start + k]
+        rec_end = np.cumsum(sizes + 4)
+        rec_start = rec_end - sizes - 4  # where each record's int32 length goes, relative to xact.size
+        uniq, first = np.unique(subxids, return_index=True)
+        for i in np.argsort(first).tolist():  # in order of first appearance
+            subxid = int(uniq[i])
+            if subxid != xid and subxid not in xact.known_subxids:
+                xact.known_subxids.add(subxid)
+                xact.subxacts.append((subxid, xact.size + int(rec_start[first[i]])))
+        total = int(rec_end[-1])
+        out = np.empty(total, dtype=np.uint8)
+        header = rec_start.reshape(-1, 1) + np.arange(4)
+        out[header] = sizes.astype(">i4").view(np.uint8).reshape(-1, 4)
+        # every payload byte: its source index is its output index shifted by its record's offset
+        mask = np.ones(total, dtype=bool)
+        mask[header.ravel()] = False
+        positions = np.flatnonzero(mask)
+        out[positions] = data[positions + np.repeat(src_start - rec_start - 4, sizes)]
+        self._file.write(out.tobytes())
+        xact.size += total
+        xact.changes += count
+
     def close_chunk(self) -> None:
         """Stream Stop: close the file (the data stays until commit/prepare/abort)."""
         if self._file is not None:
@@ -139,26 +184,47 @@ class Spool:
         return 0 if xact is None else xact.size
 
     def replay(self, xid: int) -> Iterator[bytes]:
-        """The spooled messages of ``xid`` in order, read incrementally (memory stays flat)."""
+        """The spooled messages of ``xid`` in order, one by one."""
+        for buffer, starts, ends in self.replay_batches(xid):
+            for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
+                yield buffer[start:end]
+
+    def replay_batches(self, xid: int) -> Iterator[tuple[bytes, np.ndarray, np.ndarray]]:
+        """The spooled messages of ``xid`` in order, a read at a time: ``(buffer, starts, ends)`` with message
+        ``i`` at ``buffer[starts[i]:ends[i]]``. Memory stays flat: one read of :data:`_READ_BUFFER` bytes (or
+        one record, when a record is larger)."""
         xact = self._xacts.get(xid)
         if xact is None:
             return
         if self._open_xid == xid:
             self.close_chunk()
-        with open(xact.path, "rb", buffering=_READ_BUFFER) as f:
-            read = f.read
-            unpack = _LEN.unpack
+        unpack = _LEN.unpack_from
+        with open(xact.path, "rb", buffering=0) as f:
             remaining = xact.size
+            carry = b""
             while remaining > 0:
-                head = read(4)
-                if len(head) < 4:
+                chunk = f.read(min(_READ_BUFFER, remaining))
+                if not chunk:
                     raise OSError(f"spool file {xact.path} is truncated")
-                (n,) = unpack(head)
-                data = read(n)
-                if len(data) < n:
-                    raise OSError(f"spool file {xact.path} is truncated")
-                remaining -= 4 + n
-                yield data
+                remaining -= len(chunk)
+                buffer = carry + chunk if carry else chunk
+                starts: list[int] = []
+                ends: list[int] = []
+                off = 0
+                size = len(buffer)
+                while off + 4 <= size:
+                    (n,) = unpack(buffer, off)
+                    end = off + 4 + n
+                    if end > size:
+                        break
+                    starts.append(off + 4)
+                    ends.append(end)
+                    off = end
+                carry = buffer[off:]
+                if starts:
+                    yield buffer, np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64)
+            if carry:
+                raise OSError(f"spool file {xact.path} is truncated")
 
     def __len__(self) -> int:
         return len(self._xacts)

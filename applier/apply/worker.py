@@ -35,6 +35,7 @@ import sqlalchemy.exc
 import tenacity
 
 from applier.apply.context import ApplyError, ErrorContext
+from applier.apply.copytext import InsertRun
 from applier.apply.feedback import FeedbackTracker
 from applier.apply.handlers import RAW_SPOOL_TYPES, Applier, SkipState, TableStates
 from applier.apply.spool import Spool, default_spool_dir
@@ -66,6 +67,10 @@ FLUSH_POLL_INTERVAL = 0.1
 BURST = 5000
 #: dataStart and walEnd of an XLogData envelope
 _XLOG_POSITIONS = struct.Struct(">QQ").unpack_from
+#: the message types read undecoded (see ReplicationConnection.read_undecoded): inside a stream chunk, the changes
+#: that are spooled; with a COPY open, Inserts
+STREAMED_CHANGE = bytes(1 if t in RAW_SPOOL_TYPES else 0 for t in range(256))
+INSERT = bytes(1 if t == ord("I") else 0 for t in range(256))
 #: How often the worker hands its counters to the Prometheus metrics (off the per-message path).
 METRICS_INTERVAL = 1.0
 #: How often the sync-state pass re-reads the table states while the stream is busy (when idle: REREAD_INTERVAL).
@@ -525,12 +530,12 @@ class ApplyWorker:
         spool_raw = applier.spool_raw
         insert = applier.handle_insert_bytes
         copy_lane = applier.copy_lane
-        read_inserts = repl.read_inserts
+        read_undecoded = repl.read_undecoded
         insert_run = applier.handle_insert_run
-        inserts: list[memoryview] = []
+        bulk: list[memoryview] = []  # messages read undecoded, handled together
 
-        def insert_one(data: bytes | memoryview) -> None:
-            insert(bytes(data[25:]))
+        def insert_one(i: int) -> None:
+            insert(bytes(bulk[i][25:]))
         decode = decoder.decode
         stats = self.stats
         last_heard = time.monotonic()
@@ -550,15 +555,26 @@ class ApplyWorker:
             n = 0
             while n < BURST:
                 item = None
-                if copy_lane() is not None:
-                    # an open COPY: Inserts are gathered undecoded and converted stretch by stretch
-                    item = read_inserts(inserts, BURST - n)
-                    if inserts:
-                        n += len(inserts)
-                        data_start, wal_end = _XLOG_POSITIONS(inserts[-1], 1)
+                if decoder.in_stream and applier.stream_xid is not None:
+                    # a stream chunk: its changes are gathered undecoded and spooled together
+                    item = read_undecoded(bulk, BURST - n, STREAMED_CHANGE)
+                    if bulk:
+                        n += len(bulk)
+                        data_start, wal_end = _XLOG_POSITIONS(bulk[-1], 1)
                         tracker.received(max(data_start, wal_end))
-                        insert_run(inserts, 25, 26, insert_one)
-                        inserts.clear()
+                        applier.spool_batch(bulk, 25)
+                        bulk.clear()
+                        if item is None:
+                            continue
+                elif copy_lane() is not None:
+                    # an open COPY: Inserts are gathered undecoded and converted stretch by stretch
+                    item = read_undecoded(bulk, BURST - n, INSERT)
+                    if bulk:
+                        n += len(bulk)
+                        data_start, wal_end = _XLOG_POSITIONS(bulk[-1], 1)
+                        tracker.received(max(data_start, wal_end))
+                        insert_run(InsertRun.of(bulk, 25, 26), 0, len(bulk), insert_one)
+                        bulk.clear()
                         if item is None:
                             continue
                 if item is None:
