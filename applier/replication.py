@@ -51,6 +51,8 @@ __all__ = [
 #: these so that every value is unambiguous and lossless (behaviour 1).
 REPLICATION_SESSION_OPTIONS = "-c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3"
 
+#: read_undecoded stops gathering at this many bytes, so what is handled together stays a few MB of arrays
+UNDECODED_MAX_BYTES = 1 << 20
 _COPY_BOTH = pq.ExecStatus.COPY_BOTH
 _COPY_IN = pq.ExecStatus.COPY_IN
 _COMMAND_OK = pq.ExecStatus.COMMAND_OK
@@ -487,21 +489,24 @@ class ReplicationConnection:
     def read_undecoded(self, into: list[memoryview], limit: int, wanted: bytes) -> XLogData | PrimaryKeepalive | None:
         """Drain libpq's buffer without decoding the messages the caller handles in bulk: every XLogData whose
         message type byte ``t`` has ``wanted[t]`` set (and that is at least 5 bytes long) is appended to ``into``
-        as received, envelope included, until ``limit`` of them are there; the first other message is decoded and
-        returned (it comes after everything in ``into``, in stream order). ``None``: the buffer is empty or
-        ``limit`` was reached. Never waits on the socket (:meth:`read` does that)."""
+        as received, envelope included, until ``limit`` of them, or :data:`UNDECODED_MAX_BYTES`, are there; the
+        first other message is decoded and returned (it comes after everything in ``into``, in stream order).
+        ``None``: the buffer is empty or a limit was reached. Never waits on the socket (:meth:`read` does
+        that)."""
         pgconn = self._pgconn
         if pgconn is None or not self._streaming or self._ended:
             raise ReplicationConnectionError("read_undecoded() needs a started stream")
         get = pgconn.get_copy_data
         append = into.append
-        while len(into) < limit:
+        size = 0
+        while len(into) < limit and size < UNDECODED_MAX_BYTES:
             try:
                 nbytes, data = get(1)
             except psycopg.OperationalError as exc:
                 raise self._lost(exc) from None
             if nbytes >= 30 and data[0] == 119 and wanted[data[25]]:  # an XLogData the caller wants
                 append(data)
+                size += nbytes
                 continue
             if nbytes > 0:
                 msg = decode_envelope(data)

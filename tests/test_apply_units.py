@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import given
@@ -123,8 +125,9 @@ def test_spool_subtransaction_abort_truncates_and_replay_is_ordered(tmp_path):
     ),
     st.sampled_from([None, 101, 102]),
     st.integers(8, 64),
+    st.sampled_from([1 << 16, 40]),
 )
-def test_spool_batches_write_and_read_what_single_writes_do(ops, abort, read_size) -> None:
+def test_spool_batches_write_and_read_what_single_writes_do(ops, abort, read_size, batch_max) -> None:
     """``write_batch`` (the worker's path for a stream chunk) leaves the same file and the same subtransaction
     offsets as one ``write`` per message, and ``replay_batches`` gives every record back in order whatever the read
     size (records larger than a read included)."""
@@ -134,7 +137,7 @@ def test_spool_batches_write_and_read_what_single_writes_do(ops, abort, read_siz
     from applier.apply import spool as spool_module
 
     payloads = [b"I" + x.to_bytes(4, "big") + body for x, body, _ in ops]
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as d, _patched(spool_module, "_BATCH_MESSAGE_MAX", batch_max):
         one, many = Spool(Path(d) / "one", 1), Spool(Path(d) / "many", 1)
         for s in (one, many):
             s.start_chunk(100, True)
@@ -155,14 +158,21 @@ def test_spool_batches_write_and_read_what_single_writes_do(ops, abort, read_siz
                 s.abort(100, abort)
         assert many._xacts[100] == dataclasses.replace(one._xacts[100], path=many._xacts[100].path)
         assert many._xacts[100].path.read_bytes() == one._xacts[100].path.read_bytes()
-        old = spool_module._READ_BUFFER
-        spool_module._READ_BUFFER = read_size
-        try:
+        with _patched(spool_module, "_READ_BUFFER", read_size):
             assert list(many.replay(100)) == list(one.replay(100))
             if abort is None:
                 assert list(many.replay(100)) == payloads
-        finally:
-            spool_module._READ_BUFFER = old
+
+
+@contextlib.contextmanager
+def _patched(module: object, name: str, value: object) -> Iterator[None]:
+    """A module constant set for the duration (hypothesis tests cannot take pytest's function-scoped fixtures)."""
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
 
 
 def test_spool_cleanup_and_unknown_xids(tmp_path):

@@ -118,3 +118,14 @@ def test_damaged_messages_are_left_to_the_row_by_row_path(shape: tuple[int, list
         assert relid == RELID and len(tup.values) == ncols and set(tup.kinds) <= {ord("t"), ord("n")}
         decoded.append(tup.values)
     assert text == _copy_lines(decoded)
+
+
+def test_large_messages_go_row_by_row(monkeypatch) -> None:
+    """A row carrying a large value is left to the row-by-row path: converting it would take index arrays many
+    times its size."""
+    from applier.apply import copytext
+
+    small, large = _tuple((b"x",)), _tuple((b"y" * 200,))
+    messages = [_xlog(encode_message(Insert(None, RELID, t))) for t in (small, large, small)]
+    monkeypatch.setattr(copytext, "MAX_MESSAGE", 100)
+    assert InsertRun.of(messages, 25, 26).relid_heads().tolist() == [HEAD, -1, HEAD]

@@ -29,6 +29,11 @@ _ESCAPE_LETTER[[_TAB, _NL, _CR, _BACKSLASH]] = [ord("t"), ord("n"), ord("r"), _B
 _NEEDS_ESCAPE = _ESCAPE_LETTER != 0
 
 
+#: Larger messages go row by row: converting costs about 20 bytes of index arrays per byte of the stretch, which
+#: is nothing for ordinary rows and too much for a row carrying a large value.
+MAX_MESSAGE = 1 << 16
+
+
 class InsertRun:
     """Messages that may hold Inserts, in one buffer, so that any stretch of them can be converted.
 
@@ -64,10 +69,11 @@ class InsertRun:
 
     def relid_heads(self, first: int = 0, stop: int | None = None) -> np.ndarray:
         """Per message (``first`` to ``stop - 1``), the 5 bytes ``relid|'N'`` as one integer, or -1 when it is
-        not an Insert at all."""
+        not an Insert at all, or larger than :data:`MAX_MESSAGE`."""
         data, starts, ends = self._data, self._starts[first:stop], self._ends[first:stop]
         p = starts + self.relid_pos
         ok = (ends >= p + 7) & (data[np.minimum(starts + self.kind_pos, self._null - 1)] == 73)
+        ok &= ends - starts <= MAX_MESSAGE
         p = np.where(ok, p, 0)
         head = np.zeros(len(starts), dtype=_I64)
         for i in range(5):

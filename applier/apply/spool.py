@@ -27,6 +27,8 @@ import numpy as np
 
 _LEN = struct.Struct(">i")
 _READ_BUFFER = 1 << 20
+#: messages above this size are written on their own by Spool.write_batch
+_BATCH_MESSAGE_MAX = 1 << 16
 
 
 @dataclass
@@ -102,6 +104,17 @@ class Spool:
         xid = self._open_xid
         if xid is None or self._file is None:
             raise RuntimeError("spool write outside a stream chunk")
+        start = 0
+        for i, m in enumerate(messages):
+            if len(m) > _BATCH_MESSAGE_MAX:  # a large value: written on its own (index arrays cost 16 bytes a byte)
+                self._write_many(messages[start:i], offset)
+                self.write(int.from_bytes(m[offset + 1 : offset + 5], "big"), bytes(m[offset:]))
+                start = i + 1
+        self._write_many(messages[start:], offset)
+
+    def _write_many(self, messages: Sequence[bytes | memoryview], offset: int) -> None:
+        xid = self._open_xid
+        assert xid is not None and self._file is not None
         xact = self._xacts[xid]
         count = len(messages)
         if not count:
