@@ -209,6 +209,8 @@ def _check_fast_constructors() -> None:
         (Update, ("xid", "relid", "old_kind", "old", "new")),
         (Delete, ("xid", "relid", "old_kind", "old")),
         (XLogData, ("data_start", "wal_end", "send_time", "payload")),
+        (Begin, ("final_lsn", "commit_time", "xid")),
+        (Commit, ("flags", "commit_lsn", "end_lsn", "commit_time")),
     ):
         if tuple(f.name for f in dataclasses.fields(cls)) != names:
             raise RuntimeError(
@@ -235,6 +237,13 @@ _set_xl_data_start = XLogData.data_start.__set__  # type: ignore[attr-defined]
 _set_xl_wal_end = XLogData.wal_end.__set__  # type: ignore[attr-defined]
 _set_xl_send_time = XLogData.send_time.__set__  # type: ignore[attr-defined]
 _set_xl_payload = XLogData.payload.__set__  # type: ignore[attr-defined]
+_set_begin_final_lsn = Begin.final_lsn.__set__  # type: ignore[attr-defined]
+_set_begin_commit_time = Begin.commit_time.__set__  # type: ignore[attr-defined]
+_set_begin_xid = Begin.xid.__set__  # type: ignore[attr-defined]
+_set_commit_flags = Commit.flags.__set__  # type: ignore[attr-defined]
+_set_commit_commit_lsn = Commit.commit_lsn.__set__  # type: ignore[attr-defined]
+_set_commit_end_lsn = Commit.end_lsn.__set__  # type: ignore[attr-defined]
+_set_commit_commit_time = Commit.commit_time.__set__  # type: ignore[attr-defined]
 
 
 def _make_tuple(kinds: bytes, values: tuple[bytes | None, ...]) -> TupleData:
@@ -270,6 +279,23 @@ def _make_delete(xid: int | None, relid: int, old_kind: str, old: TupleData) -> 
     _set_del_relid(m, relid)
     _set_del_old_kind(m, old_kind)
     _set_del_old(m, old)
+    return m
+
+
+def _make_begin(final_lsn: int, commit_time: int, xid: int) -> Begin:
+    m = _new(Begin)
+    _set_begin_final_lsn(m, final_lsn)
+    _set_begin_commit_time(m, commit_time)
+    _set_begin_xid(m, xid)
+    return m
+
+
+def _make_commit(flags: int, commit_lsn: int, end_lsn: int, commit_time: int) -> Commit:
+    m = _new(Commit)
+    _set_commit_flags(m, flags)
+    _set_commit_commit_lsn(m, commit_lsn)
+    _set_commit_end_lsn(m, end_lsn)
+    _set_commit_commit_time(m, commit_time)
     return m
 
 
@@ -378,7 +404,7 @@ def _decode_begin(buf: bytes, in_stream: bool, encoding: str) -> Begin:
         raise DecodeError("Begin", 1, "final_lsn not set in begin message")
     if len(buf) != 21:
         raise _trailing(buf, 21, "Begin")
-    return Begin(final_lsn, commit_time, xid)
+    return _make_begin(final_lsn, commit_time, xid)
 
 
 def _decode_commit(buf: bytes, in_stream: bool, encoding: str) -> Commit:
@@ -387,7 +413,7 @@ def _decode_commit(buf: bytes, in_stream: bool, encoding: str) -> Commit:
         raise DecodeError("Commit", 1, f"unrecognized flags {flags} in commit message")
     if len(buf) != 26:
         raise _trailing(buf, 26, "Commit")
-    return Commit(flags, commit_lsn, end_lsn, commit_time)
+    return _make_commit(flags, commit_lsn, end_lsn, commit_time)
 
 
 def _decode_origin(buf: bytes, in_stream: bool, encoding: str) -> Origin:

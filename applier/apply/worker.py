@@ -37,7 +37,7 @@ import tenacity
 from applier.apply.context import ApplyError, ErrorContext
 from applier.apply.copytext import InsertRun
 from applier.apply.feedback import FeedbackTracker
-from applier.apply.handlers import RAW_SPOOL_TYPES, Applier, SkipState, TableStates
+from applier.apply.handlers import RAW_SPOOL_TYPES, VECTOR_MIN, Applier, SkipState, TableStates
 from applier.apply.spool import Spool, default_spool_dir
 from applier.apply.target import Target, TargetConnectionError
 from applier.decoder import MessageDecoder
@@ -67,10 +67,10 @@ FLUSH_POLL_INTERVAL = 0.1
 BURST = 5000
 #: dataStart and walEnd of an XLogData envelope
 _XLOG_POSITIONS = struct.Struct(">QQ").unpack_from
-#: the message types read undecoded (see ReplicationConnection.read_undecoded): inside a stream chunk, the changes
-#: that are spooled; with a COPY open, Inserts
+#: every XLogData is read undecoded (ReplicationConnection.read_undecoded) and handled in batches
+XLOG_MESSAGE = bytes([1] * 256)
+#: the changes that a stream chunk spools
 STREAMED_CHANGE = bytes(1 if t in RAW_SPOOL_TYPES else 0 for t in range(256))
-INSERT = bytes(1 if t == ord("I") else 0 for t in range(256))
 #: How often the worker hands its counters to the Prometheus metrics (off the per-message path).
 METRICS_INTERVAL = 1.0
 #: How often the sync-state pass re-reads the table states while the stream is busy (when idle: REREAD_INTERVAL).
@@ -532,10 +532,49 @@ class ApplyWorker:
         copy_lane = applier.copy_lane
         read_undecoded = repl.read_undecoded
         insert_run = applier.handle_insert_run
-        bulk: list[memoryview] = []  # messages read undecoded, handled together
+        spool_batch = applier.spool_batch
+        bulk: list[memoryview] = []  # XLogData read undecoded, envelope included, handled together
 
-        def insert_one(i: int) -> None:
-            insert(bytes(bulk[i][25:]))
+        def dispatch(payload: bytes) -> None:
+            """One pgoutput message."""
+            if decoder.in_stream:
+                if payload[0] in RAW_SPOOL_TYPES:
+                    spool_raw(payload)  # a streamed change: spooled undecoded, decoded once at replay
+                else:
+                    handle(decode(payload), payload)
+            elif payload[0] == 73:  # 'I'
+                insert(payload)
+            else:
+                handle(decode(payload), payload)
+
+        def dispatch_bulk(messages: list[memoryview]) -> None:
+            """XLogData in stream order. Message by message, except two kinds of stretches, handled together: the
+            changes of a stream chunk (spooled with one write) and Inserts into an open COPY (converted into COPY
+            text at once, applier.apply.copytext)."""
+            i, count = 0, len(messages)
+            while i < count:
+                kind = messages[i][25]
+                if decoder.in_stream and applier.stream_xid is not None and STREAMED_CHANGE[kind]:
+                    j = i + 1
+                    while j < count and STREAMED_CHANGE[messages[j][25]]:
+                        j += 1
+                    spool_batch(messages[i:j], 25)
+                    i = j
+                    continue
+                if kind == 73 and not decoder.in_stream and copy_lane() is not None:
+                    j = i + 1
+                    while j < count and messages[j][25] == 73:
+                        j += 1
+                    if j - i >= VECTOR_MIN:
+                        stretch = messages[i:j]
+                        insert_run(
+                            InsertRun.of(stretch, 25, 26), 0, j - i,
+                            lambda k, stretch=stretch: insert(bytes(stretch[k][25:])),  # type: ignore[misc]
+                        )  # fmt: skip
+                        i = j
+                        continue
+                dispatch(bytes(messages[i][25:]))
+                i += 1
         decode = decoder.decode
         stats = self.stats
         last_heard = time.monotonic()
@@ -554,29 +593,16 @@ class ApplyWorker:
             timeout = 0.2 if tracker.pending else 1.0
             n = 0
             while n < BURST:
-                item = None
-                if decoder.in_stream and applier.stream_xid is not None:
-                    # a stream chunk: its changes are gathered undecoded and spooled together
-                    item = read_undecoded(bulk, BURST - n, STREAMED_CHANGE)
-                    if bulk:
-                        n += len(bulk)
-                        data_start, wal_end = _XLOG_POSITIONS(bulk[-1], 1)
-                        tracker.received(max(data_start, wal_end))
-                        applier.spool_batch(bulk, 25)
-                        bulk.clear()
-                        if item is None:
-                            continue
-                elif copy_lane() is not None:
-                    # an open COPY: Inserts are gathered undecoded and converted stretch by stretch
-                    item = read_undecoded(bulk, BURST - n, INSERT)
-                    if bulk:
-                        n += len(bulk)
-                        data_start, wal_end = _XLOG_POSITIONS(bulk[-1], 1)
-                        tracker.received(max(data_start, wal_end))
-                        insert_run(InsertRun.of(bulk, 25, 26), 0, len(bulk), insert_one)
-                        bulk.clear()
-                        if item is None:
-                            continue
+                # what libpq already holds is taken undecoded, as a batch (see dispatch_bulk)
+                item = read_undecoded(bulk, BURST - n, XLOG_MESSAGE)
+                if bulk:
+                    n += len(bulk)
+                    data_start, wal_end = _XLOG_POSITIONS(bulk[-1], 1)
+                    tracker.received(max(data_start, wal_end))
+                    dispatch_bulk(bulk)
+                    bulk.clear()
+                    if item is None:
+                        continue
                 if item is None:
                     item = read(timeout if n == 0 else 0)
                     if item is None:
@@ -584,16 +610,7 @@ class ApplyWorker:
                 n += 1
                 if item.__class__ is XLogData:
                     tracker.received(max(item.data_start, item.wal_end))
-                    payload = item.payload
-                    if decoder.in_stream:
-                        if payload[0] in RAW_SPOOL_TYPES:
-                            spool_raw(payload)  # a streamed change: spooled undecoded, decoded once at replay
-                        else:
-                            handle(decode(payload), payload)
-                    elif payload[0] == 73:  # 'I'
-                        insert(payload)
-                    else:
-                        handle(decode(payload), payload)
+                    dispatch(item.payload)
                 elif item.__class__ is PrimaryKeepalive:
                     tracker.received(item.wal_end)
                     if item.reply_requested:
