@@ -84,6 +84,8 @@ _GROUPABLE = frozenset((Begin, Commit, Origin, Relation, Type, Insert, Update, D
 GROUP_MAX_TRANSACTIONS = 1000
 #: ... or once its remote transactions hold this many row changes.
 GROUP_MAX_ROWS = 100_000
+#: the row operations counted in Applier.rows, in the order of Applier._pending_rows
+_OPERATIONS = ("insert", "update", "delete", "truncate")
 #: Inserts in a stretch below this go row by row: converting a stretch costs a fixed ~50 µs of array calls
 VECTOR_MIN = 32
 
@@ -277,9 +279,11 @@ class Applier:
         self.transactions += 1
         self.kinds[kind] += 1
         pending = self._pending_rows
-        if any(pending):
-            for op, n in zip(("insert", "update", "delete", "truncate"), pending, strict=True):
-                self.rows[op] += n
+        if pending[0] or pending[1] or pending[2] or pending[3]:
+            rows = self.rows
+            for op, n in zip(_OPERATIONS, pending, strict=True):
+                if n:
+                    rows[op] += n
             self._pending_rows = [0, 0, 0, 0]
 
     def handle_begin(self, m: Begin, payload: bytes = b"") -> None:

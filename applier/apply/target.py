@@ -655,9 +655,11 @@ class Target:
     def _search_shape(entry: RelMapEntry, search: TupleData) -> bytes:
         """Per searched column: ``v`` value, ``n`` NULL, ``u`` unchanged TOAST: the part of a statement-cache key
         that decides the WHERE clause."""
-        if entry.key_positions is None:
-            return search.kinds.translate(_SHAPE)
         kinds = search.kinds
+        if entry.key_positions is None:
+            return kinds.translate(_SHAPE)
+        if _N not in kinds and _U not in kinds:  # the usual case: every key column has a value
+            return _ALL_VALUES[len(entry.key_positions)]
         return bytes([kinds[i] for i in entry.key_positions]).translate(_SHAPE)
 
     @staticmethod
@@ -667,10 +669,14 @@ class Target:
         """Parameter values (and their kinds) of the row-identifying condition for ``shape``."""
         positions = entry.key_positions if entry.key_positions is not None else range(len(entry.names))
         values = search.values
-        kinds = search.kinds
         if b"n" not in shape and b"u" not in shape:
-            return [values[i] for i in positions], bytes([kinds[i] for i in positions])
-        used = [i for i, c in zip(positions, shape, strict=True) if c == _V]
+            used: Sequence[int] = positions
+        else:
+            used = [i for i, c in zip(positions, shape, strict=True) if c == _V]
+        if len(used) == 1:
+            i = used[0]
+            return [values[i]], search.kinds[i : i + 1]
+        kinds = search.kinds
         return [values[i] for i in used], bytes([kinds[i] for i in used])
 
     @staticmethod
@@ -852,6 +858,9 @@ def _copy_escape(v: bytes | None) -> bytes:
 
 _V = ord("v")
 _N = ord("n")
+_U = ord("u")
+#: the search shape when every key column has a value, by key width
+_ALL_VALUES = [b"v" * n for n in range(33)]
 
 
 class _CopyRun:
