@@ -51,6 +51,9 @@ __all__ = [
 #: these so that every value is unambiguous and lossless (behaviour 1).
 REPLICATION_SESSION_OPTIONS = "-c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3"
 
+#: what read() passes to read_undecoded: no message type is taken undecoded, so it returns the first one decoded
+_NO_TYPES = bytes(256)
+_NOTHING: list[memoryview] = []
 #: read_undecoded stops gathering at this many bytes, so what is handled together stays a few MB of arrays
 UNDECODED_MAX_BYTES = 1 << 20
 _COPY_BOTH = pq.ExecStatus.COPY_BOTH
@@ -456,20 +459,11 @@ class ReplicationConnection:
             raise ReplicationConnectionError("read() needs a started stream (call start_replication first)")
         if self._ended:
             raise StreamEnded("the replication stream has already ended")
-        get = pgconn.get_copy_data
         deadline = -1.0
         while True:
-            try:
-                nbytes, data = get(1)
-            except psycopg.OperationalError as exc:
-                raise self._lost(exc) from None
-            if nbytes > 0:
-                msg = decode_envelope(data)
-                if msg is not None and msg.__class__ is not StandbyStatusUpdate:
-                    return msg
-                continue
-            if nbytes < 0:
-                self._end_of_copy()
+            msg = self.read_undecoded(_NOTHING, 1, _NO_TYPES)  # the first buffered message, decoded
+            if msg is not None:
+                return msg
             # Nothing buffered: wait for the socket, then read whatever arrived into libpq's buffer.
             now = time.monotonic()
             if deadline < 0:
