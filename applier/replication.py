@@ -480,13 +480,16 @@ class ReplicationConnection:
                 self._drain_after_failure()
                 raise self._lost(exc) from None
 
-    def read_undecoded(self, into: list[memoryview], limit: int, wanted: bytes) -> XLogData | PrimaryKeepalive | None:
+    def read_undecoded(
+        self, into: list[memoryview], limit: int, wanted: bytes, *, refill: bool = False
+    ) -> XLogData | PrimaryKeepalive | None:
         """Drain libpq's buffer without decoding the messages the caller handles in bulk: every XLogData whose
         message type byte ``t`` has ``wanted[t]`` set (and that is at least 5 bytes long) is appended to ``into``
         as received, envelope included, until ``limit`` of them, or :data:`UNDECODED_MAX_BYTES`, are there; the
         first other message is decoded and returned (it comes after everything in ``into``, in stream order).
         ``None``: the buffer is empty or a limit was reached. Never waits on the socket (:meth:`read` does
-        that)."""
+        that); with ``refill``, an empty buffer is refilled from the socket as long as the socket has data right
+        now (so a backlog comes in batches of up to the limits, not of one socket read, about 16 kB)."""
         pgconn = self._pgconn
         if pgconn is None or not self._streaming or self._ended:
             raise ReplicationConnectionError("read_undecoded() needs a started stream")
@@ -509,7 +512,13 @@ class ReplicationConnection:
                 continue
             if nbytes < 0:
                 self._end_of_copy()
-            return None
+            if not refill or not select.select([self._fd], [], [], 0)[0]:
+                return None
+            try:
+                pgconn.consume_input()
+            except psycopg.OperationalError as exc:
+                self._drain_after_failure()
+                raise self._lost(exc) from None
         return None
 
     def send_status(

@@ -91,35 +91,34 @@ class InsertRun:
         if n <= 0 or ncols <= 0:
             return None
         last = self._null - 1
+        # Malformed input is collected in ``bad`` and refused once at the end; until then every index is clipped
+        # into the buffer, so that nothing can fail on the way.
         off = starts + (self.relid_pos + 5)
-        if (ends < off + 2).any():
-            return None
-        counts = (data[off].astype(_I64) << 8) | data[off + 1]
-        if (counts != ncols).any():
-            return None
+        bad = ends < off + 2
+        p = np.clip(off, 0, last - 1)
+        bad |= ((data[p].astype(_I64) << 8) | data[p + 1]) != ncols
         off = off + 2
         seg_start = np.empty((n, ncols), dtype=_I64)
         seg_len = np.empty((n, ncols), dtype=_I64)
         is_null = np.empty((n, ncols), dtype=bool)
         for c in range(ncols):
-            kind = data[np.minimum(off, last)]
+            kind = data[np.clip(off, 0, last)]
             null = kind == _KIND_NULL
-            text = kind == _KIND_TEXT
-            if not (null | text).all() or (off >= ends).any():
-                return None
-            q = np.minimum(off + 1, last - 3)
+            bad |= (kind != _KIND_TEXT) & ~null
+            bad |= off >= ends
+            q = np.clip(off + 1, 0, last - 3)
             length = (
                 (data[q].astype(_I64) << 24) | (data[q + 1].astype(_I64) << 16)
                 | (data[q + 2].astype(_I64) << 8) | data[q + 3]
             )  # fmt: skip
-            length = np.where(null, 2, length)
+            bad |= (length < 0) & ~null  # (a NULL has no length: these are the next bytes)
+            length[null] = 2
             seg_start[:, c] = np.where(null, self._null, off + 5)
             seg_len[:, c] = length
             is_null[:, c] = null
             off = np.where(null, off + 1, off + 5 + length)
-            if (off > ends).any() or (length < 0).any():
-                return None
-        if (off != ends).any():
+        bad |= off != ends
+        if bad.any():
             return None
         return _gather(data, seg_start.ravel(), seg_len.ravel(), is_null.ravel(), ncols)
 

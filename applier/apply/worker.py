@@ -594,7 +594,7 @@ class ApplyWorker:
             n = 0
             while n < BURST:
                 # what libpq already holds is taken undecoded, as a batch (see dispatch_bulk)
-                item = read_undecoded(bulk, BURST - n, XLOG_MESSAGE)
+                item = read_undecoded(bulk, BURST - n, XLOG_MESSAGE, refill=True)
                 if bulk:
                     n += len(bulk)
                     data_start, wal_end = _XLOG_POSITIONS(bulk[-1], 1)
