@@ -321,6 +321,13 @@ class HeadStart:
         """Take no new partition (the one under way finishes)."""
         self._stop.set()
 
+    def wait(self) -> frozenset[int]:
+        """Wait until every stream has ended on its own (its partitions copied, or one failed and left the rest
+        to Spark), and return :attr:`done`."""
+        for proc in self._procs:
+            proc.join()
+        return self.done
+
     def join(self) -> frozenset[int]:
         """Stop, wait for the partition under way, and return :attr:`done`."""
         self._stop.set()

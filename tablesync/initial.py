@@ -554,6 +554,12 @@ class InitialCopy:
                         starter.abandon()
                         return self.complete() if self.copy(None) else self.result(stopped=True)
                 handle = starter.handle()
+                if self.head_start is not None and len(self.tasks) - len(self.head_start.done) <= streams:
+                    # what is left is already under way in the driver: a Spark job would only wait for it
+                    if len(self.head_start.wait()) == len(self.tasks):
+                        self.reporter.note("Spark was ready as the driver copied the last partitions: not needed")
+                        starter.abandon()
+                        return self.complete() if self.copy(None) else self.result(stopped=True)
                 if self.head_start is not None:
                     self.head_start.stop()
                     self.reporter.note(

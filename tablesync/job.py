@@ -323,11 +323,16 @@ class SessionStarter:
             self._handle = None
 
     def abandon(self) -> None:
-        """The session is not needed: stop it when its start ends (in the background), without waiting."""
+        """The session is not needed: stop it when its start ends, in the background, without waiting (stopping
+        a started session takes about a second, which the copy's caller need not wait for)."""
         with self._mu:
             self._abandoned = True
             done = self._done.is_set()
         if done:
+            threading.Thread(target=self._stop_locked, name="tablesync-spark-stop", daemon=True).start()
+
+    def _stop_locked(self) -> None:
+        with _START_LOCK:  # no new session may find this one still active while it stops
             self._stop_session()
 
 
