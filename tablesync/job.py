@@ -310,12 +310,14 @@ class SessionStarter:
         return self._handle
 
     def release(self) -> None:
-        """Wait for the start to end, then stop the session if it was created here (see :func:`release`).
-        Returns at once after :meth:`abandon`."""
+        """Wait for the start to end, then stop the session if it was created here (see :func:`release`), in the
+        background: the copy is done by then, and stopping takes about a second that nobody needs to wait for (a
+        later session in this process waits for it on the start lock). Returns at once after :meth:`abandon`."""
         if self._abandoned:
             return
         self._thread.join()
-        self._stop_session()
+        if self._handle is not None and self._handle.created:
+            threading.Thread(target=self._stop_locked, name="tablesync-spark-stop", daemon=True).start()
 
     def _stop_session(self) -> None:
         if self._handle is not None:
