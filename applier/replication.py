@@ -474,11 +474,7 @@ class ReplicationConnection:
                     return None
             elif not self._selector.select(remaining):  # type: ignore[union-attr]
                 return None
-            try:
-                pgconn.consume_input()
-            except psycopg.OperationalError as exc:
-                self._drain_after_failure()
-                raise self._lost(exc) from None
+            self._consume_input()
 
     def read_undecoded(
         self, into: list[memoryview], limit: int, wanted: bytes, *, refill: bool = False
@@ -514,12 +510,16 @@ class ReplicationConnection:
                 self._end_of_copy()
             if not refill or not select.select([self._fd], [], [], 0)[0]:
                 return None
-            try:
-                pgconn.consume_input()
-            except psycopg.OperationalError as exc:
-                self._drain_after_failure()
-                raise self._lost(exc) from None
+            self._consume_input()
         return None
+
+    def _consume_input(self) -> None:
+        """Read what the socket holds into libpq's buffer (the caller saw it readable)."""
+        try:
+            self._pgconn.consume_input()  # type: ignore[union-attr]
+        except psycopg.OperationalError as exc:
+            self._drain_after_failure()
+            raise self._lost(exc) from None
 
     def send_status(
         self, write_lsn: int, flush_lsn: int, apply_lsn: int, *, reply_requested: bool = False
