@@ -42,11 +42,10 @@ class InsertRun:
     envelope), in a spooled in-stream message 0 and 5 (after the subtransaction xid).
     """
 
-    __slots__ = ("_data", "_starts", "_ends", "_null", "kind_pos", "relid_pos", "count")
+    __slots__ = ("_data", "_starts", "_ends", "_null", "kind_pos", "relid_pos")
 
     def __init__(self, buffer: bytes, starts: np.ndarray, ends: np.ndarray, kind_pos: int, relid_pos: int) -> None:
         """Messages at ``buffer[starts[i]:ends[i]]``."""
-        self.count = len(starts)
         self._starts = starts
         self._ends = ends
         # the NULL marker lives after the buffer, so NULL columns can be copied like any value
@@ -61,11 +60,6 @@ class InsertRun:
         lens = np.fromiter(map(len, messages), dtype=_I64, count=len(messages))
         ends = np.cumsum(lens)
         return cls(b"".join(messages), ends - lens, ends, kind_pos, relid_pos)
-
-    def others(self) -> list[int]:
-        """Indexes of the messages that are not Inserts (by their type byte)."""
-        kinds = self._data[np.minimum(self._starts + self.kind_pos, self._null)]
-        return np.flatnonzero(kinds != 73).tolist()  # type: ignore[no-any-return]
 
     def relid_heads(self, first: int = 0, stop: int | None = None) -> np.ndarray:
         """Per message (``first`` to ``stop - 1``), the 5 bytes ``relid|'N'`` as one integer, or -1 when it is

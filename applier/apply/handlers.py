@@ -489,15 +489,13 @@ class Applier:
         """An Insert outside a stream, from its bytes: a row for the open COPY of its relation goes straight in
         (no message object, no dispatch); anything else takes :meth:`handle_insert`."""
         relid, new = decode_plain_insert(payload)
-        entry = self._run_entry
-        if entry is not None and not self.skipping and self.stream_xid is None:
-            copy = self.target.copy_run
-            if copy is not None and copy.entry is entry and self.entries.get(relid) is entry:
-                kinds = new.kinds
-                if KIND_BINARY not in kinds and KIND_UNCHANGED_TOAST not in kinds:
-                    copy.add(new)
-                    self._pending_rows[0] += 1
-                    return
+        lane = self.copy_lane()
+        if lane is not None and lane[0] >> 8 == relid:
+            kinds = new.kinds
+            if KIND_BINARY not in kinds and KIND_UNCHANGED_TOAST not in kinds:
+                self.target.copy_run.add(new)  # type: ignore[union-attr]
+                self._pending_rows[0] += 1
+                return
         self.handle_insert(Insert(None, relid, new), payload)
 
     def copy_lane(self) -> tuple[int, int] | None:
@@ -513,7 +511,7 @@ class Applier:
         return (relid << 8) | 78, len(entry.names)
 
     def handle_insert_run(self, run: InsertRun, first: int, stop: int, one: Callable[[int], None]) -> None:
-        """Messages ``first`` to ``stop - 1`` of ``run``, in arrival order, mostly Inserts: every stretch of at
+        """Messages ``first`` to ``stop - 1`` of ``run``, in arrival order, Inserts or not: every stretch of at
         least :data:`VECTOR_MIN` of them that goes into the open COPY is converted in one go
         (:mod:`applier.apply.copytext`); ``one(i)`` handles the rest message by message, exactly as if they had
         come alone (so a malformed one gets its precise error, and a new relation starts its own run and, once
@@ -526,7 +524,7 @@ class Applier:
             while end < stop and heads[end - first] == head:
                 end += 1
             while i < end:
-                lane = self.copy_lane() if end - i >= VECTOR_MIN else None
+                lane = self.copy_lane() if head != -1 and end - i >= VECTOR_MIN else None
                 if lane is not None and lane[0] == head:
                     text = run.copy_text(i, end, lane[1])
                     if text is not None:
@@ -774,19 +772,8 @@ class Applier:
                     )
                 handle[msg.__class__](msg, payload)
 
-            # stretches of Inserts between the other changes go through handle_insert_run
-            run = InsertRun(buffer, starts, ends, 0, 5)
-            count = len(at)
-            first = 0
-            for k in [*run.others(), count]:
-                if k - first >= VECTOR_MIN:
-                    self.handle_insert_run(run, first, k, one)
-                else:
-                    for j in range(first, k):
-                        one(j)
-                if k < count:
-                    one(k)
-                first = k + 1
+            # stretches of Inserts go into the COPY at once; every other change through one()
+            self.handle_insert_run(InsertRun(buffer, starts, ends, 0, 5), 0, len(at), one)
 
     def handle_stream_commit(self, m: StreamCommit, payload: bytes = b"") -> None:
         """``apply_handle_stream_commit``: replay the spool in one local transaction, then the Commit path."""
