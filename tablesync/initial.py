@@ -168,6 +168,7 @@ class InitialCopy:
         self._skipped_parts: dict[str, int] = {}
         self.spark_seconds = 0.0
         self.head_start: HeadStart | None = None  # partitions the driver copies while Spark starts
+        self._reporting = False  # the progress display has been started
 
     # 1 ----------------------------------------------------------------------------------------------------------
     def load(self) -> list[RelState]:
@@ -405,12 +406,18 @@ class InitialCopy:
                     self.catalog.set_table_state(self.subid, plan.relid, "f", self.slot.lsn, conn=c)
                     self._finished_tables.add(relname)
 
-    def copy(self, session: Any) -> bool:
-        """Run the Spark job, polling progress; return False if ``stop`` interrupted it."""
+    def copy(self, session: Any, *, leave_rest: bool = False) -> bool:
+        """Run the Spark job, polling progress; return False if ``stop`` interrupted it.
+
+        Without a session, nothing is left for Spark: this waits for the driver's head start to end instead (it
+        may be copying everything, see :meth:`run`), with the same progress; ``leave_rest`` then lets it end with
+        partitions still missing (those it failed, which the caller hands to Spark)."""
         assert self.slot is not None
-        self.reporter.start(
-            {name: {i: t.pages for i, t in enumerate(self._tasks_of(name))} for name in self.plans}
-        )
+        if not self._reporting:
+            self._reporting = True
+            self.reporter.start(
+                {name: {i: t.pages for i, t in enumerate(self._tasks_of(name))} for name in self.plans}
+            )
         tag = f"applier-tablesync-{self.subid}-{secrets.token_hex(4)}"
         outcome: dict[str, Any] = {}
 
@@ -418,6 +425,10 @@ class InitialCopy:
         tasks = [t for t in self.tasks if t.task_id not in head_done]
 
         def run() -> None:
+            if session is None:
+                if self.head_start is not None:
+                    self.head_start.wait()
+                return
             try:
                 bins = pack_tasks(
                     tasks, target_bytes=self.partition_bytes,
@@ -443,6 +454,8 @@ class InitialCopy:
             if self.stop.is_set() and not stopped:
                 stopped, stopped_at = True, time.monotonic()
                 self.reporter.note("stop requested: cancelling the copy (finished partitions are kept)")
+                if session is None and self.head_start is not None:
+                    self.head_start.stop()
                 with contextlib.suppress(Exception):
                     spark_job.cancel_job(session, tag)
             with contextlib.suppress(Exception):
@@ -451,7 +464,8 @@ class InitialCopy:
                     last = m
                     self._record_progress(m)
                     self.reporter.update(m)
-        self.spark_seconds = time.monotonic() - started
+        if session is not None:
+            self.spark_seconds = time.monotonic() - started
         if self.head_start is not None:
             head_done = self.head_start.join()
         final = self.markers()
@@ -467,7 +481,7 @@ class InitialCopy:
             raise TablesyncError(
                 f"initial copy of subscription {self.subname!r} failed: {_spark_error_summary(outcome['error'])}"
             ) from outcome["error"]
-        if missing:
+        if missing and not (leave_rest and session is None):
             raise TablesyncError(f"initial copy finished without every partition of: {', '.join(missing)}")
         return True
 
@@ -524,19 +538,25 @@ class InitialCopy:
                 return self.result()
             if self.stop.is_set():
                 return self.result(stopped=True)
-            # Spark starts in the background meanwhile (the JVM takes seconds; the next three steps need no Spark).
-            starter = spark_job.SessionStarter(spark_master, dict(spark_conf or {}))
+            # The driver copies while a local Spark starts (tablesync.copy.HeadStart): on one machine its processes
+            # and Spark's local executors share the same cores anyway; a cluster does the copying.
+            default_streams = "2" if spark_job.runs_locally(spark_master) else "0"
+            streams = int(os.environ.get("APPLIER_TABLESYNC_HEAD_START", default_streams) or 0)
+            # A local Spark that would run no more tasks at once than the driver's streams adds nothing but its
+            # start-up (several CPU-seconds of JVM on the cores the copy needs): it is started only if the driver
+            # leaves partitions over (one failed), to copy those.
+            parallelism = spark_job.local_parallelism(spark_master)
+            spark_later = streams > 0 and parallelism is not None and parallelism <= streams
+            # Otherwise Spark starts in the background now (the JVM takes seconds; the next three steps need none).
+            starter = None if spark_later else spark_job.SessionStarter(spark_master, dict(spark_conf or {}))
             try:
                 self.open_snapshot()
                 self.plan()
                 self.claim()
                 if self.stop.is_set():
-                    starter.abandon()
+                    if starter is not None:
+                        starter.abandon()
                     return self.result(stopped=True)
-                # the driver copies while a local Spark starts (tablesync.copy.HeadStart): on one machine its
-                # processes and Spark's local executors share the same cores anyway; a cluster does the copying
-                default_streams = "2" if spark_job.runs_locally(spark_master) else "0"
-                streams = int(os.environ.get("APPLIER_TABLESYNC_HEAD_START", default_streams) or 0)
                 if streams > 0:
                     try:
                         self.head_start = HeadStart(
@@ -544,6 +564,19 @@ class InitialCopy:
                         )
                     except Exception as exc:  # noqa: BLE001 - e.g. a daemonic process may not start children
                         self.reporter.note(f"copying with Spark only ({exc})")
+                if starter is None and self.head_start is not None:
+                    self.reporter.note(
+                        f"copying on the driver with {streams} stream(s): a local Spark would run {parallelism} "
+                        "task(s) at once on the same cores, and is started only for partitions left over"
+                    )
+                    if not self.copy(None, leave_rest=True):
+                        return self.result(stopped=True)
+                    left = len(self.tasks) - len(self.head_start.done)
+                    if not left:
+                        return self.complete()
+                    self.reporter.note(f"the driver left {left} partition(s): starting Spark to copy them")
+                if starter is None:
+                    starter = spark_job.SessionStarter(spark_master, dict(spark_conf or {}))
                 # Wait for Spark, unless the driver's head start copies everything first: then Spark is not needed.
                 while self.head_start is not None and not starter.ready(0.1):
                     if self.stop.is_set():
@@ -576,7 +609,8 @@ class InitialCopy:
             finally:
                 if self.head_start is not None:
                     self.head_start.join()
-                starter.release()
+                if starter is not None:
+                    starter.release()
         finally:
             self.close()
 
@@ -607,7 +641,8 @@ def describe(result: CopyResult) -> str:
     lsn = format_lsn(result.snapshot_lsn) if result.snapshot_lsn is not None else "?"
     text = (
         f"initial copy of {result.subname}: {len(result.tables)} table(s), {result.rows:,} rows, "
-        f"{result.bytes / 1e6:.1f} MB at {lsn} in {result.seconds:.1f}s (Spark job {result.spark_seconds:.1f}s)"
+        f"{result.bytes / 1e6:.1f} MB at {lsn} in {result.seconds:.1f}s "
+        + (f"(Spark job {result.spark_seconds:.1f}s)" if result.spark_seconds else "(copied by the driver)")
     )
     if result.resumed:
         text += f"; {len(result.resumed)} table(s) finished by an earlier run"

@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -162,6 +163,25 @@ def runs_locally(spark_master: str | None = None) -> bool:
     if spark_master:
         return spark_master.startswith("local")
     return not os.environ.get("SPARK_REMOTE")
+
+
+def local_parallelism(spark_master: str | None = None) -> int | None:
+    """How many tasks at once a local session that the copy would create runs (``local[N]``: N, ``local[*]`` and
+    the default: this process's cores), or ``None`` when the copy would not create one: a cluster or Spark Connect
+    master, a master we cannot read, or a session already active in this process (whose start-up is paid)."""
+    if not runs_locally(spark_master):
+        return None
+    context = getattr(sys.modules.get("pyspark.context"), "SparkContext", None)  # (no pyspark import for this)
+    if not spark_master and context is not None and context._active_spark_context is not None:
+        return None
+    m = re.fullmatch(r"local(?:\[(\*|\d+)(?:,\d+)?\])?", spark_master or "local[*]")
+    if m is None:
+        return None
+    if m.group(1) is None:
+        return 1
+    if m.group(1) == "*":
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return int(m.group(1))
 
 
 def spark_session(

@@ -558,3 +558,61 @@ def test_a_copy_the_driver_finishes_before_spark_is_ready_does_not_wait_for_spar
     assert result.tables["public.hs2"].partitions > 1
     assert table_digest(pair.target, "public.hs2") == table_digest(pair.publisher, "public.hs2")
     assert states(pair)["public.hs2"][0] == "s"
+
+
+def test_a_local_spark_that_adds_no_parallelism_is_not_started(pair, monkeypatch):
+    """A local Spark running no more tasks at once than the driver's streams would only add its start-up: the
+    driver copies every partition and Spark is never started (its start fails the test if it is)."""
+    from tablesync import job
+
+    both(pair, "CREATE TABLE lz (id int PRIMARY KEY, v text)")
+    pair.publisher.execute("INSERT INTO lz SELECT g, repeat('y', 40) || g FROM generate_series(1, 20000) g")
+    pair.publisher.execute("CREATE PUBLICATION pub FOR TABLE lz")
+    subscribe(pair.target.dsn, pair.publisher.dsn, pair.name, ["public.lz"])
+
+    def no_spark(*args, **kwargs):
+        raise AssertionError("Spark was started although the driver's streams cover its parallelism")
+
+    monkeypatch.setattr(job, "local_parallelism", lambda master=None: 2)
+    monkeypatch.setattr(job, "spark_session", no_spark)
+    result = run_initial_copy(pair.target.dsn, pair.name, progress=False, partition_bytes=SMALL_PARTS)
+    assert result.completed and result.rows == 20000
+    assert result.tables["public.lz"].partitions > 2
+    assert result.spark_seconds == 0
+    assert table_digest(pair.target, "public.lz") == table_digest(pair.publisher, "public.lz")
+    assert states(pair)["public.lz"][0] == "s"
+
+
+def test_partitions_the_driver_leaves_over_are_copied_by_spark_started_then(pair, spark, monkeypatch):
+    """The same, but the driver's streams end with partitions left (here: they were given only half of them, as
+    when a stream fails): Spark is started then and copies the rest, every row once."""
+    from tablesync import initial, job
+    from tablesync.copy import HeadStart
+
+    class HalfHeadStart(HeadStart):
+        def __init__(self, tasks, *args, **kwargs):
+            super().__init__(tasks[len(tasks) // 2 :], *args, **kwargs)
+
+    both(pair, "CREATE TABLE lz2 (id int PRIMARY KEY, v text)")
+    pair.publisher.execute("INSERT INTO lz2 SELECT g, repeat('z', 40) || g FROM generate_series(1, 20000) g")
+    pair.publisher.execute("CREATE PUBLICATION pub FOR TABLE lz2")
+    subscribe(pair.target.dsn, pair.publisher.dsn, pair.name, ["public.lz2"])
+    monkeypatch.setattr(job, "local_parallelism", lambda master=None: 2)
+    monkeypatch.setattr(initial, "HeadStart", HalfHeadStart)
+    result = run_initial_copy(pair.target.dsn, pair.name, progress=False, partition_bytes=SMALL_PARTS)
+    assert result.completed and result.rows == 20000
+    assert result.spark_seconds > 0  # the module's session copied the other half
+    assert result.tables["public.lz2"].skipped_partitions == 0
+    assert table_digest(pair.target, "public.lz2") == table_digest(pair.publisher, "public.lz2")
+
+
+@pytest.mark.parametrize(
+    ("master", "expected"),
+    [("local[3]", 3), ("local[2,4]", 2), ("local", 1), ("spark://h:7077", None), ("sc://h:15002", None),
+     ("yarn", None)],
+)  # fmt: skip
+def test_local_parallelism_reads_the_master(master, expected):
+    from tablesync import job
+
+    assert job.local_parallelism(master) == expected
+    assert job.local_parallelism("local[*]") == len(os.sched_getaffinity(0))
