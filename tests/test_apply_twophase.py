@@ -234,3 +234,33 @@ def test_target_two_phase_statements_share_pipeline_segments(pair):
         assert pair.target.query("SELECT id FROM public.t ORDER BY 1") == [(1,), (3,)]
     finally:
         target.close()
+
+
+def test_records_of_several_prepared_transactions_are_written_in_one_statement(pair):
+    """``Target.record_prepared_many`` (records written ahead for a batch of BEGIN PREPAREs): one transaction, every
+    record as ``record_prepared`` writes it, and a record already there (a transaction prepared again after a
+    crash) replaced."""
+    from applier.apply.context import ErrorContext
+    from applier.apply.target import Target
+
+    both(pair, "CREATE TABLE t (id int PRIMARY KEY)")
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"], two_phase_state="e")
+    origin, subid = s.sub.origin_name, s.sub.subid
+    target = Target.connect(pair.target.dsn, origin=origin)
+    try:
+        ctx = ErrorContext(origin, "BEGIN PREPARE", None, 1, 0x1000)
+        target.record_prepared(f"pg_gid_{subid}_2", subid, 2, 0x10, 0x18, 5, ctx)  # an old record of xid 2
+        target.record_prepared_many(
+            [(f"pg_gid_{subid}_{n}", n, n << 12, (n << 12) + 8, 1000 + n) for n in (1, 2, 3)], subid, ctx
+        )
+        target.pipeline.drain()
+        assert not target.in_transaction
+        recorded = pair.target.query(
+            "SELECT gid, subid, remote_xid, prepare_lsn::text, prepare_end_lsn::text, prepare_time"
+            " FROM applier.prepared_xact ORDER BY 1"
+        )
+        assert recorded == [
+            (f"pg_gid_{subid}_{n}", subid, n, f"0/{n}000", f"0/{n}008", 1000 + n) for n in (1, 2, 3)
+        ]
+    finally:
+        target.close()

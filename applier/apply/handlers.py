@@ -175,6 +175,11 @@ class Applier:
         self._group_rows = 0
         self.groups = 0  # group commits sent (stats)
         self.records_in_group = 0  # prepared_xact records that rode in a group commit (stats)
+        self.records_batched = 0  # prepared_xact records written ahead, with an earlier one (stats)
+        #: announced BEGIN PREPAREs whose records are still to be written: gid -> (xid, prepare LSN, end LSN, time)
+        self._upcoming: dict[str, tuple[int, int, int, int]] = {}
+        #: records written ahead, for transactions not applied yet: gid -> (prepare end LSN, prepare time)
+        self._prerecorded: dict[str, tuple[int, int]] = {}
         self.converted_rows = 0  # Inserts that went into a COPY through copytext, a stretch at a time (stats)
         self.transactions = 0  # remote transactions finished (for tests and stats)
         # for metrics: finished transactions by kind, and row changes of finished transactions by operation (a
@@ -629,16 +634,46 @@ class Applier:
         lookup round trip; rows of finished ones are removed in batches (``Catalog.reconcile_prepared``).
         """
         gid = gid_for(self.subid, xid)
+        recorded = self._prerecorded.pop(gid, None) == (end_lsn, prepare_time) if self._prerecorded else False
         if self._group is not None:
             # a group commit is deferred (plain transactions just before this one): the record rides in its local
             # transaction, committed here, before this transaction begins; one local transaction end fewer
             self._flush_run()
-            self.target.record_prepared(gid, self.subid, xid, prepare_lsn, end_lsn, prepare_time, ctx)
-            self.records_in_group += 1
+            if not recorded:
+                self._write_records(gid, xid, prepare_lsn, end_lsn, prepare_time, ctx)
+                self.records_in_group += 1
             self.end_group()
-        else:
-            self.target.record_prepared(gid, self.subid, xid, prepare_lsn, end_lsn, prepare_time, ctx)
+        elif not recorded:
+            self._write_records(gid, xid, prepare_lsn, end_lsn, prepare_time, ctx)
         self.prepared[gid] = (end_lsn, prepare_time)
+
+    def _write_records(
+        self, gid: str, xid: int, prepare_lsn: int, end_lsn: int, prepare_time: int, ctx: ErrorContext
+    ) -> None:
+        """This transaction's record, and those of the transactions announced by :meth:`expect_prepares`, in one
+        statement: the later ones then need no record, nor a local transaction around it, of their own."""
+        upcoming = self._upcoming
+        if not upcoming:
+            self.target.record_prepared(gid, self.subid, xid, prepare_lsn, end_lsn, prepare_time, ctx)
+            return
+        upcoming[gid] = (xid, prepare_lsn, end_lsn, prepare_time)
+        self.target.record_prepared_many([(g, *r) for g, r in upcoming.items()], self.subid, ctx)
+        for g, (_xid, _lsn, e, t) in upcoming.items():
+            if g != gid:
+                self._prerecorded[g] = (e, t)
+        self.records_batched += len(upcoming) - 1
+        upcoming.clear()
+
+    def expect_prepares(self, begins: Sequence[BeginPrepare]) -> None:
+        """The BEGIN PREPAREs of a batch the worker has read but not applied yet: the next record written (at the
+        first of them, or at a STREAM PREPARE) writes theirs along with it (:meth:`_write_records`).
+
+        A record only has to be committed before its transaction is prepared; committing it earlier changes
+        nothing. One whose transaction never gets prepared here (an error, a crash first) is replaced when the
+        transaction comes again, or dropped by the worker's reconciliation of finished records."""
+        upcoming = self._upcoming
+        for m in begins:
+            upcoming[gid_for(self.subid, m.xid)] = (m.xid, m.prepare_lsn, m.end_lsn, m.prepare_time)
 
     def _forget_prepared(self, gid: str) -> None:
         self.prepared.pop(gid, None)
@@ -812,3 +847,5 @@ class Applier:
         self._group = None
         self._group_size = 0
         self._group_rows = 0
+        self._upcoming.clear()
+        self._prerecorded.clear()

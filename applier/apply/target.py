@@ -60,6 +60,13 @@ COPY_THRESHOLD = 200
 
 _SYNC = object()
 
+#: The upsert of a prepared_xact record (a transaction prepared again after a crash replaces its record).
+_RECORD_UPSERT = (
+    b" ON CONFLICT (gid) DO UPDATE SET subid = excluded.subid, remote_xid = excluded.remote_xid,"
+    b" prepare_lsn = excluded.prepare_lsn, prepare_end_lsn = excluded.prepare_end_lsn,"
+    b" prepare_time = excluded.prepare_time, recorded_at = now()"
+)
+
 #: A GID that is a valid SQL string literal once put in single quotes (see Target._gid_literal).
 _PLAIN_GID = re.compile(r"[A-Za-z0-9_]+")
 
@@ -301,6 +308,7 @@ class Target:
         self._stmt_seq = 0
         self._fixed_prepared = False
         self._record_prepared_ready = False
+        self._record_many_ready = False
         self._copy: _CopyRun | None = None
 
     # --- setup -----------------------------------------------------------------------------------------------
@@ -524,31 +532,61 @@ class Target:
         """Queue the ``applier.prepared_xact`` record of a transaction about to be prepared (behaviour 65), as a
         statement prepared once per session (no parse and plan per transaction): in a transaction of its own, or
         in the open local transaction, whose commit the caller then sends (a group commit's)."""
+        self.end_copy()
         if not self._record_prepared_ready:
             self.pipeline.send_prepare(
                 b"applier_record_prepared",
                 b"INSERT INTO applier.prepared_xact (gid, subid, remote_xid, prepare_lsn, prepare_end_lsn,"
                 b" prepare_time) VALUES ($1, $2::bigint, $3::bigint, $4::pg_catalog.pg_lsn, $5::pg_catalog.pg_lsn,"
-                b" $6::bigint) ON CONFLICT (gid) DO UPDATE SET subid = excluded.subid,"
-                b" remote_xid = excluded.remote_xid, prepare_lsn = excluded.prepare_lsn,"
-                b" prepare_end_lsn = excluded.prepare_end_lsn, prepare_time = excluded.prepare_time,"
-                b" recorded_at = now()",
+                b" $6::bigint)" + _RECORD_UPSERT,
                 [], ctx,
             )  # fmt: skip
             self._record_prepared_ready = True
-        if self._copy is not None:
-            self.end_copy()
+        self._recording(
+            ctx, b"applier_record_prepared",
+            [gid.encode(), str(subid).encode(), str(xid).encode(), format_lsn(prepare_lsn).encode(),
+             format_lsn(end_lsn).encode(), str(prepare_time).encode()],
+        )  # fmt: skip
+
+    def record_prepared_many(
+        self, records: Sequence[tuple[str, int, int, int, int]], subid: int, ctx: ErrorContext | None
+    ) -> None:
+        """Queue the records of several transactions, ``(gid, remote xid, prepare LSN, prepare end LSN, prepare
+        time)`` each (distinct GIDs), as :meth:`record_prepared` does one: one statement, one transaction."""
+        if not all(_PLAIN_GID.fullmatch(r[0]) for r in records):  # pragma: no cover - gid_for makes them so
+            raise ValueError("record_prepared_many takes plain GIDs only")
+        self.end_copy()
+        if not self._record_many_ready:
+            self.pipeline.send_prepare(
+                b"applier_record_prepared_many",
+                b"INSERT INTO applier.prepared_xact (gid, subid, remote_xid, prepare_lsn, prepare_end_lsn,"
+                # (unqualified: the multi-array form exists only as FROM syntax; pg_catalog is searched first anyway)
+                b" prepare_time) SELECT g, $2::bigint, x, p, e, t FROM unnest($1::text[],"
+                b" $3::bigint[], $4::pg_catalog.pg_lsn[], $5::pg_catalog.pg_lsn[], $6::bigint[]) AS r(g, x, p, e, t)"
+                + _RECORD_UPSERT,
+                [], ctx,
+            )  # fmt: skip
+            self._record_many_ready = True
+
+        def array(values: Any) -> bytes:
+            # GIDs (pg_gid_<subid>_<xid>), LSNs and integers need no quoting inside an array literal
+            return b"{" + b",".join(values) + b"}"
+
+        self._recording(
+            ctx, b"applier_record_prepared_many",
+            [array(r[0].encode() for r in records), str(subid).encode(), array(str(r[1]).encode() for r in records),
+             array(format_lsn(r[2]).encode() for r in records), array(format_lsn(r[3]).encode() for r in records),
+             array(str(r[4]).encode() for r in records)],
+        )  # fmt: skip
+
+    def _recording(self, ctx: ErrorContext | None, statement: bytes, params: list[bytes | None]) -> None:
+        """Run a record statement in the open local transaction, or in one of its own."""
         own = not self.in_transaction  # else it rides in the open (group commit's) transaction
         p = self.pipeline
         if own:
             self._prepare_fixed(ctx)
             p.send_prepared(b"applier_begin", (), None, ctx)
-        p.send_prepared(
-            b"applier_record_prepared",
-            [gid.encode(), str(subid).encode(), str(xid).encode(), format_lsn(prepare_lsn).encode(),
-             format_lsn(end_lsn).encode(), str(prepare_time).encode()],
-            None, ctx,
-        )  # fmt: skip
+        p.send_prepared(statement, params, None, ctx)
         if own:
             p.send_prepared(b"applier_commit", (), None, ctx)
 

@@ -40,7 +40,7 @@ from applier.apply.feedback import FeedbackTracker
 from applier.apply.handlers import RAW_SPOOL_TYPES, VECTOR_MIN, Applier, SkipState, TableStates
 from applier.apply.spool import Spool, default_spool_dir
 from applier.apply.target import Target, TargetConnectionError
-from applier.decoder import MessageDecoder
+from applier.decoder import MessageDecoder, decode_message
 from applier.errors import ApplierError, ProtocolError
 from applier.lsn import format_lsn
 from applier.messages import PrimaryKeepalive, XLogData
@@ -119,6 +119,7 @@ class WorkerStats:
     errors: int = 0
     groups: int = 0  # group commits of several remote transactions
     records_in_group: int = 0  # prepared_xact records committed in a group commit rather than on their own
+    records_batched: int = 0  # prepared_xact records written ahead, several in one transaction
     converted_rows: int = 0  # Inserts converted into COPY text a stretch at a time (applier.apply.copytext)
     last_error: str | None = None
     started_streaming: threading.Event = field(default_factory=threading.Event)
@@ -456,6 +457,7 @@ class ApplyWorker:
                 self.stats.transactions += applier.transactions
                 self.stats.groups += applier.groups
                 self.stats.records_in_group += applier.records_in_group
+                self.stats.records_batched += applier.records_batched
                 self.stats.converted_rows += applier.converted_rows
                 self.metrics.publish(applier.kinds, applier.rows)
                 self.metrics.session_ended()
@@ -534,6 +536,7 @@ class ApplyWorker:
         insert_run = applier.handle_insert_run
         spool_batch = applier.spool_batch
         bulk: list[memoryview] = []  # XLogData read undecoded, envelope included, handled together
+        two_phase = tables.two_phase_state != "d"  # (prepared transactions can come: their records are batched)
 
         def dispatch(payload: bytes) -> None:
             """One pgoutput message."""
@@ -552,6 +555,10 @@ class ApplyWorker:
             changes of a stream chunk (spooled with one write) and Inserts into an open COPY (converted into COPY
             text at once, applier.apply.copytext)."""
             i, count = 0, len(messages)
+            if two_phase and count > 1:
+                begins = [m for m in messages if m[25] == 98]  # 'b': BEGIN PREPARE
+                if len(begins) > 1:  # their prepared_xact records are written together, at the first
+                    applier.expect_prepares([decode_message(bytes(m[25:])) for m in begins])
             while i < count:
                 kind = messages[i][25]
                 if decoder.in_stream and applier.stream_xid is not None and STREAMED_CHANGE[kind]:
@@ -639,6 +646,8 @@ class ApplyWorker:
                     self._reread(sub, skip, tables, target)
                     if applier.finished_prepared:
                         applier.finished_prepared = 0
+                        # (what is queued first: a record whose PREPARE TRANSACTION has not run yet looks finished)
+                        target.pipeline.drain()
                         self.catalog.reconcile_prepared(sub.subid)
                 if not tables.all_ready or tables.two_phase_state == "p":
                     tables.after_transaction(tracker.last_received)
