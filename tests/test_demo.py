@@ -1,4 +1,4 @@
-"""``applier demo`` end to end, as a newcomer runs it: a subprocess that starts its own servers, copies with Spark,
+"""``applier demo`` end to end, as a newcomer runs it: a subprocess that starts its own servers, runs the initial copy,
 runs a live workload with prepared transactions and checks that the target equals the publisher."""
 
 from __future__ import annotations
