@@ -61,9 +61,12 @@ class WorkerMetrics:
         self.subscription = subscription
         self._seen: dict[tuple[str, str], int] = {}
 
-    def publish(self, kinds: Mapping[str, int], rows: Mapping[str, int]) -> None:
-        """``kinds``/``rows`` are totals that only grow while one session lasts (see :meth:`session_ended`)."""
-        for family, counter, totals in (("k", TRANSACTIONS, kinds), ("r", ROWS, rows)):
+    def publish(
+        self, kinds: Mapping[str, int], rows: Mapping[str, int], conflicts: Mapping[str, int] | None = None
+    ) -> None:
+        """``kinds``/``rows``/``conflicts`` are totals that only grow while one session lasts (see
+        :meth:`session_ended`)."""
+        for family, counter, totals in (("k", TRANSACTIONS, kinds), ("r", ROWS, rows), ("c", CONFLICTS, conflicts or {})):
             for key, total in totals.items():
                 seen = self._seen.get((family, key), 0)
                 if total > seen:

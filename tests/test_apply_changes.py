@@ -250,3 +250,33 @@ def test_long_insert_runs_are_converted_in_stretches(pair):
         w.stop()
     assert w.worker.stats.errors == 0
     assert w.worker.stats.converted_rows > 5000
+
+
+def test_missing_rows_are_skipped_and_logged_as_conflicts(pair, caplog):
+    """An UPDATE or DELETE whose row the target lacks is skipped, not an error (behaviour 47), and logged as
+    PostgreSQL 18 logs it (behaviour 110): ``conflict detected on relation ...: conflict=update_missing`` with the
+    error context, and counted by kind."""
+    import logging
+
+    both(pair, "CREATE TABLE mr (id int PRIMARY KEY, v text)")
+    pair.publisher.execute("INSERT INTO mr SELECT g, 'v' || g FROM generate_series(1, 5) g")
+    pair.target.execute("INSERT INTO mr SELECT g, 'v' || g FROM generate_series(1, 3) g")  # 4 and 5 missing
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.mr"])
+    caplog.set_level(logging.INFO, logger="applier.apply")
+    w = s.start()
+    try:
+        pair.publisher.execute("UPDATE mr SET v = 'new' WHERE id IN (1, 4)")
+        pair.publisher.execute("DELETE FROM mr WHERE id IN (2, 5)")
+        wait_for_catchup(pair.publisher, pair.name, timeout=30)
+        wait_until(lambda: "conflict=delete_missing" in caplog.text, timeout=10)
+    finally:
+        w.stop()
+    assert w.worker.stats.errors == 0
+    assert pair.target.query("SELECT id, v FROM mr ORDER BY id") == [(1, "new"), (3, "v3")]
+    lines = [r.getMessage() for r in caplog.records if "conflict detected" in r.getMessage()]
+    assert len(lines) == 2
+    update, delete = sorted(lines, key=lambda m: "delete" in m)
+    assert update.startswith('conflict detected on relation "public.mr": conflict=update_missing')
+    assert "Could not find the row to be updated." in update
+    assert 'during message type "UPDATE" for replication target relation "public.mr" in transaction' in update
+    assert delete.startswith('conflict detected on relation "public.mr": conflict=delete_missing')

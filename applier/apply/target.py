@@ -755,10 +755,12 @@ class Target:
         return t.kinds.translate(_SHAPE)
 
     def update(
-        self, entry: RelMapEntry, old: TupleData | None, new: TupleData, ctx: ErrorContext | None
+        self, entry: RelMapEntry, old: TupleData | None, new: TupleData, ctx: ErrorContext | None,
+        on_result: Callable[[Any], None] | None = None,
     ) -> None:
         """UPDATE the row found by the old key (or the new tuple's key when the key did not change, behaviour
-        45); unchanged-TOAST columns are left out of SET, so they keep the target's value (behaviour 46)."""
+        45); unchanged-TOAST columns are left out of SET, so they keep the target's value (behaviour 46).
+        ``on_result(result)`` runs with its result (whose ``command_tuples`` is 0 when no row was found)."""
         if self._copy is not None:
             self.end_copy()
         search = old if old is not None else new
@@ -793,10 +795,14 @@ class Target:
             kinds = bytes([new.kinds[i] for i in set_pos]) + wkinds
             if KIND_BINARY in kinds:
                 formats = [1 if k == KIND_BINARY else 0 for k in kinds]
-        self.pipeline.send_prepared(name, params, formats, ctx, _missing_row_check("update", entry, ctx))
+        self.pipeline.send_prepared(name, params, formats, ctx, on_result)
 
-    def delete(self, entry: RelMapEntry, old: TupleData, ctx: ErrorContext | None) -> None:
-        """DELETE the row found by the old key or, for a FULL publisher without a local key, the first match."""
+    def delete(
+        self, entry: RelMapEntry, old: TupleData, ctx: ErrorContext | None,
+        on_result: Callable[[Any], None] | None = None,
+    ) -> None:
+        """DELETE the row found by the old key or, for a FULL publisher without a local key, the first match;
+        ``on_result`` as for :meth:`update`."""
         if self._copy is not None:
             self.end_copy()
         shape = self._search_shape(entry, old)
@@ -816,7 +822,7 @@ class Target:
         formats = (
             [1 if k == KIND_BINARY else 0 for k in wkinds] if self.binary and KIND_BINARY in wkinds else None
         )
-        self.pipeline.send_prepared(name, wparams, formats, ctx, _missing_row_check("delete", entry, ctx))
+        self.pipeline.send_prepared(name, wparams, formats, ctx, on_result)
 
     def truncate(
         self, entries: Sequence[RelMapEntry], restart_identity: bool, ctx: ErrorContext | None
@@ -969,19 +975,3 @@ class _CopyRun:
                 error = _result_error(res, self.ctx)
         if error is not None:
             raise error
-
-
-def _missing_row_check(op: str, entry: RelMapEntry, ctx: ErrorContext | None) -> Callable[[Any], None] | None:
-    """A missing row on UPDATE/DELETE is not an error (behaviour 47): PostgreSQL ≤17 logs it at DEBUG1, and so
-    do we (the check costs a closure per row, so it exists only while DEBUG is on)."""
-    if not log.isEnabledFor(logging.DEBUG):
-        return None
-
-    def check(res: Any) -> None:
-        if res is not None and res.command_tuples == 0:
-            log.debug(
-                'logical replication did not find row to be %sd in replication target relation "%s"%s',
-                op, entry.display, f" ({ctx.describe()})" if ctx else "",
-            )  # fmt: skip
-
-    return check

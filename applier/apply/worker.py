@@ -459,7 +459,7 @@ class ApplyWorker:
                 self.stats.records_in_group += applier.records_in_group
                 self.stats.records_batched += applier.records_batched
                 self.stats.converted_rows += applier.converted_rows
-                self.metrics.publish(applier.kinds, applier.rows)
+                self.metrics.publish(applier.kinds, applier.rows, applier.conflicts)
                 self.metrics.session_ended()
                 if applier.transactions:
                     self._failures = 0
@@ -627,7 +627,7 @@ class ApplyWorker:
                 applier.end_group()  # the publisher has nothing more waiting (or a burst ended): commit the group
             if time.monotonic() - last_published >= METRICS_INTERVAL:
                 last_published = time.monotonic()
-                self.metrics.publish(applier.kinds, applier.rows)
+                self.metrics.publish(applier.kinds, applier.rows, applier.conflicts)
             if target.pipeline.pending:
                 target.pipeline.poll()
             now = time.monotonic()
