@@ -112,6 +112,7 @@ def test_error_in_the_middle_of_a_group_names_that_transaction(pair):
     assert str(err["remote_xid"]) == pair.publisher.scalar("SELECT xid FROM u WHERE id = 150")
     assert pair.target.scalar("SELECT count(*) FROM u WHERE xid <> 'local'") == 149
     assert pair.target.scalar("SELECT n FROM counter") == 149
+    assert w.worker.stats.errors == 1  # the failed group is retried one by one, not counted as an error of its own
 
     s.catalog.update_subscription(s.sub.subid, subskiplsn=err["finish_lsn"], subenabled=True)
     w = s.start()

@@ -327,19 +327,20 @@ class ApplyWorker:
 
     def _apply_failed(self, exc: ApplierError) -> _Outcome:
         """Record an apply error; disable the subscription if it says so (behaviour 101), else let it retry."""
-        self.stats.errors += 1
-        self.stats.last_error = str(exc)
-        self.metrics.error(exc)
         ctx: ErrorContext | None = exc.context if isinstance(exc, ApplyError) else None
         if self._grouped_session and ctx is not None and ctx.finish_lsn and ctx.finish_lsn > self._grouped_after:
             # the failing remote transaction may have shared its local transaction with others (group commit), which
             # the error then rolled back too: retry at once, applying what this session received one remote
             # transaction per local one, and let that attempt record the error (and disable the subscription) for
-            # the one transaction it concerns, with everything before it committed, as the native worker would
+            # the one transaction it concerns, with everything before it committed, as the native worker would;
+            # that attempt also counts it (once, as the native worker's apply_error_count would)
             self.log.warning('logical replication apply worker for subscription "%s" will apply the transactions '
                              "it received one by one after: %s", self.subname, exc)  # fmt: skip
             self._ungrouped_until = max(self._ungrouped_until, ctx.finish_lsn)
             return _Outcome.RESTART
+        self.stats.errors += 1
+        self.stats.last_error = str(exc)
+        self.metrics.error(exc)
         self.log.error('logical replication apply worker for subscription "%s": %s', self.subname, exc)
         try:
             sub = self.catalog.get(self.subname)
