@@ -165,7 +165,6 @@ class Applier:
         self._run_rows: list[TupleData] = []
         self._run_ctx: ErrorContext | None = None
         self._ctx_cache: dict[tuple[str, int], ErrorContext] = {}
-        self._checks: dict[tuple[str, int, int], Callable[[Any], None]] = {}  # see _missing_row_check
         # group commit (see handle_commit): consecutive plain transactions share one local transaction
         self.group_commit = group_commit
         #: transactions finishing at or before this LSN are committed one by one (the retry after an error)
@@ -189,6 +188,7 @@ class Applier:
         self.rows: collections.Counter[str] = collections.Counter()
         #: conflicts by PostgreSQL 18's name (``update_missing``, ``delete_missing``), counted when detected
         self.conflicts: collections.Counter[str] = collections.Counter()
+        target.pipeline.on_missing_row = self._missing_row
         self._pending_rows = [0, 0, 0, 0]  # insert, update, delete, truncate
 
         self._dispatch: dict[type, Callable[[Any, bytes], None]] = {
@@ -272,7 +272,6 @@ class Applier:
         self.remote_xid = xid
         self.remote_final_lsn = final_lsn
         self._ctx_cache.clear()
-        self._checks.clear()
         if skiprules.starts_skipping(self.skip.skip_lsn, final_lsn):
             self.skipping = True
             self.log.info(skiprules.starts_skipping_message(final_lsn))
@@ -584,7 +583,7 @@ class Applier:
         self._updatable(entry, "UPDATE")
         ctx = self._change_context("UPDATE", entry)
         self._begin_local(ctx)
-        self.target.update(entry, m.old, m.new, ctx, self._missing_row_check("update", entry, ctx))
+        self.target.update(entry, m.old, m.new, ctx)
         self._pending_rows[1] += 1
 
     def handle_delete(self, m: Delete, payload: bytes = b"") -> None:
@@ -600,28 +599,19 @@ class Applier:
         self._updatable(entry, "DELETE")
         ctx = self._change_context("DELETE", entry)
         self._begin_local(ctx)
-        self.target.delete(entry, m.old, ctx, self._missing_row_check("delete", entry, ctx))
+        self.target.delete(entry, m.old, ctx)
         self._pending_rows[2] += 1
 
-    def _missing_row_check(self, op: str, entry: RelMapEntry, ctx: ErrorContext) -> Callable[[Any], None]:
-        """The result check of an UPDATE/DELETE: a missing row is not an error (behaviour 47); it is logged as
-        PostgreSQL 18 does, as an ``update_missing``/``delete_missing`` conflict (behaviour 110), and counted. One
-        function per relation and remote transaction (with the error context), not one per row."""
-        key = (op, id(entry), id(ctx))
-        check = self._checks.get(key)
-        if check is None:
-            kind = f"{op}_missing"
-
-            def check(res: Any) -> None:
-                if res is not None and res.command_tuples == 0:
-                    self.conflicts[kind] += 1
-                    self.log.info(
-                        'conflict detected on relation "%s": conflict=%s\nDETAIL:  Could not find the row to be '
-                        "%sd.\nCONTEXT:  %s", entry.display, kind, op, ctx.describe(),
-                    )  # fmt: skip
-
-            self._checks[key] = check
-        return check
+    def _missing_row(self, ctx: ErrorContext | None) -> None:
+        """An UPDATE/DELETE found no row: not an error (behaviour 47); logged as PostgreSQL 18 does, as an
+        ``update_missing``/``delete_missing`` conflict (behaviour 110), and counted."""
+        op = "update" if ctx is not None and ctx.message_type == "UPDATE" else "delete"
+        kind = f"{op}_missing"
+        self.conflicts[kind] += 1
+        self.log.info(
+            'conflict detected on relation "%s": conflict=%s\nDETAIL:  Could not find the row to be %sd.'
+            "\nCONTEXT:  %s", ctx.relation if ctx else "?", kind, op, ctx.describe() if ctx else "",
+        )  # fmt: skip
 
     def handle_truncate(self, m: Truncate, payload: bytes = b"") -> None:
         """``apply_handle_truncate``: the applicable relations in one TRUNCATE, RESTART IDENTITY honoured, never
@@ -867,7 +857,6 @@ class Applier:
         self._run_entry = None
         self._run_rows.clear()
         self._ctx_cache.clear()
-        self._checks.clear()
         self._pending_rows = [0, 0, 0, 0]
         self._group = None
         self._group_size = 0

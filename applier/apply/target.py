@@ -59,6 +59,8 @@ MAX_IN_FLIGHT = 4000
 COPY_THRESHOLD = 200
 
 _SYNC = object()
+#: ``on_ok`` of an UPDATE/DELETE: a result of 0 rows goes to :attr:`Pipeline.on_missing_row` with its context
+CHECK_ROWS: Any = object()
 
 #: The upsert of a prepared_xact record (a transaction prepared again after a crash replaces its record).
 _RECORD_UPSERT = (
@@ -99,6 +101,8 @@ class Pipeline:
         self.active = False
         #: roughly how many bytes libpq holds that have not been written to the socket yet
         self.unflushed = 0
+        #: called with the context of an UPDATE/DELETE that found no row (queued with ``on_ok=CHECK_ROWS``)
+        self.on_missing_row: Callable[[ErrorContext | None], None] | None = None
 
     # --- sending ---------------------------------------------------------------------------------------------
     def enter(self) -> None:
@@ -213,7 +217,10 @@ class Pipeline:
             ctx, on_ok = head
             status = results[-1].status if results else _S.COMMAND_OK
             if status in _OK:
-                if on_ok is not None:
+                if on_ok is CHECK_ROWS:
+                    if self.on_missing_row is not None and results and results[-1].command_tuples == 0:
+                        self.on_missing_row(ctx)
+                elif on_ok is not None:
                     on_ok(results[-1] if results else None)
             elif status == _S.FATAL_ERROR:
                 if self._error is None:
@@ -755,12 +762,11 @@ class Target:
         return t.kinds.translate(_SHAPE)
 
     def update(
-        self, entry: RelMapEntry, old: TupleData | None, new: TupleData, ctx: ErrorContext | None,
-        on_result: Callable[[Any], None] | None = None,
+        self, entry: RelMapEntry, old: TupleData | None, new: TupleData, ctx: ErrorContext | None
     ) -> None:
         """UPDATE the row found by the old key (or the new tuple's key when the key did not change, behaviour
-        45); unchanged-TOAST columns are left out of SET, so they keep the target's value (behaviour 46).
-        ``on_result(result)`` runs with its result (whose ``command_tuples`` is 0 when no row was found)."""
+        45); unchanged-TOAST columns are left out of SET, so they keep the target's value (behaviour 46). No row
+        found: :attr:`Pipeline.on_missing_row` hears of it."""
         if self._copy is not None:
             self.end_copy()
         search = old if old is not None else new
@@ -795,14 +801,11 @@ class Target:
             kinds = bytes([new.kinds[i] for i in set_pos]) + wkinds
             if KIND_BINARY in kinds:
                 formats = [1 if k == KIND_BINARY else 0 for k in kinds]
-        self.pipeline.send_prepared(name, params, formats, ctx, on_result)
+        self.pipeline.send_prepared(name, params, formats, ctx, CHECK_ROWS)
 
-    def delete(
-        self, entry: RelMapEntry, old: TupleData, ctx: ErrorContext | None,
-        on_result: Callable[[Any], None] | None = None,
-    ) -> None:
-        """DELETE the row found by the old key or, for a FULL publisher without a local key, the first match;
-        ``on_result`` as for :meth:`update`."""
+    def delete(self, entry: RelMapEntry, old: TupleData, ctx: ErrorContext | None) -> None:
+        """DELETE the row found by the old key or, for a FULL publisher without a local key, the first match; no
+        row found as for :meth:`update`."""
         if self._copy is not None:
             self.end_copy()
         shape = self._search_shape(entry, old)
@@ -822,7 +825,7 @@ class Target:
         formats = (
             [1 if k == KIND_BINARY else 0 for k in wkinds] if self.binary and KIND_BINARY in wkinds else None
         )
-        self.pipeline.send_prepared(name, wparams, formats, ctx, on_result)
+        self.pipeline.send_prepared(name, wparams, formats, ctx, CHECK_ROWS)
 
     def truncate(
         self, entries: Sequence[RelMapEntry], restart_identity: bool, ctx: ErrorContext | None
