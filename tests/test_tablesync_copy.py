@@ -616,3 +616,22 @@ def test_local_parallelism_reads_the_master(master, expected):
 
     assert job.local_parallelism(master) == expected
     assert job.local_parallelism("local[*]") == len(os.sched_getaffinity(0))
+
+
+def test_head_start_streams_do_not_import_the_main_module(tmp_path):
+    """A head-start stream is a spawned process; it must not import the parent's main module (for ``applier run``,
+    the CLI and everything it imports: most of a second of CPU per stream before its first row). A main script
+    without a ``__main__`` guard shows it: importing it in the child would start the head start again, which
+    multiprocessing refuses."""
+    script = tmp_path / "unguarded_main.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {os.getcwd()!r})\n"
+        "from tablesync.copy import HeadStart\n"
+        "hs = HeadStart([], 'host=127.0.0.1 port=1', 'host=127.0.0.1 port=1', streams=2)\n"
+        "print('done', sorted(hs.join()))\n"
+    )
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "done []"
+    assert "bootstrapping phase" not in res.stderr
