@@ -348,9 +348,10 @@ def _main_module_left_out() -> Iterator[None]:
     """Start a spawned child without importing our main module in it.
 
     ``multiprocessing``'s spawn imports the parent's ``__main__`` (by name or path) in the child before the target
-    runs. For ``applier run`` that is the CLI, with SQLAlchemy, pyspark's and the apply loop's imports: 0.6-0.7 s of
-    CPU per stream, on the cores the copy needs, before its first row. A head-start stream needs only this module
-    (imported when its target is unpickled). The swap lasts as long as ``Process.start()`` (which reads
+    runs: whatever program started the copy, and everything it imports, on the cores the copy needs, before the
+    stream's first row (``python -m tablesync.testing``, which the benchmark runs, costs 0.3 s of CPU more per
+    stream than this module alone; the ``applier`` CLI imports lazily and costs less). A head-start stream needs only
+    this module (imported when its target is unpickled). The swap lasts as long as ``Process.start()`` (which reads
     ``sys.modules["__main__"]`` to prepare the child), a few milliseconds."""
     main = sys.modules.get("__main__")
     sys.modules["__main__"] = types.ModuleType("__main__")

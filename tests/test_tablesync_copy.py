@@ -619,8 +619,8 @@ def test_local_parallelism_reads_the_master(master, expected):
 
 
 def test_head_start_streams_do_not_import_the_main_module(tmp_path):
-    """A head-start stream is a spawned process; it must not import the parent's main module (for ``applier run``,
-    the CLI and everything it imports: most of a second of CPU per stream before its first row). A main script
+    """A head-start stream is a spawned process; it must not import the parent's main module (whatever started the
+    copy, and everything that imports, before the stream's first row). A main script
     without a ``__main__`` guard shows it: importing it in the child would start the head start again, which
     multiprocessing refuses."""
     script = tmp_path / "unguarded_main.py"
