@@ -583,16 +583,12 @@ class InitialCopy:
                         starter.abandon()
                         return self.result(stopped=True)
                     if len(self.head_start.done) == len(self.tasks):
-                        self.reporter.note("the driver copied every partition before Spark was ready")
-                        starter.abandon()
-                        return self.complete() if self.copy(None) else self.result(stopped=True)
+                        return self._finished_by_driver(starter, "every partition before Spark was ready")
                 handle = starter.handle()
                 if self.head_start is not None and len(self.tasks) - len(self.head_start.done) <= streams:
                     # what is left is already under way in the driver: a Spark job would only wait for it
                     if len(self.head_start.wait()) == len(self.tasks):
-                        self.reporter.note("Spark was ready as the driver copied the last partitions: not needed")
-                        starter.abandon()
-                        return self.complete() if self.copy(None) else self.result(stopped=True)
+                        return self._finished_by_driver(starter, "the last partitions as Spark got ready")
                 if self.head_start is not None:
                     self.head_start.stop()
                     self.reporter.note(
@@ -613,6 +609,12 @@ class InitialCopy:
                     starter.release()
         finally:
             self.close()
+
+    def _finished_by_driver(self, starter: spark_job.SessionStarter, what: str) -> CopyResult:
+        """The driver's head start copied everything: Spark (still starting, or just ready) is let go."""
+        self.reporter.note(f"the driver copied {what}: Spark not needed")
+        starter.abandon()
+        return self.complete() if self.copy(None) else self.result(stopped=True)
 
     @contextlib.contextmanager
     def spark(

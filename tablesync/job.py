@@ -337,7 +337,7 @@ class SessionStarter:
             return
         self._thread.join()
         if self._handle is not None and self._handle.created:
-            threading.Thread(target=self._stop_locked, name="tablesync-spark-stop", daemon=True).start()
+            self._stop_in_background()
 
     def _stop_session(self) -> None:
         if self._handle is not None:
@@ -351,7 +351,10 @@ class SessionStarter:
             self._abandoned = True
             done = self._done.is_set()
         if done:
-            threading.Thread(target=self._stop_locked, name="tablesync-spark-stop", daemon=True).start()
+            self._stop_in_background()
+
+    def _stop_in_background(self) -> None:
+        threading.Thread(target=self._stop_locked, name="tablesync-spark-stop", daemon=True).start()
 
     def _stop_locked(self) -> None:
         with _START_LOCK:  # no new session may find this one still active while it stops
