@@ -120,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
         "transactions that arrive back to back share one; same as APPLIER_GROUP_COMMIT=0)",
     )
     p.add_argument(
+        "--no-bulk-apply", action="store_true",
+        help="apply grouped transactions message by message (default: a batch of plain transactions is applied "
+        "one statement per table and kind of change where that cannot be told apart; same as APPLIER_BULK_APPLY=0)",
+    )
+    p.add_argument(
         "--log-format", choices=("text", "json"), default=None,
         help="log lines for people (text, default) or one JSON object per line for machines (json)",
     )  # fmt: skip
@@ -242,6 +247,8 @@ def _dispatch(args: argparse.Namespace, extra: list[str], parser: argparse.Argum
         wait = runner.WAIT_TARGET if args.wait_target is None else args.wait_target
         if args.no_group_commit:
             os.environ["APPLIER_GROUP_COMMIT"] = "0"  # the worker processes inherit it
+        if args.no_bulk_apply:
+            os.environ["APPLIER_BULK_APPLY"] = "0"
         return runner.run(target, args.names, metrics_port=args.metrics_port, wait_target=wait)
     elif args.command == "status":
         entries = subs.status(target, args.name)

@@ -78,43 +78,57 @@ class InsertRun:
         """COPY text lines for messages ``first`` to ``stop - 1``, which the caller knows are Inserts into one
         relation (see :meth:`relid_heads`) with ``ncols`` columns; ``None`` if any of them is not the simple
         shape (see the module docstring)."""
-        data = self._data
-        starts = self._starts[first:stop]
-        ends = self._ends[first:stop]
-        n = stop - first
-        if n <= 0 or ncols <= 0:
+        if stop - first <= 0 or ncols <= 0:
             return None
-        last = self._null - 1
-        # Malformed input is collected in ``bad`` and refused once at the end; until then every index is clipped
-        # into the buffer, so that nothing can fail on the way.
-        off = starts + (self.relid_pos + 5)
-        bad = ends < off + 2
-        p = np.clip(off, 0, last - 1)
-        bad |= ((data[p].astype(_I64) << 8) | data[p + 1]) != ncols
-        off = off + 2
-        seg_start = np.empty((n, ncols), dtype=_I64)
-        seg_len = np.empty((n, ncols), dtype=_I64)
-        is_null = np.empty((n, ncols), dtype=bool)
-        for c in range(ncols):
-            kind = data[np.clip(off, 0, last)]
-            null = kind == _KIND_NULL
-            bad |= (kind != _KIND_TEXT) & ~null
-            bad |= off >= ends
-            q = np.clip(off + 1, 0, last - 3)
-            length = (
-                (data[q].astype(_I64) << 24) | (data[q + 1].astype(_I64) << 16)
-                | (data[q + 2].astype(_I64) << 8) | data[q + 3]
-            )  # fmt: skip
-            bad |= (length < 0) & ~null  # (a NULL has no length: these are the next bytes)
-            length[null] = 2
-            seg_start[:, c] = np.where(null, self._null, off + 5)
-            seg_len[:, c] = length
-            is_null[:, c] = null
-            off = np.where(null, off + 1, off + 5 + length)
-        bad |= off != ends
-        if bad.any():
+        segments = tuple_segments(
+            self._data, self._null, self._starts[first:stop] + (self.relid_pos + 5), self._ends[first:stop], ncols
+        )
+        if segments is None:
             return None
-        return _gather(data, seg_start.ravel(), seg_len.ravel(), is_null.ravel(), ncols)
+        seg_start, seg_len, is_null = segments
+        return _gather(self._data, seg_start.ravel(), seg_len.ravel(), is_null.ravel(), ncols)
+
+
+def tuple_segments(
+    data: np.ndarray, null_at: int, offs: np.ndarray, ends: np.ndarray, ncols: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Where every column value of a set of TupleData is: the tuple of message ``i`` starts at ``offs[i]`` (its
+    column count) and must end exactly at ``ends[i]``. Returns ``(start, length, is_null)``, each of shape
+    ``(messages, ncols)``, a NULL's start being ``null_at`` (where the caller keeps its NULL text); ``None`` when a
+    tuple is not the simple shape: another column count, a kind other than text or NULL, a length running past
+    its message or not ending exactly at its end (the row-by-row path then gives the precise error)."""
+    n = len(offs)
+    last = null_at - 1
+    # Malformed input is collected in ``bad`` and refused once at the end; until then every index is clipped
+    # into the buffer, so that nothing can fail on the way.
+    off = offs
+    bad = ends < off + 2
+    p = np.clip(off, 0, last - 1)
+    bad |= ((data[p].astype(_I64) << 8) | data[p + 1]) != ncols
+    off = off + 2
+    seg_start = np.empty((n, ncols), dtype=_I64)
+    seg_len = np.empty((n, ncols), dtype=_I64)
+    is_null = np.empty((n, ncols), dtype=bool)
+    for c in range(ncols):
+        kind = data[np.clip(off, 0, last)]
+        null = kind == _KIND_NULL
+        bad |= (kind != _KIND_TEXT) & ~null
+        bad |= off >= ends
+        q = np.clip(off + 1, 0, last - 3)
+        length = (
+            (data[q].astype(_I64) << 24) | (data[q + 1].astype(_I64) << 16)
+            | (data[q + 2].astype(_I64) << 8) | data[q + 3]
+        )  # fmt: skip
+        bad |= (length < 0) & ~null  # (a NULL has no length: these are the next bytes)
+        length[null] = 2
+        seg_start[:, c] = np.where(null, null_at, off + 5)
+        seg_len[:, c] = length
+        is_null[:, c] = null
+        off = np.where(null, off + 1, off + 5 + length)
+    bad |= off != ends
+    if bad.any():
+        return None
+    return seg_start, seg_len, is_null
 
 
 def _gather(data: np.ndarray, seg_start: np.ndarray, seg_len: np.ndarray, is_null: np.ndarray, ncols: int) -> bytes:

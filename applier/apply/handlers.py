@@ -20,6 +20,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from applier.apply import bulk as bulkapply
 from applier.apply.context import ApplyError, ErrorContext
 from applier.apply.copytext import InsertRun
 from applier.apply.feedback import FeedbackTracker
@@ -131,6 +134,7 @@ class Applier:
         prepared: dict[str, tuple[int, int]] | None = None,
         group_commit: bool = False,
         ungrouped_until: int = 0,
+        bulk: bool = False,
     ) -> None:
         self.subid = subid
         self.subname = subname
@@ -169,6 +173,9 @@ class Applier:
         self.group_commit = group_commit
         #: transactions finishing at or before this LSN are committed one by one (the retry after an error)
         self.ungrouped_until = ungrouped_until
+        #: whole plain transactions that join a group may be applied a batch at a time (applier.apply.bulk)
+        self.bulk = bulk
+        self.bulk_transactions = 0  # remote transactions applied that way (stats)
         #: the deferred commit of the open group: (end_lsn, commit_time, remote xid, finish LSN), or None
         self._group: tuple[int, int, int | None, int] | None = None
         self._group_size = 0  # remote transactions in the open local transaction's group
@@ -843,6 +850,124 @@ class Applier:
         self._replay(m.xid, m.prepare_lsn, "STREAM PREPARE")
         self._prepare_internal(m.xid, m.end_lsn, m.prepare_time, "STREAM PREPARE")
         self.spool.discard(m.xid)
+
+    # --- whole transactions a batch at a time (applier.apply.bulk) ------------------------------------------
+    def bulk_ready(self) -> bool:
+        """Whether the transactions coming next may be applied a batch at a time: nothing is open, and they would
+        join a group commit (the conditions of :meth:`_defer_commit`) with text values."""
+        tables = self.tables
+        return (
+            self.bulk
+            and self.group_commit
+            and not self.in_remote_transaction
+            and self.stream_xid is None
+            and not self.skip.skip_lsn
+            and getattr(tables, "all_ready", False)
+            and getattr(tables, "two_phase_state", "") != "p"
+            and not self.target.binary
+        )
+
+    def apply_bulk(self, batch: bulkapply.Batch, message: int) -> int:
+        """Apply, together, the qualifying transactions of ``batch`` from the one whose Begin is message
+        ``message`` on (see :mod:`applier.apply.bulk`), as members of the open group commit; returns the index of
+        the first message not applied, ``message`` itself when they go message by message (too few, a relation
+        not mapped yet or not taking its changes this way, a change not of the simple shape)."""
+        if message < batch.refused_until:
+            return message
+        first = batch.transaction_at(message)
+        if first is None:
+            return message
+        stop = min(batch.run_end(first), first + max(GROUP_MAX_TRANSACTIONS - self._group_size, 1))
+        stop = batch.cut_refused(first, stop)
+        if stop - first < bulkapply.MIN_TRANSACTIONS or int(batch.final_lsn[first]) <= self.ungrouped_until:
+            return message
+        idx = bulkapply.changes_in(batch, first, stop)
+        relids, kinds = batch.relid[idx], batch.kind[idx]
+        updated = set(relids[kinds == bulkapply.UPDATE].tolist())
+        final_lsn = int(batch.final_lsn[stop - 1])
+        entries: dict[int, RelMapEntry] = {}
+        refused: set[int] = set()
+        for relid in np.unique(relids).tolist():
+            entry = self.entries.get(relid)
+            if (
+                entry is None
+                or not (entry.bulk_update if relid in updated else entry.bulk_insert)
+                or not self.tables.should_apply(entry.local.oid, final_lsn)
+            ):
+                refused.add(relid)
+            else:
+                entries[relid] = entry
+        if refused:  # from the transaction of the first change of such a relation on, message by message
+            batch.refuse(refused)
+            stop = batch.cut_refused(first, stop)
+            if stop - first < bulkapply.MIN_TRANSACTIONS:
+                return message
+        stretches = bulkapply.plan(
+            batch, first, stop, {r: len(e.names) for r, e in entries.items()},
+            {r: e.key_positions or () for r, e in entries.items() if r in updated},
+        )  # fmt: skip
+        if stretches is None:  # not the simple shape: message by message up to the end of this stretch
+            batch.refused_until = int(batch.commits[stop - 1]) + 1
+            return message
+        last = stop - 1
+        xid, final_lsn = int(batch.xid[last]), int(batch.final_lsn[last])
+        self._flush_run()
+        target = self.target
+        n_rows = [0, 0]
+        for st in stretches:
+            entry = entries[st.relid]
+            is_update = st.kind == bulkapply.UPDATE
+            ctx = ErrorContext(self.origin, "UPDATE" if is_update else "INSERT", entry.display, xid, final_lsn)
+            if not target.in_transaction:
+                target.begin(ctx)
+            if is_update:
+                target.bulk_update(entry, st.columns, ctx, self._bulk_missing(batch, st, entry))
+            else:
+                target.bulk_insert(entry, st.columns, ctx)
+            n_rows[is_update] += len(st.messages)
+        n = stop - first
+        self.transactions += n
+        self.bulk_transactions += n
+        self.kinds["commit"] += n
+        if n_rows[0]:
+            self.rows["insert"] += n_rows[0]
+        if n_rows[1]:
+            self.rows["update"] += n_rows[1]
+        self._group_size += n
+        self._group_rows += n_rows[0] + n_rows[1]
+        self._group = (int(batch.end_lsn[last]), int(batch.commit_time[last]), xid, final_lsn)
+        self.tracker.holding = True  # as in _defer_commit
+        if self._group_size >= GROUP_MAX_TRANSACTIONS or self._group_rows >= GROUP_MAX_ROWS:
+            self.end_group()
+        return int(batch.commits[last]) + 1
+
+    def recheck_bulk(self) -> None:
+        """Forget the mapped tables whose fitness for bulk apply changed since they were loaded (a trigger enabled
+        ALWAYS, say), so that their next change loads them again; the worker calls this about once a second while
+        idle, standing in for the relcache invalidation that tells the native worker."""
+        known = {e.local.oid for e in self.entries.values()}
+        if not known:
+            return
+        ok = self.target.bulk_tables(sorted(known))
+        for relid, entry in list(self.entries.items()):
+            if entry.local.bulk != (entry.local.oid in ok):
+                self._flush_run_if(relid)
+                del self.entries[relid]
+
+    def _bulk_missing(
+        self, batch: bulkapply.Batch, stretch: bulkapply.Stretch, entry: RelMapEntry
+    ) -> Callable[[list[int]], None]:
+        """What a bulk UPDATE calls with the positions of its tuples that found no row: each is the conflict its
+        Update message would have been, in its own transaction's context."""
+        xids, final_lsns = batch.xid[stretch.transactions], batch.final_lsn[stretch.transactions]
+
+        def missing(positions: list[int]) -> None:
+            for p in positions:
+                self._missing_row(ErrorContext(
+                    self.origin, "UPDATE", entry.display, int(xids[p - 1]), int(final_lsns[p - 1])
+                ))  # fmt: skip
+
+        return missing
 
     # --- errors ----------------------------------------------------------------------------------------------
     def reset(self) -> None:

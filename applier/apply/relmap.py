@@ -28,6 +28,8 @@ class LocalColumn:
     name: str
     type_oid: int
     generated: str = ""  # pg_attribute.attgenerated: '' | 's' (stored) | 'v' (virtual, PG18)
+    #: the type's array type with ',' as delimiter, 0 when none (applier.apply.bulk passes values as arrays)
+    array_type: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +43,9 @@ class LocalTable:
     columns: tuple[LocalColumn, ...]
     #: columns of the REPLICA IDENTITY index, else of the primary key; None when there is neither
     key: tuple[str, ...] | None
+    #: whole transactions may be applied to it a batch at a time (applier.apply.bulk): a plain table with no
+    #: trigger or rule enabled REPLICA or ALWAYS and no column with a nondeterministic collation
+    bulk: bool = False
 
     @property
     def display(self) -> str:
@@ -75,6 +80,10 @@ class RelMapEntry:
     key_positions: tuple[int, ...] | None
     #: why UPDATE/DELETE cannot be applied, or None when they can (checked only when one arrives, behaviour 44)
     not_updatable: str | None
+    #: its Inserts / Updates may be applied a stretch at a time (applier.apply.bulk): ``LocalTable.bulk`` and an
+    #: array type for every published column (and, for updates, a key)
+    bulk_insert: bool = False
+    bulk_update: bool = False
     statements: dict[Any, bytes] = field(default_factory=dict)
 
     @property
@@ -131,6 +140,7 @@ def map_relation(remote: Relation, local: LocalTable) -> RelMapEntry:
             f'logical replication target relation "{local.display}" has neither REPLICA IDENTITY index nor '
             f"PRIMARY KEY and published relation does not have REPLICA IDENTITY FULL"
         )
+    bulk_insert = local.bulk and bool(names) and all(by_name[n].array_type for n in names)
     return RelMapEntry(
         remote=remote,
         local=local,
@@ -138,4 +148,6 @@ def map_relation(remote: Relation, local: LocalTable) -> RelMapEntry:
         types=types,
         key_positions=key_positions if not_updatable is None else None,
         not_updatable=not_updatable,
+        bulk_insert=bulk_insert,
+        bulk_update=bulk_insert and not_updatable is None and key_positions is not None,
     )

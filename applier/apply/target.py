@@ -69,6 +69,17 @@ _RECORD_UPSERT = (
     b" prepare_time = excluded.prepare_time, recorded_at = now()"
 )
 
+#: Whether whole transactions may be applied to table ``c`` a batch at a time (applier.apply.bulk): a plain table
+#: with no trigger or rule that fires in the apply session (enabled REPLICA or ALWAYS), which could observe the order
+#: between tables, and no column with a nondeterministic collation.
+_BULK_OK = sql.SQL(
+    "(c.relkind = 'r'"
+    " AND NOT EXISTS (SELECT FROM pg_catalog.pg_trigger g WHERE g.tgrelid = c.oid AND g.tgenabled IN ('R', 'A'))"
+    " AND NOT EXISTS (SELECT FROM pg_catalog.pg_rewrite r WHERE r.ev_class = c.oid AND r.ev_enabled IN ('R', 'A'))"
+    " AND NOT EXISTS (SELECT FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_collation l ON l.oid = a.attcollation"
+    "   WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT l.collisdeterministic))"
+)  # fmt: skip
+
 #: A GID that is a valid SQL string literal once put in single quotes (see Target._gid_literal).
 _PLAIN_GID = re.compile(r"[A-Za-z0-9_]+")
 
@@ -138,9 +149,10 @@ class Pipeline:
         params: Sequence[bytes | None] | None = None,
         ctx: ErrorContext | None = None,
         on_ok: Callable[[Any], None] | None = None,
+        types: Sequence[int] | None = None,
     ) -> None:
         self.enter()
-        self.pgconn.send_query_params(command, params)
+        self.pgconn.send_query_params(command, params, types)
         self.unflushed += 32 + len(command) + (sum(map(len, filter(None, params))) if params else 0)
         self._pending.append((ctx, on_ok))
 
@@ -399,16 +411,20 @@ class Target:
     def load_local_table(self, schema: str, name: str) -> LocalTable | None:
         """Read a table's columns and key from the target's catalogs (``logicalrep_rel_open``); None if absent."""
         rows = self.query(
-            "SELECT c.oid, c.relkind::text, c.relreplident::text FROM pg_catalog.pg_class c"
-            " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s",
+            sql.SQL(
+                "SELECT c.oid, c.relkind::text, c.relreplident::text, {} FROM pg_catalog.pg_class c"
+                " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s"
+            ).format(_BULK_OK),
             (schema, name),
         )
         if not rows:
             return None
-        oid, relkind, replident = rows[0]
+        oid, relkind, replident, bulk = rows[0]
         cols = self.query(
-            "SELECT attname, atttypid::int, attgenerated::text FROM pg_catalog.pg_attribute"
-            " WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
+            "SELECT a.attname, a.atttypid::int, a.attgenerated::text,"
+            " CASE WHEN t.typdelim = ',' THEN t.typarray::int ELSE 0 END"
+            " FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_type t ON t.oid = a.atttypid"
+            " WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum",
             (oid,),
         )
         # GetRelationIdentityOrPK: the replica identity index when REPLICA IDENTITY USING INDEX, else the PK.
@@ -424,8 +440,19 @@ class Target:
             (oid, oid, replident, replident),
         )
         key = tuple(r[0] for r in key_rows) or None
-        columns = tuple(LocalColumn(n, t, g or "") for n, t, g in cols)
-        return LocalTable(int(oid), schema, name, relkind, columns, key)
+        columns = tuple(LocalColumn(n, t, g or "", a) for n, t, g, a in cols)
+        return LocalTable(int(oid), schema, name, relkind, columns, key, bool(bulk))
+
+    def bulk_tables(self, oids: Sequence[int]) -> set[int]:
+        """Which of these tables may still be applied a batch at a time (what ``LocalTable.bulk`` says, read
+        now: a trigger enabled ALWAYS since the table was loaded makes it no longer so)."""
+        rows = self.query(
+            sql.SQL("SELECT c.oid FROM pg_catalog.pg_class c WHERE c.oid = ANY(%s::pg_catalog.oid[]) AND {}").format(
+                _BULK_OK
+            ),
+            (list(oids),),
+        )
+        return {int(r[0]) for r in rows}
 
     # --- transactions ----------------------------------------------------------------------------------------
     def begin(self, ctx: ErrorContext | None = None) -> None:
@@ -837,6 +864,60 @@ class Target:
             targets, sql.SQL(" RESTART IDENTITY" if restart_identity else ""))  # fmt: skip
         self.pipeline.send_query(q.as_bytes(self.conn), None, ctx)
 
+    # --- a table's stretch of changes as one statement (applier.apply.bulk) -----------------------------------
+    def bulk_insert(self, entry: RelMapEntry, columns: Sequence[bytes], ctx: ErrorContext | None) -> None:
+        """INSERT rows given as one array literal per column (in the publisher's column order)."""
+        query = entry.statements.get(("bulk", "I"))
+        if query is None:
+            q = sql.SQL("INSERT INTO {} ({}) SELECT * FROM {}").format(
+                _tbl(entry.local), sql.SQL(", ").join(map(sql.Identifier, entry.names)), _unnest(len(entry.names))
+            )  # fmt: skip
+            query = entry.statements[("bulk", "I")] = q.as_bytes(self.conn)
+        self.end_copy()
+        self.pipeline.send_query(query, columns, ctx, None, _array_types(entry))
+
+    def bulk_update(self, entry: RelMapEntry, columns: Sequence[bytes], ctx: ErrorContext | None,
+                    on_missing: Callable[[list[int]], None]) -> None:  # fmt: skip
+        """UPDATE from new tuples given as one array literal per column: each key's row takes the last of its
+        tuples. ``on_missing`` hears the (1-based) positions of the tuples whose row does not exist."""
+        query = entry.statements.get(("bulk", "U"))
+        if query is None:
+            query = entry.statements[("bulk", "U")] = self._bulk_update_sql(entry).as_bytes(self.conn)
+
+        def done(res: Any) -> None:
+            if res is not None and res.ntuples:
+                on_missing([int(res.get_value(i, 0)) for i in range(res.ntuples)])
+
+        self.end_copy()
+        self.pipeline.send_query(query, columns, ctx, done, _array_types(entry))
+
+    @staticmethod
+    def _bulk_update_sql(entry: RelMapEntry) -> sql.Composable:
+        """s: the tuples with their position; l: the last tuple of each key; u: the UPDATE; what it returns: the
+        positions of tuples whose key matched no row (the UPDATE sees the table as before the statement, like the
+        other parts do, so those are exactly the rows that were missing)."""
+        names = entry.names
+        ord_name = "applier ord"
+        while ord_name in names:
+            ord_name += "_"
+        ordc = sql.Identifier(ord_name)
+        keys = [sql.Identifier(names[i]) for i in entry.key_positions or ()]
+        key_list = sql.SQL(", ").join(keys)
+        return sql.SQL(
+            "WITH s AS (SELECT * FROM {unnest} WITH ORDINALITY AS s({cols}, {ordc})),"
+            " l AS (SELECT DISTINCT ON ({keys}) * FROM s ORDER BY {keys}, {ordc} DESC),"
+            " u AS (UPDATE {only}{tbl} AS t SET {sets} FROM l WHERE {match} RETURNING l.{ordc})"
+            " SELECT s.{ordc} FROM s JOIN l ON {join} WHERE l.{ordc} NOT IN (SELECT u.{ordc} FROM u)"
+            " ORDER BY s.{ordc}"
+        ).format(
+            unnest=_unnest(len(names)),
+            cols=sql.SQL(", ").join(map(sql.Identifier, names)), ordc=ordc, keys=key_list,
+            only=_only(entry), tbl=_tbl(entry.local),
+            sets=sql.SQL(", ").join(sql.SQL("{} = l.{}").format(sql.Identifier(n), sql.Identifier(n)) for n in names),
+            match=sql.SQL(" AND ").join(sql.SQL("t.{} = l.{}").format(k, k) for k in keys),
+            join=sql.SQL(" AND ").join(sql.SQL("s.{} = l.{}").format(k, k) for k in keys),
+        )  # fmt: skip
+
     # --- COPY for runs of inserts ----------------------------------------------------------------------------
     def start_copy(self, entry: RelMapEntry, rows: Sequence[TupleData], ctx: ErrorContext | None) -> None:
         """Begin a COPY for a run of inserts into ``entry`` and send ``rows``; later :meth:`insert` calls for the
@@ -888,6 +969,19 @@ class Target:
     def copy_eligible(t: TupleData) -> bool:
         """COPY text format can carry text values and NULLs; binary values go through INSERT."""
         return KIND_BINARY not in t.kinds and KIND_UNCHANGED_TOAST not in t.kinds
+
+
+def _unnest(n: int) -> sql.Composable:
+    """The rows of ``n`` array parameters side by side (what ``unnest($1, $2)`` means, schema-qualified)."""
+    return sql.SQL("ROWS FROM ({})").format(
+        sql.SQL(", ").join(sql.SQL("pg_catalog.unnest({})").format(_param(i + 1)) for i in range(n))
+    )
+
+
+def _array_types(entry: RelMapEntry) -> list[int]:
+    """The array types of the local columns, in the publisher's column order (``bulk_insert`` says they exist)."""
+    by_name = {c.name: c.array_type for c in entry.local.columns}
+    return [by_name[n] for n in entry.names]
 
 
 _SHAPE = bytes.maketrans(b"tb", b"vv")

@@ -34,6 +34,8 @@ import psycopg
 import sqlalchemy.exc
 import tenacity
 
+from applier.apply.bulk import MIN_TRANSACTIONS as BULK_MIN_TRANSACTIONS
+from applier.apply.bulk import Batch
 from applier.apply.context import ApplyError, ErrorContext
 from applier.apply.copytext import InsertRun
 from applier.apply.feedback import FeedbackTracker
@@ -86,6 +88,12 @@ def group_commit_default() -> bool:
     return os.environ.get("APPLIER_GROUP_COMMIT", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
+def bulk_apply_default() -> bool:
+    """Bulk apply (applier.apply.bulk) is on unless the environment says ``APPLIER_BULK_APPLY=0`` (or off/false/no);
+    it needs group commit."""
+    return os.environ.get("APPLIER_BULK_APPLY", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
 class ApplyWorkerError(ApplierError):
     """An error waiting will not fix; the message says what to do."""
 
@@ -121,6 +129,7 @@ class WorkerStats:
     records_in_group: int = 0  # prepared_xact records committed in a group commit rather than on their own
     records_batched: int = 0  # prepared_xact records written ahead, several in one transaction
     converted_rows: int = 0  # Inserts converted into COPY text a stretch at a time (applier.apply.copytext)
+    bulk_transactions: int = 0  # remote transactions applied a batch at a time (applier.apply.bulk)
     last_error: str | None = None
     started_streaming: threading.Event = field(default_factory=threading.Event)
 
@@ -251,6 +260,7 @@ class ApplyWorker:
         retry_max: float = 30.0,
         live_sync: bool = True,
         group_commit: bool | None = None,
+        bulk: bool | None = None,
     ) -> None:
         self.target_conninfo = target_conninfo
         self.subname = subname
@@ -270,6 +280,8 @@ class ApplyWorker:
         self.live_retry_at = 0.0
         #: group commit (README: where we differ); off with ``APPLIER_GROUP_COMMIT=0`` / ``run --no-group-commit``
         self.group_commit = group_commit if group_commit is not None else group_commit_default()
+        #: bulk apply of whole plain transactions (README: where we differ); off with ``APPLIER_BULK_APPLY=0``
+        self.bulk = bulk if bulk is not None else bulk_apply_default()
         #: after a session ended by an error, remote transactions up to what it had received are applied one local
         #: transaction each, so that an error recurring there names exactly one remote transaction
         self._ungrouped_until = 0
@@ -446,7 +458,7 @@ class ApplyWorker:
                 subid=sub.subid, subname=sub.subname, target=target, tracker=tracker, spool=spool,
                 tables=tables, skip=skip, clear_skip_lsn=self.catalog.clear_skip_lsn, logger=self.log,
                 prepared=target.prepared_transactions(sub.subid), group_commit=self.group_commit,
-                ungrouped_until=self._ungrouped_until,
+                ungrouped_until=self._ungrouped_until, bulk=self.bulk,
             )  # fmt: skip
             self._grouped_session = self.group_commit
             self._grouped_after = self._ungrouped_until
@@ -460,6 +472,7 @@ class ApplyWorker:
                 self.stats.records_in_group += applier.records_in_group
                 self.stats.records_batched += applier.records_batched
                 self.stats.converted_rows += applier.converted_rows
+                self.stats.bulk_transactions += applier.bulk_transactions
                 self.metrics.publish(applier.kinds, applier.rows, applier.conflicts)
                 self.metrics.session_ended()
                 if applier.transactions:
@@ -560,8 +573,18 @@ class ApplyWorker:
                 begins = [m for m in messages if m[25] == 98]  # 'b': BEGIN PREPARE
                 if len(begins) > 1:  # their prepared_xact records are written together, at the first
                     applier.expect_prepares([decode_message(bytes(m[25:])) for m in begins])
+            # whole transactions a batch at a time (applier.apply.bulk), when there can be enough of them
+            batch: Batch | None = None
+            bulk = applier.bulk and count >= 3 * BULK_MIN_TRANSACTIONS
             while i < count:
                 kind = messages[i][25]
+                if kind == 66 and bulk and not decoder.in_stream and applier.bulk_ready():  # 'B'
+                    if batch is None:
+                        batch = Batch(messages)
+                    j = applier.apply_bulk(batch, i)
+                    if j > i:
+                        i = j
+                        continue
                 if decoder.in_stream and applier.stream_xid is not None and STREAMED_CHANGE[kind]:
                     j = i + 1
                     while j < count and STREAMED_CHANGE[messages[j][25]]:
@@ -645,6 +668,8 @@ class ApplyWorker:
                 if now - last_reread >= REREAD_INTERVAL:
                     last_reread = now
                     self._reread(sub, skip, tables, target)
+                    if applier.bulk:
+                        applier.recheck_bulk()
                     if applier.finished_prepared:
                         applier.finished_prepared = 0
                         # (what is queued first: a record whose PREPARE TRANSACTION has not run yet looks finished)

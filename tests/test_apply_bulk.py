@@ -1,0 +1,207 @@
+"""Bulk apply (:mod:`applier.apply.bulk`, README "Where we differ") against real servers: a backlog of small
+transactions is applied a table stretch at a time, and the target still equals the publisher, for values of every
+common type and of every character the array literals must escape; an Update whose row is missing is still one
+``update_missing`` conflict per message, in its own transaction's context; tables that could observe the order
+between tables (triggers enabled ALWAYS) and values that cannot travel as text go message by message."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+from test_apply_group_commit import both
+
+from applier.apply.testing import setup_subscription
+from applier.apply.worker import REREAD_INTERVAL
+from applier.testing import assert_tables_equal, wait_for_catchup
+
+pytestmark = pytest.mark.core
+
+AWKWARD = [
+    "plain", "", "NULL", 'a "quoted" word', "back\\slash", "{braces}", "a,b", " spaced ", "tab\there",
+    "new\nline", "é ü 中文", "\\x00", "'single'",
+]
+
+
+def _sub(pair, *tables: str):
+    return setup_subscription(pair.publisher, pair.target, pair.name, [f"public.{t}" for t in tables])
+
+
+def test_backlog_with_awkward_values_equals_the_publisher(pair):
+    """Inserts and updates (several per key inside one batch) of many types and escape-worthy texts: applied in
+    bulk, and the result equals the publisher column by column. Every 50th transaction also updates a table with
+    an array column, whose values have no array type to travel in: those go message by message, in order."""
+    both(
+        pair,
+        "CREATE TABLE k (id int PRIMARY KEY, t text, n numeric, ts timestamptz, b bytea, j jsonb, u uuid,"
+        " f float8, d date, v varchar(20), c char(3))",
+        "CREATE TABLE h (id bigint PRIMARY KEY, k int, note text)",
+        "CREATE TABLE arr (id int PRIMARY KEY, tags text[])",
+        "INSERT INTO k (id, t) SELECT g, 'start' FROM generate_series(1, 20) g",
+        "INSERT INTO arr VALUES (1, NULL)",
+    )
+    pair.publisher.execute(
+        """
+        CREATE PROCEDURE work(cnt int, words text[]) LANGUAGE plpgsql AS $$
+        BEGIN
+          FOR i IN 1..cnt LOOP
+            UPDATE k SET t = words[1 + i % array_length(words, 1)], n = i * 1.5, ts = '2026-01-01'::timestamptz
+              + i * interval '1 second', b = int4send(i), j = jsonb_build_object('i', i, 's', words[1 + i % 3]),
+              u = md5(i::text)::uuid, f = i / 3.0, d = '2026-01-01'::date + i, v = left(words[1 + i % 5], 20),
+              c = CASE WHEN i % 3 = 0 THEN 'a' END
+              WHERE id = 1 + i % 20;
+            INSERT INTO h VALUES (i, 1 + i % 20, CASE WHEN i % 7 = 0 THEN NULL ELSE words[1 + i % 13] END);
+            IF i % 50 = 0 THEN
+              UPDATE arr SET tags = ARRAY[words[1 + i % 13], NULL] WHERE id = 1;
+            END IF;
+            COMMIT;
+          END LOOP;
+        END $$
+        """
+    )
+    s = _sub(pair, "k", "h", "arr")
+    pair.publisher.execute("CALL work(5000, %s)", (AWKWARD,))
+    w = s.start()
+    try:
+        wait_for_catchup(pair.publisher, pair.name, timeout=60)
+    finally:
+        w.stop()
+    stats = w.worker.stats
+    assert stats.errors == 0
+    assert stats.bulk_transactions > 1000, stats
+    assert_tables_equal(pair.publisher, pair.target, "public.k", "public.h", "public.arr")
+    assert {r[0] for r in pair.target.query("SELECT DISTINCT note FROM h")} == set(AWKWARD) | {None}
+
+
+def test_missing_rows_are_one_conflict_per_update_message(pair, caplog):
+    """Keys 1-5 exist on the publisher only: each of their Updates, applied in bulk, is logged and counted as an
+    update_missing conflict with its own remote transaction, as the message-by-message path would."""
+    both(pair, "CREATE TABLE k (id int PRIMARY KEY, n int)", "CREATE TABLE h (id int PRIMARY KEY)")
+    pair.publisher.execute("INSERT INTO k SELECT g, 0 FROM generate_series(1, 50) g")
+    pair.target.execute("INSERT INTO k SELECT g, 0 FROM generate_series(6, 50) g")
+    pair.publisher.execute(
+        """
+        CREATE PROCEDURE work(cnt int) LANGUAGE plpgsql AS $$
+        BEGIN
+          FOR i IN 1..cnt LOOP
+            UPDATE k SET n = n + 1 WHERE id = 1 + i % 50;
+            INSERT INTO h VALUES (i);
+            COMMIT;
+          END LOOP;
+        END $$
+        """
+    )
+    s = _sub(pair, "k", "h")
+    pair.publisher.execute("CALL work(1000)")
+    missing_xids = {
+        r[0] for r in pair.publisher.query("SELECT xmin::text FROM h WHERE (1 + id % 50) BETWEEN 1 AND 5")
+    }
+    assert len(missing_xids) == 100
+    with caplog.at_level(logging.INFO, logger="applier"):
+        w = s.start()
+        try:
+            wait_for_catchup(pair.publisher, pair.name, timeout=60)
+        finally:
+            w.stop()
+    assert w.worker.stats.bulk_transactions > 500
+    lines = [r.getMessage() for r in caplog.records if "conflict=update_missing" in r.getMessage()]
+    assert len(lines) == 100
+    logged = {line.split("in transaction ")[1].split(",")[0] for line in lines}
+    assert logged == missing_xids
+    assert all('relation "public.k"' in line and 'target relation "public.k"' in line for line in lines)
+    assert pair.target.scalar("SELECT count(*) FROM k WHERE id <= 5") == 0
+    assert pair.target.scalar("SELECT sum(n) FROM k") == pair.publisher.scalar("SELECT sum(n) FROM k WHERE id > 5")
+    assert pair.target.scalar("SELECT count(*) FROM h") == 1000
+
+
+def test_tables_with_always_triggers_keep_the_publisher_order(pair):
+    """A trigger enabled ALWAYS on the target sees every change in the publisher's order, across tables: such a
+    table is never applied in bulk, nor is a transaction that touches it."""
+    both(pair, "CREATE TABLE a (id int PRIMARY KEY, n int)", "CREATE TABLE b (id int PRIMARY KEY)")
+    pair.target.execute("CREATE TABLE seen (seq serial, what text)")
+    pair.target.execute(
+        "CREATE FUNCTION note() RETURNS trigger LANGUAGE plpgsql AS $$"
+        " BEGIN INSERT INTO public.seen (what) VALUES (TG_TABLE_NAME || ' ' || NEW.id); RETURN NEW; END $$"
+    )
+    for t in ("a", "b"):
+        pair.target.execute(f"CREATE TRIGGER note AFTER INSERT OR UPDATE ON {t} FOR EACH ROW EXECUTE FUNCTION note()")
+        pair.target.execute(f"ALTER TABLE {t} ENABLE ALWAYS TRIGGER note")
+    pair.publisher.execute(
+        """
+        CREATE PROCEDURE work(cnt int) LANGUAGE plpgsql AS $$
+        BEGIN
+          FOR i IN 1..cnt LOOP
+            INSERT INTO a VALUES (i, 0);
+            INSERT INTO b VALUES (i);
+            UPDATE a SET n = 1 WHERE id = i;
+            COMMIT;
+          END LOOP;
+        END $$
+        """
+    )
+    s = _sub(pair, "a", "b")
+    pair.publisher.execute("CALL work(300)")
+    w = s.start()
+    try:
+        wait_for_catchup(pair.publisher, pair.name, timeout=60)
+    finally:
+        w.stop()
+    assert w.worker.stats.bulk_transactions == 0
+    seen = [r[0] for r in pair.target.query("SELECT what FROM seen ORDER BY seq")]
+    assert seen == [w for i in range(1, 301) for w in (f"a {i}", f"b {i}", f"a {i}")]
+    assert_tables_equal(pair.publisher, pair.target, "public.a", "public.b")
+
+
+def test_a_trigger_enabled_always_while_running_is_noticed(pair):
+    """The first backlog goes in bulk; then a trigger is enabled ALWAYS on the target while the worker runs: once
+    the worker has looked again (about once a second while idle), the next backlog reaches the trigger in the
+    publisher's order."""
+    both(pair, "CREATE TABLE a (id int PRIMARY KEY, n int)", "CREATE TABLE b (id int PRIMARY KEY)")
+    pair.target.execute("CREATE TABLE seen (seq serial, what text)")
+    pair.target.execute(
+        "CREATE FUNCTION note() RETURNS trigger LANGUAGE plpgsql AS $$"
+        " BEGIN INSERT INTO public.seen (what) VALUES (TG_TABLE_NAME || ' ' || NEW.id); RETURN NEW; END $$"
+    )
+    pair.publisher.execute(
+        "CREATE PROCEDURE work(lo int, hi int) LANGUAGE plpgsql AS $$ BEGIN FOR i IN lo..hi LOOP"
+        " INSERT INTO a VALUES (i, 0); INSERT INTO b VALUES (i); UPDATE a SET n = 1 WHERE id = i; COMMIT;"
+        " END LOOP; END $$"
+    )
+    s = _sub(pair, "a", "b")
+    pair.publisher.execute("CALL work(1, 500)")
+    w = s.start()
+    try:
+        wait_for_catchup(pair.publisher, pair.name, timeout=60)
+        for t in ("a", "b"):
+            pair.target.execute(f"CREATE TRIGGER note AFTER INSERT OR UPDATE ON {t} FOR EACH ROW EXECUTE FUNCTION note()")
+            pair.target.execute(f"ALTER TABLE {t} ENABLE ALWAYS TRIGGER note")
+        time.sleep(3 * REREAD_INTERVAL)  # the worker's own interval, not a condition we could wait for
+        pair.publisher.execute("CALL work(501, 800)")
+        wait_for_catchup(pair.publisher, pair.name, timeout=60)
+    finally:
+        w.stop()
+    assert w.worker.stats.bulk_transactions >= 100
+    seen = [r[0] for r in pair.target.query("SELECT what FROM seen ORDER BY seq")]
+    assert seen == [w for i in range(501, 801) for w in (f"a {i}", f"b {i}", f"a {i}")]
+    assert_tables_equal(pair.publisher, pair.target, "public.a", "public.b")
+
+
+def test_bulk_off_applies_message_by_message(pair):
+    """``bulk=False`` (``APPLIER_BULK_APPLY=0``): the same backlog, message by message, the same result."""
+    both(pair, "CREATE TABLE k (id int PRIMARY KEY, n int)")
+    pair.publisher.execute("INSERT INTO k SELECT g, 0 FROM generate_series(1, 10) g")
+    pair.target.execute("INSERT INTO k SELECT g, 0 FROM generate_series(1, 10) g")
+    pair.publisher.execute(
+        "CREATE PROCEDURE work(cnt int) LANGUAGE plpgsql AS $$ BEGIN FOR i IN 1..cnt LOOP"
+        " UPDATE k SET n = n + i WHERE id = 1 + i % 10; COMMIT; END LOOP; END $$"
+    )
+    s = _sub(pair, "k")
+    pair.publisher.execute("CALL work(500)")
+    w = s.start(bulk=False)
+    try:
+        wait_for_catchup(pair.publisher, pair.name, timeout=60)
+    finally:
+        w.stop()
+    assert w.worker.stats.bulk_transactions == 0 and w.worker.stats.groups > 0
+    assert_tables_equal(pair.publisher, pair.target, "public.k")
