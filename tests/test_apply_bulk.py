@@ -115,6 +115,45 @@ def test_missing_rows_are_one_conflict_per_update_message(pair, caplog):
     assert pair.target.scalar("SELECT count(*) FROM h") == 1000
 
 
+def test_deletes_and_reinserts_of_one_key_keep_their_order(pair, caplog):
+    """Deletes by key in bulk: a key deleted and inserted again inside one transaction and across transactions ends
+    as on the publisher; keys the target lacks are one delete_missing conflict per Delete message."""
+    both(pair, "CREATE TABLE k (id int, region text, n int, PRIMARY KEY (id, region))")
+    pair.publisher.execute("INSERT INTO k SELECT g, r, 0 FROM generate_series(1, 30) g, unnest('{eu,us}'::text[]) r")
+    pair.target.execute(
+        "INSERT INTO k SELECT g, r, 0 FROM generate_series(1, 30) g, unnest('{eu,us}'::text[]) r WHERE g > 3"
+    )
+    pair.publisher.execute(
+        """
+        CREATE PROCEDURE work(cnt int) LANGUAGE plpgsql AS $$
+        BEGIN
+          FOR i IN 1..cnt LOOP
+            DELETE FROM k WHERE id = 1 + i % 30 AND region = 'eu';
+            INSERT INTO k VALUES (1 + i % 30, 'eu', i);
+            UPDATE k SET n = n + 1 WHERE id = 1 + (i + 7) % 30 AND region = 'us';
+            IF i % 3 = 0 THEN DELETE FROM k WHERE id = 1 + (i + 11) % 30 AND region = 'us'; END IF;
+            IF i % 3 = 1 THEN INSERT INTO k VALUES (1 + (i + 10) % 30, 'us', -i) ON CONFLICT DO NOTHING; END IF;
+            COMMIT;
+          END LOOP;
+        END $$
+        """
+    )
+    s = _sub(pair, "k")
+    pair.publisher.execute("CALL work(900)")
+    with caplog.at_level(logging.INFO, logger="applier"):
+        w = s.start()
+        try:
+            wait_for_catchup(pair.publisher, pair.name, timeout=60)
+        finally:
+            w.stop()
+    stats = w.worker.stats
+    assert stats.errors == 0 and stats.bulk_transactions > 300, stats
+    rows = "SELECT id, region, n FROM k WHERE NOT (id <= 3 AND region = 'us') ORDER BY 1, 2"
+    assert pair.target.query(rows) == pair.publisher.query(rows)
+    missing = [r.getMessage() for r in caplog.records if "conflict=delete_missing" in r.getMessage()]
+    assert missing and all('relation "public.k"' in m for m in missing)
+
+
 def test_tables_with_always_triggers_keep_the_publisher_order(pair):
     """A trigger enabled ALWAYS on the target sees every change in the publisher's order, across tables: such a
     table is never applied in bulk, nor is a transaction that touches it."""

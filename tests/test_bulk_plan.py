@@ -79,8 +79,8 @@ def test_array_literal_round_trips(values: list[bytes | None]) -> None:
     assert _parse_array(text) == values
 
 
-# a transaction's body: Insert/Update-with-new-tuple/Origin qualify, the others do not
-_QUALIFYING = ("I", "U", "O")
+# a transaction's body: Insert/Update-with-new-tuple/Delete-by-key/Origin qualify, an Update with a key change not
+_QUALIFYING = ("I", "U", "D", "O")
 _BODY = st.lists(st.sampled_from(["I", "U", "O", "I", "U", "K", "D"]), max_size=5)
 
 
@@ -138,10 +138,10 @@ def test_batch_finds_the_transactions_that_qualify(txns, head: int, tail: int) -
 
 
 def test_plan_cuts_each_table_into_stretches_of_one_kind_in_its_order() -> None:
-    """Per table in order of first appearance; a table's stretches follow its own order (I I U I -> 3 stretches);
+    """Per table in order of first appearance; a table's stretches follow its own order (I I U I D D -> 4);
     the transaction of every change is kept; values that are not text (binary) refuse the whole plan."""
     msgs = [_xlog(encode_message(Begin(100, 0, 7)))]
-    changes = [("I", 1), ("U", 2), ("I", 1), ("U", 1), ("I", 2), ("I", 1)]
+    changes = [("I", 1), ("U", 2), ("I", 1), ("U", 1), ("I", 2), ("I", 1), ("D", 1), ("D", 1)]
     for i, (k, r) in enumerate(changes):
         msgs.append(_change(k, r, i))
         if i == 2:
@@ -153,9 +153,13 @@ def test_plan_cuts_each_table_into_stretches_of_one_kind_in_its_order() -> None:
     plan = bulk.plan(batch, 0, 2, {1: 2, 2: 2}, {1: (0,), 2: (0,)})
     assert plan is not None
     got = [(s.relid, chr(s.kind), len(s.messages), s.transactions.tolist()) for s in plan]
-    assert got == [(1, "I", 2, [0, 0]), (1, "U", 1, [1]), (1, "I", 1, [1]), (2, "U", 1, [0]), (2, "I", 1, [1])]
+    assert got == [
+        (1, "I", 2, [0, 0]), (1, "U", 1, [1]), (1, "I", 1, [1]), (1, "D", 2, [1, 1]), (2, "U", 1, [0]),
+        (2, "I", 1, [1]),
+    ]  # fmt: skip
     first = plan[0]
     assert [_parse_array(c) for c in first.columns] == [[b"0", b"2"], [b"x", b"x"]]
+    assert [_parse_array(c) for c in plan[3].columns] == [[b"1", b"1"]]  # a Delete's key column only
 
     binary = _xlog(encode_message(Insert(None, 1, TupleData(b"bt", (b"\x00\x01", b"x")))))
     batch = bulk.Batch([msgs[0], binary, msgs[-1]])

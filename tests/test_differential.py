@@ -369,6 +369,61 @@ def test_differential_property(
         run_differential(t, workload)
 
 
+# --- backlogs of small transactions (bulk apply) ------------------------------------------------------------------
+
+#: one change of a small transaction: what our bulk apply takes (inserts, updates keeping the key, deletes by key,
+#: on wl_pk and into wl_full) and what sends a transaction message by message (a key change, an unchanged TOAST
+#: value, a change to wl_idx, whose array column has no array type)
+def _q(template: str, *values: object) -> str:
+    return sql.SQL(template).format(*map(sql.Literal, values)).as_string(None)
+
+
+_bulk_change = st.one_of(
+    st.builds(lambda k, v: _q("INSERT INTO wl_pk (id, v, n) VALUES ({}, {}, {}) ON CONFLICT DO NOTHING", k, v, k),
+              st.integers(1, 12), st.sampled_from(["a", 'b "q"', "c\\d", "{e,f}", "", "it's"])),  # fmt: skip
+    st.builds(lambda k, n: _q("UPDATE wl_pk SET n = {}, v = {} WHERE id = {}", n, f"u{n}", k), st.integers(1, 12),
+              st.integers(0, 99)),  # fmt: skip
+    st.builds(lambda k: _q("DELETE FROM wl_pk WHERE id = {}", k), st.integers(1, 12)),
+    st.builds(lambda a: _q("INSERT INTO wl_full (a, b) VALUES ({}, NULL)", a), st.integers(1, 5)),
+)
+_other_change = st.one_of(
+    st.builds(lambda k, j: _q("UPDATE wl_pk SET id = {} WHERE id = {} AND NOT EXISTS (SELECT FROM wl_pk WHERE id = {})",
+                              j, k, j), st.integers(1, 12), st.integers(1, 12)),  # fmt: skip
+    st.builds(lambda k: _q("UPDATE wl_pk SET big = repeat(md5({}), 300) WHERE id = {}", str(k), k), st.integers(1, 12)),
+    st.builds(lambda k: _q("INSERT INTO wl_idx (k, v) VALUES ({}, 'x') ON CONFLICT DO NOTHING", k), st.integers(1, 5)),
+)
+#: mostly what bulk apply takes, so that runs of such transactions form
+_small_change = st.one_of(*[_bulk_change] * 5, _other_change)
+_small_backlogs = st.lists(st.lists(_small_change, min_size=1, max_size=4), min_size=20, max_size=120)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=_HEALTH, derandomize=not _LONG)
+@given(transactions=_small_backlogs)
+def test_differential_small_transaction_backlogs(
+    publisher_cluster: PostgresCluster,
+    target_cluster: PostgresCluster,
+    native_cluster: PostgresCluster,
+    transactions: list[list[str]],
+) -> None:
+    """Backlogs of small transactions (committed inside one DO block, our worker started after them, so that they
+    reach it in batches): what bulk apply takes and what it leaves to the message-by-message path, mixed. At the
+    end ours = native = publisher."""
+    # (each transaction also inserts a row of its own, so that none is empty and skipped by the publisher)
+    body = " ".join(
+        " ".join(f"{c};" for c in [_q("INSERT INTO wl_full (a, b) VALUES ({}, 'txn')", i), *txn, "COMMIT"])
+        for i, txn in enumerate(transactions)
+    )
+    workload = Workload(steps=(Step(0, f"DO $do$ BEGIN {body} END $do$"),), sessions=1)
+    _note("workload (SQL):\n" + workload.to_sql())
+    with trio(publisher_cluster, target_cluster, native_cluster) as t:
+        run_workload(t.publisher, workload)
+        w = t.setup.start()
+        t.stop_ours = w.stop
+        check_end(t)
+        w.stop()
+        _event(f"bulk transactions: {'some' if w.worker.stats.bulk_transactions else 'none'}")
+
+
 # --- the fault schedule -----------------------------------------------------------------------------------------
 
 

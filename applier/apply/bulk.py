@@ -1,13 +1,16 @@
-"""Whole plain transactions applied a batch at a time: each table's Inserts and Updates as one statement.
+"""Whole plain transactions applied a batch at a time: each table's stretch of Inserts, Updates or Deletes as one
+statement.
 
 Why: on a backlog of small transactions (an UPDATE and an INSERT each, say) the worker spent ~40 µs of Python per
 transaction turning every message into objects and every change into a pipelined statement, and its target backend
 another ~18 µs executing them; PostgreSQL's own apply worker needs ~15 µs for all of it. Here a batch of messages,
 as read, is looked at with array operations: where it holds whole transactions made only of Begin, Inserts,
-Updates that keep their key (no old tuple), Origin and Commit, those transactions are applied together, inside the
+Updates that keep their key (no old tuple), Deletes by key, Origin and Commit, those transactions are applied
+together, inside the
 open group commit (they would share its one local transaction anyway). Each table's changes are cut into stretches
 of one kind, in the table's own order, and each stretch becomes a single statement whose values travel as one array
-parameter per column (``unnest``): an INSERT ... SELECT, or an UPDATE from the *last* new tuple of each key.
+parameter per column (``unnest``): an INSERT ... SELECT, an UPDATE from the *last* new tuple of each key, or a
+DELETE ... USING the keys.
 
 What that changes, and why it is safe where it is used:
 
@@ -21,10 +24,11 @@ What that changes, and why it is safe where it is used:
   Intermediate states never exist on the target, which only unique constraints checked row by row could tell; a
   statement that fails for that (or any) reason fails the group, and the worker applies those transactions again
   one at a time (see ``ApplyWorker._apply_failed``), exactly as the native worker would.
-* An UPDATE whose row is missing is still skipped and logged as an ``update_missing`` conflict, once per Update
-  message, with that message's transaction in the context: the statement returns the positions of those messages.
+* An UPDATE or DELETE whose row is missing is still skipped and logged as an ``update_missing`` /
+  ``delete_missing`` conflict, once per message, with that message's transaction in the context: the statement
+  returns the positions of those messages.
 
-Anything not of that simple shape (a Relation message, a Delete, Truncate, an Update with an old tuple, binary or
+Anything not of that simple shape (a Relation message, a Truncate, an Update or Delete with an old tuple, binary or
 unchanged-TOAST values, a NULL key, a value that needs its precise decoding error) ends the stretch of transactions
 that can go this way; the rest take the message-by-message path, in order. Pure code over bytes, like
 :mod:`applier.apply.copytext`: the :class:`~applier.apply.handlers.Applier` sends what :func:`plan` returns.
@@ -41,8 +45,8 @@ from applier.apply.copytext import tuple_segments
 
 _I64 = np.int64
 #: message type bytes
-BEGIN, COMMIT, INSERT, UPDATE, ORIGIN = 66, 67, 73, 85, 79
-_NEW = 78  # 'N'
+BEGIN, COMMIT, INSERT, UPDATE, DELETE, ORIGIN = 66, 67, 73, 85, 68, 79
+_NEW, _KEY = 78, 75  # 'N', 'K'
 _QUOTE, _BACKSLASH, _COMMA = 34, 92, 44
 _OPEN, _CLOSE = 123, 125
 #: the message sizes, envelope (25 bytes) included, of a Begin and a Commit
@@ -58,7 +62,7 @@ class Batch:
     """The XLogData messages of one read, envelope included, joined once, with what :func:`plan` needs per message
     and per transaction. A transaction here is a Begin, the next Commit and what lies between, when the Commit
     comes before the next Begin; it *qualifies* when every message between is an Insert, an Update with no old
-    tuple, or an Origin, and its Begin and Commit are well formed and agree on the final LSN."""
+    tuple, a Delete by key, or an Origin, and its Begin and Commit are well formed and agree on the final LSN."""
 
     def __init__(self, messages: Sequence[bytes | memoryview]) -> None:
         lens = np.fromiter(map(len, messages), dtype=_I64, count=len(messages))
@@ -72,13 +76,14 @@ class Batch:
         kind = data[np.minimum(starts + 25, last)]
         kind = np.where(lens > 25, kind, 0)
         self.kind = kind
-        # relation id of Inserts and Updates (-1 elsewhere), read where it is in both
-        change = ((kind == INSERT) | (kind == UPDATE)) & (lens >= 25 + 8) & (lens <= MAX_MESSAGE)
+        # relation id of Inserts, Updates and Deletes (-1 elsewhere), read where it is in all three; then a tuple:
+        # the new one ('N'), or for a Delete the key ('K')
+        change = ((kind == INSERT) | (kind == UPDATE) | (kind == DELETE)) & (lens >= 25 + 8) & (lens <= MAX_MESSAGE)
         p = np.where(change, starts + 26, 0)
         relid = np.zeros(len(starts), dtype=_I64)
         for i in range(4):
             relid = (relid << 8) | data[p + i]
-        change &= data[p + 4] == _NEW
+        change &= data[p + 4] == np.where(kind == DELETE, _KEY, _NEW)
         self.relid = np.where(change, relid, -1)
         self.change = change
         ok = change | (kind == ORIGIN)
@@ -87,7 +92,8 @@ class Batch:
         commits = np.flatnonzero(kind == COMMIT)
         k = np.searchsorted(commits, begins)
         has_commit = k < len(commits)
-        commit_of = np.where(has_commit, commits[np.minimum(k, len(commits) - 1)], -1) if len(commits) else np.full(len(begins), -1)
+        commit_of = np.full(len(begins), -1, dtype=_I64)
+        commit_of[has_commit] = commits[k[has_commit]]
         next_begin = np.append(begins[1:], len(starts))
         paired = has_commit & (commit_of < next_begin)
         self.begins = begins[paired]
@@ -96,7 +102,8 @@ class Batch:
         # every message between its Begin and Commit qualifies
         bad_before = np.concatenate(([0], np.cumsum(~ok)))
         qualifies = bad_before[c] - bad_before[b + 1] == 0
-        qualifies &= (lens[b] == _BEGIN_SIZE) & (lens[c] == _COMMIT_SIZE) & (data[np.minimum(starts[c] + 26, last)] == 0)
+        qualifies &= (lens[b] == _BEGIN_SIZE) & (lens[c] == _COMMIT_SIZE)
+        qualifies &= data[np.minimum(starts[c] + 26, last)] == 0  # the Commit's flags
         self.final_lsn = _u64(data, starts[b] + 26)
         self.xid = _u32(data, starts[b] + 42)
         self.commit_lsn = _u64(data, starts[c] + 27)
@@ -106,12 +113,9 @@ class Batch:
         self.qualifies = qualifies
         # runs: from a transaction on, the next ones as long as each qualifies and begins right after the Commit
         # before it (between transactions there may be anything: a prepared transaction, a Relation message)
-        ends_run = ~qualifies
         gap = np.ones(len(b), dtype=bool)
         gap[1:] = b[1:] != c[:-1] + 1
-        self._run_end = _next_true(ends_run, 0) if len(b) else np.zeros(0, dtype=_I64)
-        if len(b):
-            self._run_end = np.minimum(self._run_end, _next_true(gap, 1))
+        self._run_end = np.minimum(_next_true(~qualifies, 0), _next_true(gap, 1))
         self._index = {int(x): i for i, x in enumerate(b.tolist())}
         #: messages before this one go message by message (set by the applier when it refused a run)
         self.refused_until = 0
@@ -147,9 +151,8 @@ class Batch:
 
 def _next_true(flags: np.ndarray, start: int) -> np.ndarray:
     """For each position ``i``, the first ``j >= i + start`` with ``flags[j]``, else ``len(flags)``."""
-    at = np.flatnonzero(flags)
-    pos = np.searchsorted(at, np.arange(len(flags)) + start)
-    return np.where(pos < len(at), at[np.minimum(pos, max(len(at) - 1, 0))] if len(at) else 0, len(flags))
+    at = np.append(np.flatnonzero(flags), len(flags))  # (a sentinel: "none" is len(flags))
+    return at[np.searchsorted(at, np.arange(len(flags)) + start)]
 
 
 def _u64(data: np.ndarray, at: np.ndarray) -> np.ndarray:
@@ -172,11 +175,11 @@ def _u32(data: np.ndarray, at: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True, slots=True)
 class Stretch:
     """Consecutive changes of one kind to one relation: one statement. ``messages`` are their indexes in the
-    batch, ``columns`` one array literal (text, ``{...}``) per column, ``transactions`` the transaction of each
-    change (for the conflict context)."""
+    batch, ``columns`` one array literal (text, ``{...}``) per column (per key column for a DELETE),
+    ``transactions`` the transaction of each change (for the conflict context)."""
 
     relid: int
-    kind: int  # INSERT or UPDATE
+    kind: int  # INSERT, UPDATE or DELETE
     messages: np.ndarray
     columns: list[bytes]
     transactions: np.ndarray
@@ -194,7 +197,7 @@ def plan(
 ) -> list[Stretch] | None:
     """The statements for transactions ``first`` to ``stop - 1`` (which qualify): per relation, in the order its
     first change arrived, its stretches in its own order. ``ncols`` gives each relation's column count, ``keys``
-    the key positions of those that are updated. ``None`` when a change is not the simple shape (see the module
+    the key positions of those that are updated or deleted from. ``None`` when a change is not the simple shape (see the module
     docstring); the caller then applies them message by message."""
     idx = changes_in(batch, first, stop)
     if not len(idx):
@@ -219,11 +222,11 @@ def plan(
             if segments is None:
                 return None
             seg_start, seg_len, is_null = segments
-            if kind == UPDATE and is_null[:, list(keys[relid])].any():
+            if kind != INSERT and is_null[:, list(keys[relid])].any():
                 return None  # a NULL key searches with IS NULL: the row-by-row statement does that
             columns = [
                 array_literal(batch.data, seg_start[:, c], seg_len[:, c], is_null[:, c], batch.null_at)
-                for c in range(n)
+                for c in (keys[relid] if kind == DELETE else range(n))
             ]
             out.append(Stretch(relid, kind, messages, columns, m_txn[a:b]))
     return out

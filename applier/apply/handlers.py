@@ -89,6 +89,8 @@ GROUP_MAX_TRANSACTIONS = 1000
 GROUP_MAX_ROWS = 100_000
 #: the row operations counted in Applier.rows, in the order of Applier._pending_rows
 _OPERATIONS = ("insert", "update", "delete", "truncate")
+#: the operation (as counted in Applier.rows) of each kind of bulk statement
+_BULK_OPERATIONS = {bulkapply.INSERT: "insert", bulkapply.UPDATE: "update", bulkapply.DELETE: "delete"}
 #: Inserts in a stretch below this go row by row: converting a stretch costs a fixed ~50 µs of array calls
 VECTOR_MIN = 32
 
@@ -883,7 +885,7 @@ class Applier:
             return message
         idx = bulkapply.changes_in(batch, first, stop)
         relids, kinds = batch.relid[idx], batch.kind[idx]
-        updated = set(relids[kinds == bulkapply.UPDATE].tolist())
+        updated = set(relids[kinds != bulkapply.INSERT].tolist())  # (updated or deleted from: by key)
         final_lsn = int(batch.final_lsn[stop - 1])
         entries: dict[int, RelMapEntry] = {}
         refused: set[int] = set()
@@ -906,35 +908,36 @@ class Applier:
             batch, first, stop, {r: len(e.names) for r, e in entries.items()},
             {r: e.key_positions or () for r, e in entries.items() if r in updated},
         )  # fmt: skip
-        if stretches is None:  # not the simple shape: message by message up to the end of this stretch
+        if stretches is None:  # not the simple shape: message by message up to the end of this run
             batch.refused_until = int(batch.commits[stop - 1]) + 1
             return message
         last = stop - 1
         xid, final_lsn = int(batch.xid[last]), int(batch.final_lsn[last])
         self._flush_run()
         target = self.target
-        n_rows = [0, 0]
+        n_rows = dict.fromkeys(_BULK_OPERATIONS.values(), 0)
         for st in stretches:
             entry = entries[st.relid]
-            is_update = st.kind == bulkapply.UPDATE
-            ctx = ErrorContext(self.origin, "UPDATE" if is_update else "INSERT", entry.display, xid, final_lsn)
+            op = _BULK_OPERATIONS[st.kind]
+            ctx = ErrorContext(self.origin, op.upper(), entry.display, xid, final_lsn)
             if not target.in_transaction:
                 target.begin(ctx)
-            if is_update:
+            if st.kind == bulkapply.INSERT:
+                target.bulk_insert(entry, st.columns, ctx)
+            elif st.kind == bulkapply.UPDATE:
                 target.bulk_update(entry, st.columns, ctx, self._bulk_missing(batch, st, entry))
             else:
-                target.bulk_insert(entry, st.columns, ctx)
-            n_rows[is_update] += len(st.messages)
+                target.bulk_delete(entry, st.columns, ctx, self._bulk_missing(batch, st, entry))
+            n_rows[op] += len(st.messages)
         n = stop - first
         self.transactions += n
         self.bulk_transactions += n
         self.kinds["commit"] += n
-        if n_rows[0]:
-            self.rows["insert"] += n_rows[0]
-        if n_rows[1]:
-            self.rows["update"] += n_rows[1]
+        for op, count in n_rows.items():
+            if count:
+                self.rows[op] += count
         self._group_size += n
-        self._group_rows += n_rows[0] + n_rows[1]
+        self._group_rows += sum(n_rows.values())
         self._group = (int(batch.end_lsn[last]), int(batch.commit_time[last]), xid, final_lsn)
         self.tracker.holding = True  # as in _defer_commit
         if self._group_size >= GROUP_MAX_TRANSACTIONS or self._group_rows >= GROUP_MAX_ROWS:
@@ -957,14 +960,15 @@ class Applier:
     def _bulk_missing(
         self, batch: bulkapply.Batch, stretch: bulkapply.Stretch, entry: RelMapEntry
     ) -> Callable[[list[int]], None]:
-        """What a bulk UPDATE calls with the positions of its tuples that found no row: each is the conflict its
-        Update message would have been, in its own transaction's context."""
+        """What a bulk UPDATE/DELETE calls with the positions of its changes that found no row: each is the
+        conflict its message would have been, in its own transaction's context."""
         xids, final_lsns = batch.xid[stretch.transactions], batch.final_lsn[stretch.transactions]
+        message_type = _BULK_OPERATIONS[stretch.kind].upper()
 
         def missing(positions: list[int]) -> None:
             for p in positions:
                 self._missing_row(ErrorContext(
-                    self.origin, "UPDATE", entry.display, int(xids[p - 1]), int(final_lsns[p - 1])
+                    self.origin, message_type, entry.display, int(xids[p - 1]), int(final_lsns[p - 1])
                 ))  # fmt: skip
 
         return missing

@@ -80,8 +80,8 @@ class RelMapEntry:
     key_positions: tuple[int, ...] | None
     #: why UPDATE/DELETE cannot be applied, or None when they can (checked only when one arrives, behaviour 44)
     not_updatable: str | None
-    #: its Inserts / Updates may be applied a stretch at a time (applier.apply.bulk): ``LocalTable.bulk`` and an
-    #: array type for every published column (and, for updates, a key)
+    #: its Inserts / Updates and Deletes may be applied a stretch at a time (applier.apply.bulk): ``LocalTable.bulk``
+    #: and an array type for every published column (and, for updates and deletes, a key)
     bulk_insert: bool = False
     bulk_update: bool = False
     statements: dict[Any, bytes] = field(default_factory=dict)

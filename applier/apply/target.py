@@ -884,12 +884,38 @@ class Target:
         if query is None:
             query = entry.statements[("bulk", "U")] = self._bulk_update_sql(entry).as_bytes(self.conn)
 
-        def done(res: Any) -> None:
-            if res is not None and res.ntuples:
-                on_missing([int(res.get_value(i, 0)) for i in range(res.ntuples)])
-
         self.end_copy()
-        self.pipeline.send_query(query, columns, ctx, done, _array_types(entry))
+        self.pipeline.send_query(query, columns, ctx, _missing_positions(on_missing), _array_types(entry))
+
+    def bulk_delete(self, entry: RelMapEntry, keys: Sequence[bytes], ctx: ErrorContext | None,
+                    on_missing: Callable[[list[int]], None]) -> None:  # fmt: skip
+        """DELETE the rows of keys given as one array literal per key column; ``on_missing`` as for
+        :meth:`bulk_update`."""
+        query = entry.statements.get(("bulk", "D"))
+        if query is None:
+            query = entry.statements[("bulk", "D")] = self._bulk_delete_sql(entry).as_bytes(self.conn)
+        self.end_copy()
+        types = _array_types(entry)
+        self.pipeline.send_query(query, keys, ctx, _missing_positions(on_missing),
+                                 [types[i] for i in entry.key_positions or ()])  # fmt: skip
+
+    @staticmethod
+    def _bulk_delete_sql(entry: RelMapEntry) -> sql.Composable:
+        """s: the keys with their position; d: the DELETE, returning the keys it found; what it returns: the
+        positions of keys that found no row."""
+        keys = [sql.Identifier(entry.names[i]) for i in entry.key_positions or ()]
+        ordc = sql.Identifier(_ord_name(entry))
+        return sql.SQL(
+            "WITH s AS (SELECT * FROM {unnest} WITH ORDINALITY AS s({keys}, {ordc})),"
+            " d AS (DELETE FROM {only}{tbl} AS t USING s WHERE {match} RETURNING {returning})"
+            " SELECT s.{ordc} FROM s LEFT JOIN d ON {join} WHERE d.{first} IS NULL ORDER BY s.{ordc}"
+        ).format(
+            unnest=_unnest(len(keys)), keys=sql.SQL(", ").join(keys), ordc=ordc, only=_only(entry),
+            tbl=_tbl(entry.local), first=keys[0],
+            match=sql.SQL(" AND ").join(sql.SQL("t.{} = s.{}").format(k, k) for k in keys),
+            returning=sql.SQL(", ").join(sql.SQL("t.{}").format(k) for k in keys),
+            join=sql.SQL(" AND ").join(sql.SQL("d.{} = s.{}").format(k, k) for k in keys),
+        )  # fmt: skip
 
     @staticmethod
     def _bulk_update_sql(entry: RelMapEntry) -> sql.Composable:
@@ -897,10 +923,7 @@ class Target:
         positions of tuples whose key matched no row (the UPDATE sees the table as before the statement, like the
         other parts do, so those are exactly the rows that were missing)."""
         names = entry.names
-        ord_name = "applier ord"
-        while ord_name in names:
-            ord_name += "_"
-        ordc = sql.Identifier(ord_name)
+        ordc = sql.Identifier(_ord_name(entry))
         keys = [sql.Identifier(names[i]) for i in entry.key_positions or ()]
         key_list = sql.SQL(", ").join(keys)
         return sql.SQL(
@@ -976,6 +999,24 @@ def _unnest(n: int) -> sql.Composable:
     return sql.SQL("ROWS FROM ({})").format(
         sql.SQL(", ").join(sql.SQL("pg_catalog.unnest({})").format(_param(i + 1)) for i in range(n))
     )
+
+
+def _ord_name(entry: RelMapEntry) -> str:
+    """A name for the position column of a bulk statement that no column of the table has."""
+    name = "applier ord"
+    while name in entry.names:
+        name += "_"
+    return name
+
+
+def _missing_positions(on_missing: Callable[[list[int]], None]) -> Callable[[Any], None]:
+    """The result callback of a bulk UPDATE/DELETE: its rows are the positions of changes that found no row."""
+
+    def done(res: Any) -> None:
+        if res is not None and res.ntuples:
+            on_missing([int(res.get_value(i, 0)) for i in range(res.ntuples)])
+
+    return done
 
 
 def _array_types(entry: RelMapEntry) -> list[int]:
