@@ -51,6 +51,12 @@ CONFLICTS = Counter(
     "Conflicts met while applying, by kind (update_missing, delete_missing, insert_exists, ...).",
     ["subscription", "kind"],
 )
+BULK = Counter(
+    "applier_bulk_transactions_total",
+    "Remote transactions applied a batch at a time, one statement per table and kind of change (bulk apply; a part "
+    "of applier_transactions_applied_total{kind=\"commit\"}).",
+    ["subscription"],
+)
 
 
 class WorkerMetrics:
@@ -62,9 +68,10 @@ class WorkerMetrics:
         self._seen: dict[tuple[str, str], int] = {}
 
     def publish(
-        self, kinds: Mapping[str, int], rows: Mapping[str, int], conflicts: Mapping[str, int] | None = None
+        self, kinds: Mapping[str, int], rows: Mapping[str, int], conflicts: Mapping[str, int] | None = None,
+        bulk: int = 0,
     ) -> None:
-        """``kinds``/``rows``/``conflicts`` are totals that only grow while one session lasts (see
+        """``kinds``/``rows``/``conflicts``/``bulk`` are totals that only grow while one session lasts (see
         :meth:`session_ended`)."""
         for family, counter, totals in (("k", TRANSACTIONS, kinds), ("r", ROWS, rows), ("c", CONFLICTS, conflicts or {})):
             for key, total in totals.items():
@@ -72,6 +79,10 @@ class WorkerMetrics:
                 if total > seen:
                     counter.labels(self.subscription, key).inc(total - seen)
                 self._seen[(family, key)] = total
+        seen = self._seen.get(("b", ""), 0)
+        if bulk > seen:
+            BULK.labels(self.subscription).inc(bulk - seen)
+            self._seen[("b", "")] = bulk
 
     def session_ended(self) -> None:
         """The next session's totals start from zero again."""

@@ -10,6 +10,7 @@ import logging
 import time
 
 import pytest
+from prometheus_client import REGISTRY
 from test_apply_group_commit import both
 
 from applier.apply.testing import setup_subscription
@@ -70,6 +71,8 @@ def test_backlog_with_awkward_values_equals_the_publisher(pair):
     stats = w.worker.stats
     assert stats.errors == 0
     assert stats.bulk_transactions > 1000, stats
+    exported = REGISTRY.get_sample_value("applier_bulk_transactions_total", {"subscription": pair.name})
+    assert exported == stats.bulk_transactions
     assert_tables_equal(pair.publisher, pair.target, "public.k", "public.h", "public.arr")
     assert {r[0] for r in pair.target.query("SELECT DISTINCT note FROM h")} == set(AWKWARD) | {None}
 

@@ -473,7 +473,7 @@ class ApplyWorker:
                 self.stats.records_batched += applier.records_batched
                 self.stats.converted_rows += applier.converted_rows
                 self.stats.bulk_transactions += applier.bulk_transactions
-                self.metrics.publish(applier.kinds, applier.rows, applier.conflicts)
+                self.metrics.publish(applier.kinds, applier.rows, applier.conflicts, applier.bulk_transactions)
                 self.metrics.session_ended()
                 if applier.transactions:
                     self._failures = 0
@@ -651,7 +651,7 @@ class ApplyWorker:
                 applier.end_group()  # the publisher has nothing more waiting (or a burst ended): commit the group
             if time.monotonic() - last_published >= METRICS_INTERVAL:
                 last_published = time.monotonic()
-                self.metrics.publish(applier.kinds, applier.rows, applier.conflicts)
+                self.metrics.publish(applier.kinds, applier.rows, applier.conflicts, applier.bulk_transactions)
             if target.pipeline.pending:
                 target.pipeline.poll()
             now = time.monotonic()
