@@ -29,6 +29,16 @@ def _sub(pair, *tables: str):
     return setup_subscription(pair.publisher, pair.target, pair.name, [f"public.{t}" for t in tables])
 
 
+def _catch_up(pair, s, **kwargs):
+    """Start a worker, let it apply what the publisher holds, stop it; its stats."""
+    w = s.start(**kwargs)
+    try:
+        wait_for_catchup(pair.publisher, pair.name, timeout=60)
+    finally:
+        w.stop()
+    return w.worker.stats
+
+
 def test_backlog_with_awkward_values_equals_the_publisher(pair):
     """Inserts and updates (several per key inside one batch) of many types and escape-worthy texts: applied in
     bulk, and the result equals the publisher column by column. Every 50th transaction also updates a table with
@@ -63,12 +73,7 @@ def test_backlog_with_awkward_values_equals_the_publisher(pair):
     )
     s = _sub(pair, "k", "h", "arr")
     pair.publisher.execute("CALL work(5000, %s)", (AWKWARD,))
-    w = s.start()
-    try:
-        wait_for_catchup(pair.publisher, pair.name, timeout=60)
-    finally:
-        w.stop()
-    stats = w.worker.stats
+    stats = _catch_up(pair, s)
     assert stats.errors == 0
     assert stats.bulk_transactions > 1000, stats
     exported = REGISTRY.get_sample_value("applier_bulk_transactions_total", {"subscription": pair.name})
@@ -102,12 +107,8 @@ def test_missing_rows_are_one_conflict_per_update_message(pair, caplog):
     }
     assert len(missing_xids) == 100
     with caplog.at_level(logging.INFO, logger="applier"):
-        w = s.start()
-        try:
-            wait_for_catchup(pair.publisher, pair.name, timeout=60)
-        finally:
-            w.stop()
-    assert w.worker.stats.bulk_transactions > 500
+        stats = _catch_up(pair, s)
+    assert stats.bulk_transactions > 500
     lines = [r.getMessage() for r in caplog.records if "conflict=update_missing" in r.getMessage()]
     assert len(lines) == 100
     logged = {line.split("in transaction ")[1].split(",")[0] for line in lines}
@@ -144,12 +145,7 @@ def test_deletes_and_reinserts_of_one_key_keep_their_order(pair, caplog):
     s = _sub(pair, "k")
     pair.publisher.execute("CALL work(900)")
     with caplog.at_level(logging.INFO, logger="applier"):
-        w = s.start()
-        try:
-            wait_for_catchup(pair.publisher, pair.name, timeout=60)
-        finally:
-            w.stop()
-    stats = w.worker.stats
+        stats = _catch_up(pair, s)
     assert stats.errors == 0 and stats.bulk_transactions > 300, stats
     rows = "SELECT id, region, n FROM k WHERE NOT (id <= 3 AND region = 'us') ORDER BY 1, 2"
     assert pair.target.query(rows) == pair.publisher.query(rows)
@@ -184,12 +180,8 @@ def test_tables_with_always_triggers_keep_the_publisher_order(pair):
     )
     s = _sub(pair, "a", "b")
     pair.publisher.execute("CALL work(300)")
-    w = s.start()
-    try:
-        wait_for_catchup(pair.publisher, pair.name, timeout=60)
-    finally:
-        w.stop()
-    assert w.worker.stats.bulk_transactions == 0
+    stats = _catch_up(pair, s)
+    assert stats.bulk_transactions == 0
     seen = [r[0] for r in pair.target.query("SELECT what FROM seen ORDER BY seq")]
     assert seen == [w for i in range(1, 301) for w in (f"a {i}", f"b {i}", f"a {i}")]
     assert_tables_equal(pair.publisher, pair.target, "public.a", "public.b")
@@ -240,10 +232,6 @@ def test_bulk_off_applies_message_by_message(pair):
     )
     s = _sub(pair, "k")
     pair.publisher.execute("CALL work(500)")
-    w = s.start(bulk=False)
-    try:
-        wait_for_catchup(pair.publisher, pair.name, timeout=60)
-    finally:
-        w.stop()
-    assert w.worker.stats.bulk_transactions == 0 and w.worker.stats.groups > 0
+    stats = _catch_up(pair, s, bulk=False)
+    assert stats.bulk_transactions == 0 and stats.groups > 0
     assert_tables_equal(pair.publisher, pair.target, "public.k")
