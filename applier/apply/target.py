@@ -883,7 +883,6 @@ class Target:
         query = entry.statements.get(("bulk", "U"))
         if query is None:
             query = entry.statements[("bulk", "U")] = self._bulk_update_sql(entry).as_bytes(self.conn)
-
         self.end_copy()
         self.pipeline.send_query(query, columns, ctx, _missing_positions(on_missing), _array_types(entry))
 
