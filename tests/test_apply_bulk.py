@@ -153,6 +153,33 @@ def test_deletes_and_reinserts_of_one_key_keep_their_order(pair, caplog):
     assert missing and all('relation "public.k"' in m for m in missing)
 
 
+def test_unchanged_toast_values_are_kept_inside_bulk_runs(pair):
+    """Updates that leave a TOASTed column alone carry it as unchanged: each is applied on its own, in its place
+    among its table's bulk stretches, and keeps the target's value; the transactions still go in bulk."""
+    both(pair, "CREATE TABLE doc (id int PRIMARY KEY, n int, big text)", "CREATE TABLE h (id int PRIMARY KEY)")
+    pair.publisher.execute("ALTER TABLE doc ALTER COLUMN big SET STORAGE EXTERNAL")
+    for db in (pair.publisher, pair.target):
+        db.execute("INSERT INTO doc SELECT g, 0, repeat(md5(g::text), 100) FROM generate_series(1, 20) g")
+    pair.publisher.execute(
+        """
+        CREATE PROCEDURE work(cnt int) LANGUAGE plpgsql AS $$
+        BEGIN
+          FOR i IN 1..cnt LOOP
+            UPDATE doc SET n = n + 1 WHERE id = 1 + i % 20;
+            IF i % 7 = 0 THEN UPDATE doc SET big = repeat(md5(i::text), 100) WHERE id = 1 + i % 20; END IF;
+            INSERT INTO h VALUES (i);
+            COMMIT;
+          END LOOP;
+        END $$
+        """
+    )
+    s = _sub(pair, "doc", "h")
+    pair.publisher.execute("CALL work(1500)")
+    stats = _catch_up(pair, s)
+    assert stats.errors == 0 and stats.bulk_transactions > 500, stats
+    assert_tables_equal(pair.publisher, pair.target, "public.doc", "public.h")
+
+
 def test_tables_with_always_triggers_keep_the_publisher_order(pair):
     """A trigger enabled ALWAYS on the target sees every change in the publisher's order, across tables: such a
     table is never applied in bulk, nor is a transaction that touches it."""

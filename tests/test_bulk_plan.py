@@ -186,3 +186,28 @@ def test_malformed_batches_never_raise(msgs: list[bytes]) -> None:
             stop = batch.run_end(t)
             relids = set(batch.relid[bulk.changes_in(batch, t, stop)].tolist())
             bulk.plan(batch, t, stop, dict.fromkeys(relids, 2), dict.fromkeys(relids, (0,)))
+
+
+def test_unchanged_toast_and_null_keys_are_applied_singly_in_their_place() -> None:
+    """An Update carrying an unchanged-TOAST value, and an Update or Delete whose key is NULL, become single
+    changes between the stretches of their table, in that table's order; the rest stays bulk."""
+    full = _tuple((b"1", b"x"))
+    toast = TupleData(b"tu", (b"2", None))
+    null_key = _tuple((None, b"y"))
+    changes = [
+        Update(None, 1, None, None, full),
+        Update(None, 1, None, None, toast),
+        Update(None, 1, None, None, full),
+        Update(None, 1, None, None, full),
+        Delete(None, 1, "K", null_key),
+        Delete(None, 1, "K", full),
+    ]
+    msgs = [_xlog(encode_message(Begin(100, 0, 7)))]
+    msgs += [_xlog(encode_message(c)) for c in changes]
+    msgs.append(_xlog(encode_message(Commit(0, 100, 108, 0))))
+    batch = bulk.Batch(msgs)
+    plan = bulk.plan(batch, 0, 1, {1: 2}, {1: (0,)})
+    assert plan is not None
+    got = [(chr(s.kind), s.messages.tolist(), s.single) for s in plan]
+    assert got == [("U", [1], False), ("U", [2], True), ("U", [3, 4], False), ("D", [5], True), ("D", [6], False)]
+    assert [_parse_array(c) for c in plan[2].columns] == [[b"1", b"1"], [b"x", b"x"]]

@@ -28,9 +28,11 @@ What that changes, and why it is safe where it is used:
   ``delete_missing`` conflict, once per message, with that message's transaction in the context: the statement
   returns the positions of those messages.
 
-Anything not of that simple shape (a Relation message, a Truncate, an Update or Delete with an old tuple, binary or
-unchanged-TOAST values, a NULL key, a value that needs its precise decoding error) ends the stretch of transactions
-that can go this way; the rest take the message-by-message path, in order. Pure code over bytes, like
+An Update with an unchanged-TOAST value, or an Update or Delete with a NULL key, is applied on its own, by the
+row-by-row statement that handles its shape, in its place in its table's order. Anything else not of that simple
+shape (a Relation message, a Truncate, an Update or Delete with an old tuple, binary values, a value that needs its
+precise decoding error) ends the stretch of transactions that can go this way; the rest take the message-by-message
+path, in order. Pure code over bytes, like
 :mod:`applier.apply.copytext`: the :class:`~applier.apply.handlers.Applier` sends what :func:`plan` returns.
 """
 
@@ -183,6 +185,9 @@ class Stretch:
     messages: np.ndarray
     columns: list[bytes]
     transactions: np.ndarray
+    #: one change the caller applies on its own, as the message-by-message path would (an Update with an
+    #: unchanged-TOAST value, an Update or Delete with a NULL key): ``columns`` is empty
+    single: bool = False
 
 
 def changes_in(batch: Batch, first: int, stop: int) -> np.ndarray:
@@ -197,8 +202,8 @@ def plan(
 ) -> list[Stretch] | None:
     """The statements for transactions ``first`` to ``stop - 1`` (which qualify): per relation, in the order its
     first change arrived, its stretches in its own order. ``ncols`` gives each relation's column count, ``keys``
-    the key positions of those that are updated or deleted from. ``None`` when a change is not the simple shape (see the module
-    docstring); the caller then applies them message by message."""
+    the key positions of those that are updated or deleted from. ``None`` when a change is not the simple shape
+    (see the module docstring); the caller then applies them message by message."""
     idx = changes_in(batch, first, stop)
     if not len(idx):
         return []
@@ -217,18 +222,33 @@ def plan(
             messages = m_idx[a:b]
             kind = int(m_kind[a])
             segments = tuple_segments(
-                batch.data, batch.null_at, batch.starts[messages] + 31, batch.ends[messages], n
-            )
+                batch.data, batch.null_at, batch.starts[messages] + 31, batch.ends[messages], n,
+                unchanged=kind == UPDATE,
+            )  # fmt: skip
             if segments is None:
                 return None
             seg_start, seg_len, is_null = segments
-            if kind != INSERT and is_null[:, list(keys[relid])].any():
-                return None  # a NULL key searches with IS NULL: the row-by-row statement does that
-            columns = [
-                array_literal(batch.data, seg_start[:, c], seg_len[:, c], is_null[:, c], batch.null_at)
-                for c in (keys[relid] if kind == DELETE else range(n))
-            ]
-            out.append(Stretch(relid, kind, messages, columns, m_txn[a:b]))
+            # changes the row-by-row statements handle (their shape picks the statement) are applied singly, in
+            # their place in this table's order: an unchanged-TOAST value keeps the target's, a NULL key searches
+            # with IS NULL
+            single = np.zeros(b - a, dtype=bool)
+            if kind != INSERT:
+                single |= is_null[:, list(keys[relid])].any(axis=1)
+            if kind == UPDATE:
+                single |= (seg_len < 0).any(axis=1)
+            parts = [0, *(np.flatnonzero(single[1:] != single[:-1]) + 1).tolist(), b - a]
+            for x, y in zip(parts[:-1], parts[1:], strict=False):
+                if single[x]:
+                    out.extend(
+                        Stretch(relid, kind, messages[i : i + 1], [], m_txn[a + i : a + i + 1], single=True)
+                        for i in range(x, y)
+                    )
+                    continue
+                columns = [
+                    array_literal(batch.data, seg_start[x:y, c], seg_len[x:y, c], is_null[x:y, c], batch.null_at)
+                    for c in (keys[relid] if kind == DELETE else range(n))
+                ]
+                out.append(Stretch(relid, kind, messages[x:y], columns, m_txn[a + x : a + y]))
     return out
 
 

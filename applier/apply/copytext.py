@@ -22,7 +22,7 @@ import numpy as np
 
 _I64 = np.int64
 _TAB, _NL, _CR, _BACKSLASH = 9, 10, 13, 92
-_KIND_TEXT, _KIND_NULL = 116, 110
+_KIND_TEXT, _KIND_NULL, _KIND_UNCHANGED = 116, 110, 117
 #: the letter that follows the backslash for each byte COPY text format must escape
 _ESCAPE_LETTER = np.zeros(256, dtype=np.uint8)
 _ESCAPE_LETTER[[_TAB, _NL, _CR, _BACKSLASH]] = [ord("t"), ord("n"), ord("r"), _BACKSLASH]
@@ -90,13 +90,14 @@ class InsertRun:
 
 
 def tuple_segments(
-    data: np.ndarray, null_at: int, offs: np.ndarray, ends: np.ndarray, ncols: int
+    data: np.ndarray, null_at: int, offs: np.ndarray, ends: np.ndarray, ncols: int, *, unchanged: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """Where every column value of a set of TupleData is: the tuple of message ``i`` starts at ``offs[i]`` (its
     column count) and must end exactly at ``ends[i]``. Returns ``(start, length, is_null)``, each of shape
     ``(messages, ncols)``, a NULL's start being ``null_at`` (where the caller keeps its NULL text); ``None`` when a
     tuple is not the simple shape: another column count, a kind other than text or NULL, a length running past
-    its message or not ending exactly at its end (the row-by-row path then gives the precise error)."""
+    its message or not ending exactly at its end (the row-by-row path then gives the precise error). With
+    ``unchanged``, an unchanged-TOAST column is accepted too, with length -1 (no value, not NULL)."""
     n = len(offs)
     last = null_at - 1
     # Malformed input is collected in ``bad`` and refused once at the end; until then every index is clipped
@@ -112,19 +113,22 @@ def tuple_segments(
     for c in range(ncols):
         kind = data[np.clip(off, 0, last)]
         null = kind == _KIND_NULL
-        bad |= (kind != _KIND_TEXT) & ~null
+        bare = (null | (kind == _KIND_UNCHANGED)) if unchanged else null  # one byte, no length, no value
+        bad |= (kind != _KIND_TEXT) & ~bare
         bad |= off >= ends
         q = np.clip(off + 1, 0, last - 3)
         length = (
             (data[q].astype(_I64) << 24) | (data[q + 1].astype(_I64) << 16)
             | (data[q + 2].astype(_I64) << 8) | data[q + 3]
         )  # fmt: skip
-        bad |= (length < 0) & ~null  # (a NULL has no length: these are the next bytes)
+        bad |= (length < 0) & ~bare  # (a NULL has no length: these are the next bytes)
         length[null] = 2
+        if unchanged:
+            length[bare & ~null] = -1
         seg_start[:, c] = np.where(null, null_at, off + 5)
         seg_len[:, c] = length
         is_null[:, c] = null
-        off = np.where(null, off + 1, off + 5 + length)
+        off = np.where(bare, off + 1, off + 5 + length)
     bad |= off != ends
     if bad.any():
         return None

@@ -922,7 +922,9 @@ class Applier:
             ctx = ErrorContext(self.origin, op.upper(), entry.display, xid, final_lsn)
             if not target.in_transaction:
                 target.begin(ctx)
-            if st.kind == bulkapply.INSERT:
+            if st.single:
+                self._apply_single(batch, st, entry)
+            elif st.kind == bulkapply.INSERT:
                 target.bulk_insert(entry, st.columns, ctx)
             elif st.kind == bulkapply.UPDATE:
                 target.bulk_update(entry, st.columns, ctx, self._bulk_missing(batch, st, entry))
@@ -943,6 +945,20 @@ class Applier:
         if self._group_size >= GROUP_MAX_TRANSACTIONS or self._group_rows >= GROUP_MAX_ROWS:
             self.end_group()
         return int(batch.commits[last]) + 1
+
+    def _apply_single(self, batch: bulkapply.Batch, stretch: bulkapply.Stretch, entry: RelMapEntry) -> None:
+        """One Update or Delete of a bulk run that its own statement applies (see ``Stretch.single``), in its own
+        transaction's context, exactly as :meth:`handle_update` / :meth:`handle_delete` would."""
+        m, t = int(stretch.messages[0]), int(stretch.transactions[0])
+        msg = decode_message(batch.data[int(batch.starts[m]) + 25 : int(batch.ends[m])].tobytes(), encoding=self.encoding)
+        ctx = ErrorContext(self.origin, _BULK_OPERATIONS[stretch.kind].upper(), entry.display, int(batch.xid[t]),
+                           int(batch.final_lsn[t]))  # fmt: skip
+        if isinstance(msg, Update):
+            self.target.update(entry, msg.old, msg.new, ctx)
+        elif isinstance(msg, Delete):
+            self.target.delete(entry, msg.old, ctx)
+        else:  # pragma: no cover - the batch said Update or Delete
+            raise self._protocol_error(ctx.message_type, f"unexpected {MESSAGE_NAMES[msg.__class__]} in a bulk run")
 
     def recheck_bulk(self) -> None:
         """Forget the mapped tables whose fitness for bulk apply changed since they were loaded (a trigger enabled
