@@ -29,6 +29,15 @@ def _sub(pair, *tables: str):
     return setup_subscription(pair.publisher, pair.target, pair.name, [f"public.{t}" for t in tables])
 
 
+def _work(pair, *statements: str) -> None:
+    """``CALL work(n)`` on the publisher runs n transactions of these statements (``i`` is the transaction's number)."""
+    body = " ".join(statements)
+    pair.publisher.execute(
+        "CREATE PROCEDURE work(cnt int) LANGUAGE plpgsql AS $$"
+        f" BEGIN FOR i IN 1..cnt LOOP {body} COMMIT; END LOOP; END $$"
+    )
+
+
 def _catch_up(pair, s, **kwargs):
     """Start a worker, let it apply what the publisher holds, stop it; its stats."""
     w = s.start(**kwargs)
@@ -88,17 +97,10 @@ def test_missing_rows_are_one_conflict_per_update_message(pair, caplog):
     both(pair, "CREATE TABLE k (id int PRIMARY KEY, n int)", "CREATE TABLE h (id int PRIMARY KEY)")
     pair.publisher.execute("INSERT INTO k SELECT g, 0 FROM generate_series(1, 50) g")
     pair.target.execute("INSERT INTO k SELECT g, 0 FROM generate_series(6, 50) g")
-    pair.publisher.execute(
-        """
-        CREATE PROCEDURE work(cnt int) LANGUAGE plpgsql AS $$
-        BEGIN
-          FOR i IN 1..cnt LOOP
-            UPDATE k SET n = n + 1 WHERE id = 1 + i % 50;
-            INSERT INTO h VALUES (i);
-            COMMIT;
-          END LOOP;
-        END $$
-        """
+    _work(
+        pair,
+        "UPDATE k SET n = n + 1 WHERE id = 1 + i % 50;",
+        "INSERT INTO h VALUES (i);",
     )
     s = _sub(pair, "k", "h")
     pair.publisher.execute("CALL work(1000)")
@@ -127,20 +129,13 @@ def test_deletes_and_reinserts_of_one_key_keep_their_order(pair, caplog):
     pair.target.execute(
         "INSERT INTO k SELECT g, r, 0 FROM generate_series(1, 30) g, unnest('{eu,us}'::text[]) r WHERE g > 3"
     )
-    pair.publisher.execute(
-        """
-        CREATE PROCEDURE work(cnt int) LANGUAGE plpgsql AS $$
-        BEGIN
-          FOR i IN 1..cnt LOOP
-            DELETE FROM k WHERE id = 1 + i % 30 AND region = 'eu';
-            INSERT INTO k VALUES (1 + i % 30, 'eu', i);
-            UPDATE k SET n = n + 1 WHERE id = 1 + (i + 7) % 30 AND region = 'us';
-            IF i % 3 = 0 THEN DELETE FROM k WHERE id = 1 + (i + 11) % 30 AND region = 'us'; END IF;
-            IF i % 3 = 1 THEN INSERT INTO k VALUES (1 + (i + 10) % 30, 'us', -i) ON CONFLICT DO NOTHING; END IF;
-            COMMIT;
-          END LOOP;
-        END $$
-        """
+    _work(
+        pair,
+        "DELETE FROM k WHERE id = 1 + i % 30 AND region = 'eu';",
+        "INSERT INTO k VALUES (1 + i % 30, 'eu', i);",
+        "UPDATE k SET n = n + 1 WHERE id = 1 + (i + 7) % 30 AND region = 'us';",
+        "IF i % 3 = 0 THEN DELETE FROM k WHERE id = 1 + (i + 11) % 30 AND region = 'us'; END IF;",
+        "IF i % 3 = 1 THEN INSERT INTO k VALUES (1 + (i + 10) % 30, 'us', -i) ON CONFLICT DO NOTHING; END IF;",
     )
     s = _sub(pair, "k")
     pair.publisher.execute("CALL work(900)")
@@ -160,18 +155,11 @@ def test_unchanged_toast_values_are_kept_inside_bulk_runs(pair):
     pair.publisher.execute("ALTER TABLE doc ALTER COLUMN big SET STORAGE EXTERNAL")
     for db in (pair.publisher, pair.target):
         db.execute("INSERT INTO doc SELECT g, 0, repeat(md5(g::text), 100) FROM generate_series(1, 20) g")
-    pair.publisher.execute(
-        """
-        CREATE PROCEDURE work(cnt int) LANGUAGE plpgsql AS $$
-        BEGIN
-          FOR i IN 1..cnt LOOP
-            UPDATE doc SET n = n + 1 WHERE id = 1 + i % 20;
-            IF i % 7 = 0 THEN UPDATE doc SET big = repeat(md5(i::text), 100) WHERE id = 1 + i % 20; END IF;
-            INSERT INTO h VALUES (i);
-            COMMIT;
-          END LOOP;
-        END $$
-        """
+    _work(
+        pair,
+        "UPDATE doc SET n = n + 1 WHERE id = 1 + i % 20;",
+        "IF i % 7 = 0 THEN UPDATE doc SET big = repeat(md5(i::text), 100) WHERE id = 1 + i % 20; END IF;",
+        "INSERT INTO h VALUES (i);",
     )
     s = _sub(pair, "doc", "h")
     pair.publisher.execute("CALL work(1500)")
@@ -192,18 +180,11 @@ def test_tables_with_always_triggers_keep_the_publisher_order(pair):
     for t in ("a", "b"):
         pair.target.execute(f"CREATE TRIGGER note AFTER INSERT OR UPDATE ON {t} FOR EACH ROW EXECUTE FUNCTION note()")
         pair.target.execute(f"ALTER TABLE {t} ENABLE ALWAYS TRIGGER note")
-    pair.publisher.execute(
-        """
-        CREATE PROCEDURE work(cnt int) LANGUAGE plpgsql AS $$
-        BEGIN
-          FOR i IN 1..cnt LOOP
-            INSERT INTO a VALUES (i, 0);
-            INSERT INTO b VALUES (i);
-            UPDATE a SET n = 1 WHERE id = i;
-            COMMIT;
-          END LOOP;
-        END $$
-        """
+    _work(
+        pair,
+        "INSERT INTO a VALUES (i, 0);",
+        "INSERT INTO b VALUES (i);",
+        "UPDATE a SET n = 1 WHERE id = i;",
     )
     s = _sub(pair, "a", "b")
     pair.publisher.execute("CALL work(300)")
@@ -253,10 +234,7 @@ def test_bulk_off_applies_message_by_message(pair):
     both(pair, "CREATE TABLE k (id int PRIMARY KEY, n int)")
     pair.publisher.execute("INSERT INTO k SELECT g, 0 FROM generate_series(1, 10) g")
     pair.target.execute("INSERT INTO k SELECT g, 0 FROM generate_series(1, 10) g")
-    pair.publisher.execute(
-        "CREATE PROCEDURE work(cnt int) LANGUAGE plpgsql AS $$ BEGIN FOR i IN 1..cnt LOOP"
-        " UPDATE k SET n = n + i WHERE id = 1 + i % 10; COMMIT; END LOOP; END $$"
-    )
+    _work(pair, "UPDATE k SET n = n + i WHERE id = 1 + i % 10;")
     s = _sub(pair, "k")
     pair.publisher.execute("CALL work(500)")
     stats = _catch_up(pair, s, bulk=False)
