@@ -6,11 +6,10 @@ transaction turning every message into objects and every change into a pipelined
 another ~18 µs executing them; PostgreSQL's own apply worker needs ~15 µs for all of it. Here a batch of messages,
 as read, is looked at with array operations: where it holds whole transactions made only of Begin, Inserts,
 Updates that keep their key (no old tuple), Deletes by key, Origin and Commit, those transactions are applied
-together, inside the
-open group commit (they would share its one local transaction anyway). Each table's changes are cut into stretches
-of one kind, in the table's own order, and each stretch becomes a single statement whose values travel as one array
-parameter per column (``unnest``): an INSERT ... SELECT, an UPDATE from the *last* new tuple of each key, or a
-DELETE ... USING the keys.
+together, inside the open group commit (they would share its one local transaction anyway). Each table's changes
+are cut into stretches of one kind, in the table's own order, and each stretch becomes a single statement whose
+values travel as one array parameter per column (``unnest``): an INSERT ... SELECT, an UPDATE from the *last* new
+tuple of each key, or a DELETE ... USING the keys.
 
 What that changes, and why it is safe where it is used:
 
@@ -32,8 +31,8 @@ An Update with an unchanged-TOAST value, or an Update or Delete with a NULL key,
 row-by-row statement that handles its shape, in its place in its table's order. Anything else not of that simple
 shape (a Relation message, a Truncate, an Update or Delete with an old tuple, binary values, a value that needs its
 precise decoding error) ends the stretch of transactions that can go this way; the rest take the message-by-message
-path, in order. Pure code over bytes, like
-:mod:`applier.apply.copytext`: the :class:`~applier.apply.handlers.Applier` sends what :func:`plan` returns.
+path, in order. Pure code over bytes, like :mod:`applier.apply.copytext`: the
+:class:`~applier.apply.handlers.Applier` sends what :func:`plan` returns.
 """
 
 from __future__ import annotations
