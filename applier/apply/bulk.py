@@ -107,10 +107,10 @@ class Batch:
         qualifies &= data[np.minimum(starts[c] + 26, last)] == 0  # the Commit's flags
         self.final_lsn = _u64(data, starts[b] + 26)
         self.xid = _u32(data, starts[b] + 42)
-        self.commit_lsn = _u64(data, starts[c] + 27)
+        commit_lsn = _u64(data, starts[c] + 27)
         self.end_lsn = _u64(data, starts[c] + 35)
         self.commit_time = _u64(data, starts[c] + 43).astype(_I64)
-        qualifies &= (self.final_lsn != 0) & (self.final_lsn == self.commit_lsn)
+        qualifies &= (self.final_lsn != 0) & (self.final_lsn == commit_lsn)
         self.qualifies = qualifies
         # runs: from a transaction on, the next ones as long as each qualifies and begins right after the Commit
         # before it (between transactions there may be anything: a prepared transaction, a Relation message)

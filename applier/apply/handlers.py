@@ -333,14 +333,7 @@ class Applier:
         target = self.target
         if not target.in_transaction and self._group is None:
             return False  # nothing applied and no group open: nothing to commit (as the native worker)
-        tables = self.tables
-        if (
-            self.skipping
-            or self.skip.skip_lsn
-            or m.commit_lsn <= self.ungrouped_until
-            or not getattr(tables, "all_ready", False)
-            or getattr(tables, "two_phase_state", "") == "p"
-        ):
+        if self.skipping or m.commit_lsn <= self.ungrouped_until or not self._may_group():
             if self._group is not None:  # pragma: no cover - the conditions only change between groups
                 # this commit (in _commit_internal) also commits the open group's local transaction
                 self._group = None
@@ -356,6 +349,16 @@ class Applier:
         if self._group_size >= GROUP_MAX_TRANSACTIONS or self._group_rows >= GROUP_MAX_ROWS:
             self.end_group()
         return True
+
+    def _may_group(self) -> bool:
+        """Nothing outside the transactions needs their commits: no skip-LSN to clear, no table being synchronised
+        (the sync-state pass runs after every commit then), two-phase not about to be enabled."""
+        tables = self.tables
+        return (
+            not self.skip.skip_lsn
+            and getattr(tables, "all_ready", False)
+            and getattr(tables, "two_phase_state", "") != "p"
+        )
 
     def _commit_internal(self, end_lsn: int, commit_time: int, message_type: str) -> None:
         """``apply_handle_commit_internal``: commit if a local transaction exists (something applied, or a
@@ -857,16 +860,13 @@ class Applier:
     def bulk_ready(self) -> bool:
         """Whether the transactions coming next may be applied a batch at a time: nothing is open, and they would
         join a group commit (the conditions of :meth:`_defer_commit`) with text values."""
-        tables = self.tables
         return (
             self.bulk
             and self.group_commit
             and not self.in_remote_transaction
             and self.stream_xid is None
-            and not self.skip.skip_lsn
-            and getattr(tables, "all_ready", False)
-            and getattr(tables, "two_phase_state", "") != "p"
             and not self.target.binary
+            and self._may_group()
         )
 
     def apply_bulk(self, batch: bulkapply.Batch, message: int) -> int:

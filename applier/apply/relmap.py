@@ -80,6 +80,9 @@ class RelMapEntry:
     key_positions: tuple[int, ...] | None
     #: why UPDATE/DELETE cannot be applied, or None when they can (checked only when one arrives, behaviour 44)
     not_updatable: str | None
+    #: the local columns' array types in remote order, 0 where there is none (applier.apply.bulk passes values
+    #: as arrays)
+    array_types: tuple[int, ...] = ()
     #: its Inserts / Updates and Deletes may be applied a stretch at a time (applier.apply.bulk): ``LocalTable.bulk``
     #: and an array type for every published column (and, for updates and deletes, a key)
     bulk_insert: bool = False
@@ -140,7 +143,8 @@ def map_relation(remote: Relation, local: LocalTable) -> RelMapEntry:
             f'logical replication target relation "{local.display}" has neither REPLICA IDENTITY index nor '
             f"PRIMARY KEY and published relation does not have REPLICA IDENTITY FULL"
         )
-    bulk_insert = local.bulk and bool(names) and all(by_name[n].array_type for n in names)
+    array_types = tuple(by_name[n].array_type for n in names)
+    bulk_insert = local.bulk and bool(names) and all(array_types)
     return RelMapEntry(
         remote=remote,
         local=local,
@@ -148,6 +152,7 @@ def map_relation(remote: Relation, local: LocalTable) -> RelMapEntry:
         types=types,
         key_positions=key_positions if not_updatable is None else None,
         not_updatable=not_updatable,
+        array_types=array_types,
         bulk_insert=bulk_insert,
         bulk_update=bulk_insert and not_updatable is None and key_positions is not None,
     )

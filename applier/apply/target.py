@@ -874,7 +874,7 @@ class Target:
             )  # fmt: skip
             query = entry.statements[("bulk", "I")] = q.as_bytes(self.conn)
         self.end_copy()
-        self.pipeline.send_query(query, columns, ctx, None, _array_types(entry))
+        self.pipeline.send_query(query, columns, ctx, None, entry.array_types)
 
     def bulk_update(self, entry: RelMapEntry, columns: Sequence[bytes], ctx: ErrorContext | None,
                     on_missing: Callable[[list[int]], None]) -> None:  # fmt: skip
@@ -884,7 +884,7 @@ class Target:
         if query is None:
             query = entry.statements[("bulk", "U")] = self._bulk_update_sql(entry).as_bytes(self.conn)
         self.end_copy()
-        self.pipeline.send_query(query, columns, ctx, _missing_positions(on_missing), _array_types(entry))
+        self.pipeline.send_query(query, columns, ctx, _missing_positions(on_missing), entry.array_types)
 
     def bulk_delete(self, entry: RelMapEntry, keys: Sequence[bytes], ctx: ErrorContext | None,
                     on_missing: Callable[[list[int]], None]) -> None:  # fmt: skip
@@ -894,9 +894,8 @@ class Target:
         if query is None:
             query = entry.statements[("bulk", "D")] = self._bulk_delete_sql(entry).as_bytes(self.conn)
         self.end_copy()
-        types = _array_types(entry)
         self.pipeline.send_query(query, keys, ctx, _missing_positions(on_missing),
-                                 [types[i] for i in entry.key_positions or ()])  # fmt: skip
+                                 [entry.array_types[i] for i in entry.key_positions or ()])  # fmt: skip
 
     @staticmethod
     def _bulk_delete_sql(entry: RelMapEntry) -> sql.Composable:
@@ -1016,12 +1015,6 @@ def _missing_positions(on_missing: Callable[[list[int]], None]) -> Callable[[Any
             on_missing([int(res.get_value(i, 0)) for i in range(res.ntuples)])
 
     return done
-
-
-def _array_types(entry: RelMapEntry) -> list[int]:
-    """The array types of the local columns, in the publisher's column order (``bulk_insert`` says they exist)."""
-    by_name = {c.name: c.array_type for c in entry.local.columns}
-    return [by_name[n] for n in entry.names]
 
 
 _SHAPE = bytes.maketrans(b"tb", b"vv")
