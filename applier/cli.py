@@ -125,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
         "one statement per table and kind of change where that cannot be told apart; same as APPLIER_BULK_APPLY=0)",
     )
     p.add_argument(
+        "--no-fold-prepares", action="store_true",
+        help="prepare every prepared transaction on the target, as PostgreSQL does (default: one whose COMMIT or "
+        "ROLLBACK PREPARED arrived with it is applied as a plain transaction, or not at all; same as "
+        "APPLIER_FOLD_PREPARES=0)",
+    )
+    p.add_argument(
         "--log-format", choices=("text", "json"), default=None,
         help="log lines for people (text, default) or one JSON object per line for machines (json)",
     )  # fmt: skip
@@ -249,6 +255,8 @@ def _dispatch(args: argparse.Namespace, extra: list[str], parser: argparse.Argum
             os.environ["APPLIER_GROUP_COMMIT"] = "0"  # the worker processes inherit it
         if args.no_bulk_apply:
             os.environ["APPLIER_BULK_APPLY"] = "0"
+        if args.no_fold_prepares:
+            os.environ["APPLIER_FOLD_PREPARES"] = "0"
         return runner.run(target, args.names, metrics_port=args.metrics_port, wait_target=wait)
     elif args.command == "status":
         entries = subs.status(target, args.name)

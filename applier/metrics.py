@@ -57,6 +57,12 @@ BULK = Counter(
     "of applier_transactions_applied_total{kind=\"commit\"}).",
     ["subscription"],
 )
+FOLDED = Counter(
+    "applier_folded_prepares_total",
+    "Prepared transactions whose COMMIT or ROLLBACK PREPARED arrived with them, applied as one plain transaction "
+    "(or, rolled back, not at all) instead of PREPARE TRANSACTION then COMMIT/ROLLBACK PREPARED.",
+    ["subscription"],
+)
 
 
 class WorkerMetrics:
@@ -69,20 +75,21 @@ class WorkerMetrics:
 
     def publish(
         self, kinds: Mapping[str, int], rows: Mapping[str, int], conflicts: Mapping[str, int] | None = None,
-        bulk: int = 0,
+        bulk: int = 0, folded: int = 0,
     ) -> None:
-        """``kinds``/``rows``/``conflicts``/``bulk`` are totals that only grow while one session lasts (see
-        :meth:`session_ended`)."""
+        """``kinds``/``rows``/``conflicts``/``bulk``/``folded`` are totals that only grow while one session lasts
+        (see :meth:`session_ended`)."""
         for family, counter, totals in (("k", TRANSACTIONS, kinds), ("r", ROWS, rows), ("c", CONFLICTS, conflicts or {})):
             for key, total in totals.items():
                 seen = self._seen.get((family, key), 0)
                 if total > seen:
                     counter.labels(self.subscription, key).inc(total - seen)
                 self._seen[(family, key)] = total
-        seen = self._seen.get(("b", ""), 0)
-        if bulk > seen:
-            BULK.labels(self.subscription).inc(bulk - seen)
-            self._seen[("b", "")] = bulk
+        for family, one, total in (("b", BULK, bulk), ("f", FOLDED, folded)):
+            seen = self._seen.get((family, ""), 0)
+            if total > seen:
+                one.labels(self.subscription).inc(total - seen)
+                self._seen[(family, "")] = total
 
     def session_ended(self) -> None:
         """The next session's totals start from zero again."""

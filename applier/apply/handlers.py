@@ -26,6 +26,7 @@ from applier.apply import bulk as bulkapply
 from applier.apply.context import ApplyError, ErrorContext
 from applier.apply.copytext import InsertRun
 from applier.apply.feedback import FeedbackTracker
+from applier.apply.fold import Decision
 from applier.apply.relmap import (
     RelationMappingError,
     RelMapEntry,
@@ -162,7 +163,8 @@ class Applier:
         self.remote_xid: int | None = None
         self.remote_final_lsn = 0
         self.prepare: BeginPrepare | None = None
-        self.skipping = False
+        self.skipping = False  # the skip-LSN names this transaction (behaviours 99-100)
+        self.discarding = False  # its changes are not applied: skipped, or a folded ROLLBACK PREPARED
         self.last_message_type = ""
         # the open stream chunk
         self.stream_xid: int | None = None
@@ -189,6 +191,11 @@ class Applier:
         self._upcoming: dict[str, tuple[int, int, int, int]] = {}
         #: records written ahead, for transactions not applied yet: gid -> (prepare end LSN, prepare time)
         self._prerecorded: dict[str, tuple[int, int]] = {}
+        #: prepared transactions of the batch being applied whose COMMIT/ROLLBACK PREPARED is in it too, by remote
+        #: xid (applier.apply.fold; the worker fills it); :attr:`_folding` is the one being applied now
+        self.decided: dict[int, Decision] = {}
+        self._folding: Decision | None = None
+        self.folded_prepares = 0  # prepared transactions applied folded (stats)
         self.converted_rows = 0  # Inserts that went into a COPY through copytext, a stretch at a time (stats)
         self.transactions = 0  # remote transactions finished (for tests and stats)
         # for metrics: finished transactions by kind, and row changes of finished transactions by operation (a
@@ -282,7 +289,7 @@ class Applier:
         self.remote_final_lsn = final_lsn
         self._ctx_cache.clear()
         if skiprules.starts_skipping(self.skip.skip_lsn, final_lsn):
-            self.skipping = True
+            self.skipping = self.discarding = True
             self.log.info(skiprules.starts_skipping_message(final_lsn))
 
     def _end_remote(self, kind: str) -> None:
@@ -290,7 +297,7 @@ class Applier:
         self.in_remote_transaction = False
         self.remote_xid = None
         self.prepare = None
-        self.skipping = False
+        self.skipping = self.discarding = False
 
     def _count(self, kind: str) -> None:
         self.transactions += 1
@@ -315,14 +322,14 @@ class Applier:
                 f"{format_lsn(self.remote_final_lsn)})",
             )  # fmt: skip
         kind = "skipped" if self.skipping else "commit"
-        if self._defer_commit(m):
+        if self._defer_commit(m.commit_lsn, m.end_lsn, m.commit_time):
             self._end_remote(kind)
             return
         self._commit_internal(m.end_lsn, m.commit_time, "COMMIT")
         self._end_remote(kind)
         self.tables.after_transaction(m.end_lsn)
 
-    def _defer_commit(self, m: Commit) -> bool:
+    def _defer_commit(self, commit_lsn: int, end_lsn: int, commit_time: int) -> bool:
         """Group commit: leave the local transaction open so that the next remote transactions, if they have
         already arrived, join it; the worker ends the group (:meth:`end_group`) as soon as the publisher has nothing
         more waiting, so no commit is delayed. Only plain transactions group, and only while nothing else needs the
@@ -333,7 +340,7 @@ class Applier:
         target = self.target
         if not target.in_transaction and self._group is None:
             return False  # nothing applied and no group open: nothing to commit (as the native worker)
-        if self.skipping or m.commit_lsn <= self.ungrouped_until or not self._may_group():
+        if self.skipping or commit_lsn <= self.ungrouped_until or not self._may_group():
             if self._group is not None:  # pragma: no cover - the conditions only change between groups
                 # this commit (in _commit_internal) also commits the open group's local transaction
                 self._group = None
@@ -344,7 +351,7 @@ class Applier:
         self._group_size += 1
         pending = self._pending_rows
         self._group_rows += pending[0] + pending[1] + pending[2] + pending[3]
-        self._group = (m.end_lsn, m.commit_time, self.remote_xid, self.remote_final_lsn)
+        self._group = (end_lsn, commit_time, self.remote_xid, self.remote_final_lsn)
         self.tracker.holding = True  # feedback must not report these transactions before the group commits
         if self._group_size >= GROUP_MAX_TRANSACTIONS or self._group_rows >= GROUP_MAX_ROWS:
             self.end_group()
@@ -471,7 +478,7 @@ class Applier:
         if self.stream_xid is not None:
             self.spool.write(m.xid, payload)
             return
-        if self.skipping:
+        if self.discarding:
             return
         entry = self.entries.get(m.relid)
         if entry is None or entry is not self._run_entry:
@@ -522,7 +529,7 @@ class Applier:
         """``(relid << 8 | 'N', column count)`` of the Inserts that would go straight into the open COPY, or
         ``None`` when none would (no COPY open, skipping, inside a stream chunk)."""
         entry = self._run_entry
-        if entry is None or self.skipping or self.stream_xid is not None:
+        if entry is None or self.discarding or self.stream_xid is not None:
             return None
         copy = self.target.copy_run
         relid = entry.remote.relid
@@ -586,7 +593,7 @@ class Applier:
         if self.stream_xid is not None:
             self.spool.write(m.xid, payload)
             return
-        if self.skipping:
+        if self.discarding:
             return
         self._flush_run()
         entry = self._entry(m.relid, "UPDATE")
@@ -602,7 +609,7 @@ class Applier:
         if self.stream_xid is not None:
             self.spool.write(m.xid, payload)
             return
-        if self.skipping:
+        if self.discarding:
             return
         self._flush_run()
         entry = self._entry(m.relid, "DELETE")
@@ -631,7 +638,7 @@ class Applier:
         if self.stream_xid is not None:
             self.spool.write(m.xid, payload)
             return
-        if self.skipping:
+        if self.discarding:
             return
         self._flush_run()
         entries: list[RelMapEntry] = []
@@ -706,9 +713,22 @@ class Applier:
         self.finished_prepared += 1
 
     def handle_begin_prepare(self, m: BeginPrepare, payload: bytes = b"") -> None:
-        """``apply_handle_begin_prepare``: like Begin, with the prepare LSN as the finish LSN."""
+        """``apply_handle_begin_prepare``: like Begin, with the prepare LSN as the finish LSN. A transaction whose
+        decision is already here is folded (applier.apply.fold): no record, no PREPARE; a rolled back one's changes
+        are discarded."""
         self._start_remote(m.xid, m.prepare_lsn, "BEGIN PREPARE")
         self.prepare = m
+        decision = self.decided.pop(m.xid, None) if self.decided else None
+        if (
+            decision is not None
+            and decision.prepare_end_lsn == m.end_lsn
+            and decision.prepare_time == m.prepare_time
+            and not self.skipping
+            and self._may_group()
+        ):
+            self._folding = decision
+            self.discarding = not decision.commit
+            return
         self._record_prepared(m.xid, m.prepare_lsn, m.end_lsn, m.prepare_time, self.context("BEGIN PREPARE"))
 
     def handle_prepare(self, m: Prepare, payload: bytes = b"") -> None:
@@ -718,6 +738,8 @@ class Applier:
                 "PREPARE", f"incorrect prepare LSN {format_lsn(m.prepare_lsn)} in prepare message (expected "
                 f"{format_lsn(self.remote_final_lsn)})",
             )  # fmt: skip
+        if self._folding is not None:
+            return  # the transaction ends with its COMMIT/ROLLBACK PREPARED, the next message
         self._prepare_internal(m.xid, m.end_lsn, m.prepare_time, "PREPARE")
 
     def _prepare_internal(self, xid: int, end_lsn: int, prepare_time: int, message_type: str) -> None:
@@ -736,6 +758,9 @@ class Applier:
 
     def handle_commit_prepared(self, m: CommitPrepared, payload: bytes = b"") -> None:
         """``apply_handle_commit_prepared``: COMMIT PREPARED; an unknown GID is an error (no lookup)."""
+        if self._folding is not None and self._folding.commit and m.xid == self.remote_xid:
+            self._end_folded(m.commit_lsn, m.end_lsn, m.commit_time, "COMMIT PREPARED", "commit_prepared")
+            return
         if self.in_remote_transaction:
             raise self._protocol_error(
                 "COMMIT PREPARED", "COMMIT PREPARED received inside a remote transaction"
@@ -753,6 +778,11 @@ class Applier:
     def handle_rollback_prepared(self, m: RollbackPrepared, payload: bytes = b"") -> None:
         """``apply_handle_rollback_prepared``: only if our prepared transaction is the one the publisher prepared
         (same GID, prepare end LSN and time, ``LookupGXact``), else skipped silently (behaviours 64-65)."""
+        folding = self._folding
+        if folding is not None and not folding.commit and m.xid == self.remote_xid:
+            self._end_folded(m.rollback_end_lsn, m.rollback_end_lsn, m.rollback_time, "ROLLBACK PREPARED",
+                             "rollback_prepared")  # fmt: skip
+            return
         if self.in_remote_transaction:
             raise self._protocol_error(
                 "ROLLBACK PREPARED", "ROLLBACK PREPARED received inside a remote transaction"
@@ -772,6 +802,18 @@ class Applier:
         self.tables.after_transaction(m.rollback_end_lsn)
         if found:
             self._clear_skip_lsn_separately(m.rollback_end_lsn, True)
+
+    def _end_folded(self, lsn: int, end_lsn: int, time: int, message_type: str, kind: str) -> None:
+        """End a folded transaction as a plain commit at ``end_lsn`` (its COMMIT/ROLLBACK PREPARED's end), group
+        commit included; a rolled back one applied nothing, so it commits nothing of its own."""
+        self._folding = None
+        self.folded_prepares += 1
+        if self._defer_commit(lsn, end_lsn, time):
+            self._end_remote(kind)
+            return
+        self._commit_internal(end_lsn, time, message_type)
+        self._end_remote(kind)
+        self.tables.after_transaction(end_lsn)
 
     # --- streamed transactions -------------------------------------------------------------------------------
     def spool_raw(self, payload: bytes) -> None:
@@ -997,7 +1039,9 @@ class Applier:
         self.in_remote_transaction = False
         self.remote_xid = None
         self.prepare = None
-        self.skipping = False
+        self.skipping = self.discarding = False
+        self._folding = None
+        self.decided.clear()
         self.stream_xid = None
         self._run_entry = None
         self._run_rows.clear()

@@ -39,6 +39,7 @@ from applier.apply.bulk import Batch
 from applier.apply.context import ApplyError, ErrorContext
 from applier.apply.copytext import InsertRun
 from applier.apply.feedback import FeedbackTracker
+from applier.apply.fold import decided_prepares
 from applier.apply.handlers import RAW_SPOOL_TYPES, VECTOR_MIN, Applier, SkipState, TableStates
 from applier.apply.spool import Spool, default_spool_dir
 from applier.apply.target import Target, TargetConnectionError
@@ -85,13 +86,23 @@ RECEIVER_TIMEOUT = 60.0
 
 def group_commit_default() -> bool:
     """Group commit is on unless the environment says ``APPLIER_GROUP_COMMIT=0`` (or off/false/no)."""
-    return os.environ.get("APPLIER_GROUP_COMMIT", "1").strip().lower() not in ("0", "off", "false", "no")
+    return _switch("APPLIER_GROUP_COMMIT")
+
+
+def fold_prepares_default() -> bool:
+    """Folding decided prepared transactions (applier.apply.fold) is on unless the environment says
+    ``APPLIER_FOLD_PREPARES=0`` (or off/false/no)."""
+    return _switch("APPLIER_FOLD_PREPARES")
+
+
+def _switch(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def bulk_apply_default() -> bool:
     """Bulk apply (applier.apply.bulk) is on unless the environment says ``APPLIER_BULK_APPLY=0`` (or off/false/no);
     it needs group commit."""
-    return os.environ.get("APPLIER_BULK_APPLY", "1").strip().lower() not in ("0", "off", "false", "no")
+    return _switch("APPLIER_BULK_APPLY")
 
 
 class ApplyWorkerError(ApplierError):
@@ -130,6 +141,7 @@ class WorkerStats:
     records_batched: int = 0  # prepared_xact records written ahead, several in one transaction
     converted_rows: int = 0  # Inserts converted into COPY text a stretch at a time (applier.apply.copytext)
     bulk_transactions: int = 0  # remote transactions applied a batch at a time (applier.apply.bulk)
+    folded_prepares: int = 0  # prepared transactions applied folded with their decision (applier.apply.fold)
     last_error: str | None = None
     started_streaming: threading.Event = field(default_factory=threading.Event)
 
@@ -261,6 +273,7 @@ class ApplyWorker:
         live_sync: bool = True,
         group_commit: bool | None = None,
         bulk: bool | None = None,
+        fold_prepares: bool | None = None,
     ) -> None:
         self.target_conninfo = target_conninfo
         self.subname = subname
@@ -282,6 +295,8 @@ class ApplyWorker:
         self.group_commit = group_commit if group_commit is not None else group_commit_default()
         #: bulk apply of whole plain transactions (README: where we differ); off with ``APPLIER_BULK_APPLY=0``
         self.bulk = bulk if bulk is not None else bulk_apply_default()
+        #: decided prepared transactions applied as plain ones (README: where we differ); ``APPLIER_FOLD_PREPARES=0``
+        self.fold_prepares = fold_prepares if fold_prepares is not None else fold_prepares_default()
         #: after a session ended by an error, remote transactions up to what it had received are applied one local
         #: transaction each, so that an error recurring there names exactly one remote transaction
         self._ungrouped_until = 0
@@ -473,7 +488,8 @@ class ApplyWorker:
                 self.stats.records_batched += applier.records_batched
                 self.stats.converted_rows += applier.converted_rows
                 self.stats.bulk_transactions += applier.bulk_transactions
-                self.metrics.publish(applier.kinds, applier.rows, applier.conflicts, applier.bulk_transactions)
+                self.stats.folded_prepares += applier.folded_prepares
+                self._publish(applier)
                 self.metrics.session_ended()
                 if applier.transactions:
                     self._failures = 0
@@ -551,6 +567,7 @@ class ApplyWorker:
         spool_batch = applier.spool_batch
         bulk: list[memoryview] = []  # XLogData read undecoded, envelope included, handled together
         two_phase = tables.two_phase_state != "d"  # (prepared transactions can come: their records are batched)
+        fold = self.fold_prepares
 
         def dispatch(payload: bytes) -> None:
             """One pgoutput message."""
@@ -569,10 +586,14 @@ class ApplyWorker:
             changes of a stream chunk (spooled with one write) and Inserts into an open COPY (converted into COPY
             text at once, applier.apply.copytext)."""
             i, count = 0, len(messages)
-            if two_phase and count > 1:
-                begins = [m for m in messages if m[25] == 98]  # 'b': BEGIN PREPARE
+            if two_phase and count > 1 and any(m[25] == 98 for m in messages):  # 'b': BEGIN PREPARE
+                decided = applier.decided
+                if fold:  # those whose COMMIT/ROLLBACK PREPARED is here too are applied folded (apply.fold)
+                    decided.update(decided_prepares(messages, 25))
+                begins = [b for b in (decode_message(bytes(m[25:])) for m in messages if m[25] == 98)
+                          if b.xid not in decided]  # type: ignore[union-attr]  # fmt: skip
                 if len(begins) > 1:  # their prepared_xact records are written together, at the first
-                    applier.expect_prepares([decode_message(bytes(m[25:])) for m in begins])
+                    applier.expect_prepares(begins)  # type: ignore[arg-type]
             # whole transactions a batch at a time (applier.apply.bulk), when there can be enough of them
             batch: Batch | None = None
             bulk = applier.bulk and count >= 3 * BULK_MIN_TRANSACTIONS
@@ -651,7 +672,7 @@ class ApplyWorker:
                 applier.end_group()  # the publisher has nothing more waiting (or a burst ended): commit the group
             if time.monotonic() - last_published >= METRICS_INTERVAL:
                 last_published = time.monotonic()
-                self.metrics.publish(applier.kinds, applier.rows, applier.conflicts, applier.bulk_transactions)
+                self._publish(applier)
             if target.pipeline.pending:
                 target.pipeline.poll()
             now = time.monotonic()
@@ -693,6 +714,10 @@ class ApplyWorker:
             if force or pos != before or now - last_status >= STATUS_INTERVAL:
                 repl.send_status(pos.write, pos.flush, pos.apply)
                 last_status = now
+
+    def _publish(self, applier: Applier) -> None:
+        self.metrics.publish(applier.kinds, applier.rows, applier.conflicts, applier.bulk_transactions,
+                             applier.folded_prepares)  # fmt: skip
 
     def _reread(self, sub: Subscription, skip: SkipState, tables: _CatalogTables, target: Target) -> None:
         """``maybe_reread_subscription`` (behaviour 52): stop when dropped/disabled, restart when an option the
