@@ -424,6 +424,53 @@ def test_differential_small_transaction_backlogs(
         _event(f"bulk transactions: {'some' if w.worker.stats.bulk_transactions else 'none'}")
 
 
+#: how a transaction of a backlog ends: committed (inside a DO block, as above), or prepared and at once committed or
+#: rolled back (client-side: PREPARE TRANSACTION cannot run in PL/pgSQL)
+_endings = st.sampled_from(["commit", "commit", "prepared_commit", "prepared_rollback"])
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=_HEALTH, derandomize=not _LONG)
+@given(transactions=st.lists(st.tuples(st.lists(_small_change, min_size=1, max_size=4), _endings), min_size=10,
+                             max_size=60))  # fmt: skip
+def test_differential_decided_prepared_backlogs(
+    publisher_cluster: PostgresCluster,
+    target_cluster: PostgresCluster,
+    native_cluster: PostgresCluster,
+    transactions: list[tuple[list[str], str]],
+) -> None:
+    """Backlogs where prepared transactions are committed or rolled back right after their PREPARE, among plain
+    ones: ours folds those it reads together with their decision (applier.apply.fold), native prepares every one.
+    At the end ours = native = publisher, and nothing is left prepared."""
+    steps: list[Step] = []
+    plain: list[str] = []
+
+    def flush_plain() -> None:
+        if plain:
+            steps.append(Step(0, f"DO $do$ BEGIN {' '.join(plain)} END $do$"))
+            plain.clear()
+
+    for i, (txn, ending) in enumerate(transactions):
+        statements = [_q("INSERT INTO wl_full (a, b) VALUES ({}, 'txn')", i), *txn]
+        if ending == "commit":
+            plain.append(" ".join(f"{c};" for c in [*statements, "COMMIT"]))
+            continue
+        flush_plain()
+        gid = _q("{}", f"fold_{i}")
+        verb = "COMMIT" if ending == "prepared_commit" else "ROLLBACK"
+        steps += [Step(0, "BEGIN"), *(Step(0, c) for c in statements), Step(0, f"PREPARE TRANSACTION {gid}"),
+                  Step(0, f"{verb} PREPARED {gid}")]  # fmt: skip
+    flush_plain()
+    workload = Workload(steps=tuple(steps), sessions=1)
+    _note("workload (SQL):\n" + workload.to_sql())
+    with trio(publisher_cluster, target_cluster, native_cluster) as t:
+        run_workload(t.publisher, workload)
+        w = t.setup.start()
+        t.stop_ours = w.stop
+        check_end(t)
+        w.stop()
+        _event(f"folded prepares: {'some' if w.worker.stats.folded_prepares else 'none'}")
+
+
 # --- the fault schedule -----------------------------------------------------------------------------------------
 
 
