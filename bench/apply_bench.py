@@ -124,10 +124,12 @@ class Sizes:
 
     insert_txns: int = 30
     insert_rows: int = 10_000
-    small_txns: int = 20_000
-    # Fewer than the small ones: with fsync on, both subscribers flush twice per prepared transaction (PREPARE and
-    # COMMIT PREPARED), ~150-250 transactions/s on this machine's disk, so 20,000 would take minutes per side.
-    prepared_txns: int = 3_000
+    # Sized so that the faster side's timed run lasts about 0.4 s or more: native applies 70,000-120,000 small
+    # transactions a second here, and 20,000 (0.2 s) gave ratios from 0.56 to 1.07 within one run.
+    small_txns: int = 40_000
+    # Fewer than the small ones: native flushes twice per prepared transaction (PREPARE and COMMIT PREPARED),
+    # 2,500-4,000 transactions/s here; ours folds them (20,000+/s), so 3,000 gave it a 0.15 s run.
+    prepared_txns: int = 10_000
     stream_rows: int = 1_000_000
     stream_work_mem: str = "16MB"
 
