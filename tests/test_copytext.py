@@ -8,6 +8,7 @@ import struct
 from hypothesis import given
 from hypothesis import strategies as st
 
+from applier.apply import copytext
 from applier.apply.copytext import InsertRun
 from applier.apply.target import _copy_escape
 from applier.decoder import decode_plain_insert
@@ -58,6 +59,20 @@ def test_copy_text_equals_row_by_row(shape: tuple[int, list], memoryviews: bool)
         assert run.copy_text(1, len(rows) - 1, ncols) == _copy_lines(rows[1:-1])
     # another column count is not this relation's shape
     assert run.copy_text(0, len(rows), ncols + 1) is None
+
+
+@given(st.integers(1, 4).flatmap(lambda n: st.tuples(st.just(n), _rows(n))))
+def test_copy_text_with_int64_positions(shape: tuple[int, list]) -> None:
+    """The gather's byte positions are int32 while they fit; past 2**31 bytes they are int64 (forced here), with
+    the same text."""
+    ncols, rows = shape
+    run = InsertRun.of([_xlog(encode_message(Insert(None, RELID, _tuple(r)))) for r in rows], 25, 26)
+    limit = copytext._INT32_LIMIT
+    try:
+        copytext._INT32_LIMIT = 0
+        assert run.copy_text(0, len(rows), ncols) == _copy_lines(rows)
+    finally:
+        copytext._INT32_LIMIT = limit
 
 
 @given(st.integers(1, 4).flatmap(lambda n: st.tuples(st.just(n), _rows(n))), st.data())

@@ -54,6 +54,7 @@ from psycopg import sql
 from test_tap_support import CliApplier, restart_if_down, set_decoding_work_mem
 
 from applier.apply.testing import ApplySetup, setup_subscription
+from applier.apply.worker import WorkerStats
 from applier.testing import Database, PostgresBinaries, PostgresCluster, tables_differ, wait_until
 from applier.testing.cluster import free_port
 from applier.testing.pytest_plugin import drop_our_origins
@@ -414,14 +415,21 @@ def test_differential_small_transaction_backlogs(
         for i, txn in enumerate(transactions)
     )
     workload = Workload(steps=(Step(0, f"DO $do$ BEGIN {body} END $do$"),), sessions=1)
+    stats = _apply_backlog((publisher_cluster, target_cluster, native_cluster), workload)
+    _event(f"bulk transactions: {'some' if stats.bulk_transactions else 'none'}")
+
+
+def _apply_backlog(clusters: tuple[PostgresCluster, PostgresCluster, PostgresCluster], workload: Workload) -> WorkerStats:
+    """``workload`` on the publisher while only native streams, then our worker started on the backlog it left; at
+    the end ours = native = publisher. Our worker's stats."""
     _note("workload (SQL):\n" + workload.to_sql())
-    with trio(publisher_cluster, target_cluster, native_cluster) as t:
+    with trio(*clusters) as t:
         run_workload(t.publisher, workload)
         w = t.setup.start()
         t.stop_ours = w.stop
         check_end(t)
         w.stop()
-        _event(f"bulk transactions: {'some' if w.worker.stats.bulk_transactions else 'none'}")
+    return w.worker.stats
 
 
 #: how a transaction of a backlog ends: committed (inside a DO block, as above), or prepared and at once committed or
@@ -460,15 +468,8 @@ def test_differential_decided_prepared_backlogs(
         steps += [Step(0, "BEGIN"), *(Step(0, c) for c in statements), Step(0, f"PREPARE TRANSACTION {gid}"),
                   Step(0, f"{verb} PREPARED {gid}")]  # fmt: skip
     flush_plain()
-    workload = Workload(steps=tuple(steps), sessions=1)
-    _note("workload (SQL):\n" + workload.to_sql())
-    with trio(publisher_cluster, target_cluster, native_cluster) as t:
-        run_workload(t.publisher, workload)
-        w = t.setup.start()
-        t.stop_ours = w.stop
-        check_end(t)
-        w.stop()
-        _event(f"folded prepares: {'some' if w.worker.stats.folded_prepares else 'none'}")
+    stats = _apply_backlog((publisher_cluster, target_cluster, native_cluster), Workload(tuple(steps), 1))
+    _event(f"folded prepares: {'some' if stats.folded_prepares else 'none'}")
 
 
 # --- the fault schedule -----------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from applier.apply.copytext import tuple_segments
+from applier.apply.copytext import source_positions, tuple_segments
 
 _I64 = np.int64
 #: message type bytes
@@ -265,11 +265,9 @@ def array_literal(
     out_start = out_end - width
     total = int(out_end[-1])
     base = np.where(is_null, null_at - out_start, seg_start - out_start - 1)
-    src = np.repeat(base, width) + np.arange(1, total, dtype=_I64)
-    np.clip(src, 0, len(data) - 1, out=src)
     out = np.empty(total, dtype=np.uint8)
     out[0] = _OPEN
-    out[1:] = data[src]
+    out[1:] = data[source_positions(base, width, 1, total, len(data))]
     escape = (out == _QUOTE) | (out == _BACKSLASH)
     valued = ~is_null
     out[out_start[valued]] = _QUOTE

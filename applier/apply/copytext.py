@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 _I64 = np.int64
+_INT32_LIMIT = 1 << 31
 _TAB, _NL, _CR, _BACKSLASH = 9, 10, 13, 92
 _KIND_TEXT, _KIND_NULL, _KIND_UNCHANGED = 116, 110, 117
 #: the letter that follows the backslash for each byte COPY text format must escape
@@ -135,6 +136,18 @@ def tuple_segments(
     return seg_start, seg_len, is_null
 
 
+def source_positions(offset: np.ndarray, width: np.ndarray, first: int, total: int, size: int) -> np.ndarray:
+    """Where each output byte ``first`` .. ``total - 1`` comes from, when the output is runs of ``width[k]`` bytes
+    each copied from ``offset[k]`` bytes away: ``offset[k]`` plus the output position, clipped into a source of
+    ``size`` bytes. In int32 whenever positions fit: these arrays hold one number per output byte, and at half the
+    width building them is 3-4 times faster than in int64."""
+    index = np.int32 if max(total, size) < _INT32_LIMIT else _I64
+    src = np.repeat(offset.astype(index), width)
+    src += np.arange(first, total, dtype=index)
+    np.clip(src, 0, size - 1, out=src)
+    return src
+
+
 def _gather(data: np.ndarray, seg_start: np.ndarray, seg_len: np.ndarray, is_null: np.ndarray, ncols: int) -> bytes:
     """Every segment followed by a separator (tab, or newline after a row's last column), escaped as COPY text
     needs (the ``\\N`` of a NULL is not escaped)."""
@@ -142,10 +155,8 @@ def _gather(data: np.ndarray, seg_start: np.ndarray, seg_len: np.ndarray, is_nul
     out_end = np.cumsum(width)
     out_start = out_end - width
     total = int(out_end[-1])
-    # index of the source byte for every output byte (separator slots read a harmless byte, then get overwritten)
-    src = np.repeat(seg_start - out_start, width) + np.arange(total, dtype=_I64)
-    np.minimum(src, len(data) - 1, out=src)
-    out = data[src]
+    # (separator slots read a harmless byte, then get overwritten)
+    out = data[source_positions(seg_start - out_start, width, 0, total, len(data))]
     sep = out_end - 1
     out[sep] = _TAB
     out[sep[ncols - 1 :: ncols]] = _NL
