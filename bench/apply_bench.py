@@ -33,8 +33,10 @@ off``: it only affects how fast the (untimed) workload is generated — its WAL,
 same — and thousands of prepared transactions at two flushes each would otherwise take minutes to *generate*.
 
 Workloads (default sizes; flags change each): ``inserts`` (30 transactions of a 10,000-row INSERT ... SELECT),
-``small`` (20,000 transactions of one UPDATE + one INSERT), ``prepared`` (3,000 of the same as prepared transactions,
-every 10th rolled back; two-phase on both sides; fsync-bound, hence fewer), ``streamed`` (one 1,000,000-row INSERT,
+``small`` (40,000 transactions of one UPDATE + one INSERT), ``prepared`` (10,000 of the same as prepared
+transactions, each committed or, every 10th, rolled back right after its PREPARE; two-phase on both sides; native is
+fsync-bound, hence fewer; ours folds them, since each decision arrives with its transaction, unless
+``APPLIER_FOLD_PREPARES=0`` is in the environment), ``streamed`` (one 1,000,000-row INSERT,
 streamed: the publisher database's ``logical_decoding_work_mem`` is lowered to 16MB so that it streams, which
 ``pg_stat_replication_slots.stream_txns`` confirms). Peak RSS of our worker process (``VmHWM`` of the process
 ``applier run`` spawns) and of the native apply worker are read from ``/proc`` before they stop.
