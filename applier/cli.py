@@ -111,21 +111,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on 127.0.0.1:PORT"
     )
     p.add_argument(
-        "--wait-target", type=float, metavar="SECONDS", default=None,
+        "--wait-target",
+        type=float,
+        metavar="SECONDS",
+        default=None,
         help="wait this long for a target that is down or starting up before failing (default 60; 0: fail at once)",
     )
     p.add_argument(
-        "--no-group-commit", action="store_true",
+        "--no-group-commit",
+        action="store_true",
         help="commit every remote transaction in a local transaction of its own, as PostgreSQL does (default: "
         "transactions that arrive back to back share one; same as APPLIER_GROUP_COMMIT=0)",
     )
     p.add_argument(
-        "--no-bulk-apply", action="store_true",
+        "--no-bulk-apply",
+        action="store_true",
         help="apply grouped transactions message by message (default: a batch of plain transactions is applied "
         "one statement per table and kind of change where that cannot be told apart; same as APPLIER_BULK_APPLY=0)",
     )
     p.add_argument(
-        "--no-fold-prepares", action="store_true",
+        "--no-fold-prepares",
+        action="store_true",
         help="prepare every prepared transaction on the target, as PostgreSQL does (default: one whose COMMIT or "
         "ROLLBACK PREPARED arrived with it is applied as a plain transaction, or not at all; same as "
         "APPLIER_FOLD_PREPARES=0)",

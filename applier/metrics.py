@@ -54,7 +54,7 @@ CONFLICTS = Counter(
 BULK = Counter(
     "applier_bulk_transactions_total",
     "Remote transactions applied a batch at a time, one statement per table and kind of change (bulk apply; a part "
-    "of applier_transactions_applied_total{kind=\"commit\"}).",
+    'of applier_transactions_applied_total{kind="commit"}).',
     ["subscription"],
 )
 FOLDED = Counter(
@@ -74,12 +74,20 @@ class WorkerMetrics:
         self._seen: dict[tuple[str, str], int] = {}
 
     def publish(
-        self, kinds: Mapping[str, int], rows: Mapping[str, int], conflicts: Mapping[str, int] | None = None,
-        bulk: int = 0, folded: int = 0,
+        self,
+        kinds: Mapping[str, int],
+        rows: Mapping[str, int],
+        conflicts: Mapping[str, int] | None = None,
+        bulk: int = 0,
+        folded: int = 0,
     ) -> None:
         """``kinds``/``rows``/``conflicts``/``bulk``/``folded`` are totals that only grow while one session lasts
         (see :meth:`session_ended`)."""
-        for family, counter, totals in (("k", TRANSACTIONS, kinds), ("r", ROWS, rows), ("c", CONFLICTS, conflicts or {})):
+        for family, counter, totals in (
+            ("k", TRANSACTIONS, kinds),
+            ("r", ROWS, rows),
+            ("c", CONFLICTS, conflicts or {}),
+        ):
             for key, total in totals.items():
                 seen = self._seen.get((family, key), 0)
                 if total > seen:

@@ -195,7 +195,11 @@ def wait_for_target(target: str, timeout: float, *, stop: threading.Event | None
             psycopg.connect(target, connect_timeout=10).close()
             return
         except psycopg.Error as exc:
-            if not _transient(exc) or time.monotonic() + delay > deadline or (stop is not None and stop.is_set()):
+            if (
+                not _transient(exc)
+                or time.monotonic() + delay > deadline
+                or (stop is not None and stop.is_set())
+            ):
                 return  # the caller's own connection attempt reports it
             logger.warning("the target is not taking connections yet, retrying in %.1f s: %s", delay,
                            scrub(str(exc), target).strip().splitlines()[0])  # fmt: skip
@@ -311,7 +315,9 @@ def worker_main(target: str, subname: str, stop_all: Any, report: multiprocessin
     threading.Thread(target=_stop_bridge, args=(stop_all, stop), name="stop-bridge", daemon=True).start()
     wlog = logging.getLogger(f"applier.worker.{subname}")
     try:
-        wait_for_target(target, wait_target, stop=stop, logger=wlog)  # the target may have gone since run started
+        wait_for_target(
+            target, wait_target, stop=stop, logger=wlog
+        )  # the target may have gone since run started
         message = _serve(target, subname, stop, wlog)
         outcome = WorkerOutcome(subname, True, message)
     except SubscriptionBusy as exc:

@@ -239,7 +239,9 @@ class _Side:
         return [tuple(r) for r in conn.execute(query, params)]
 
 
-def spark_hashes(jobs: Sequence[tuple[_Side, Range | None]], spark_master: str | None = None) -> list[tuple[int, str | None]]:
+def spark_hashes(
+    jobs: Sequence[tuple[_Side, Range | None]], spark_master: str | None = None
+) -> list[tuple[int, str | None]]:
     """:meth:`_Side.hash` of every (side, range) as one Spark job, one task each, results in order.
 
     Each task connects to its server and lets it hash the range; only (rows, md5) comes back. The same job runs on
@@ -266,7 +268,11 @@ def spark_hashes(jobs: Sequence[tuple[_Side, Range | None]], spark_master: str |
     handle = spark_job.spark_session(spark_master)
     try:
         n = len(todo)
-        result = handle.session.range(0, n, 1, n).mapInArrow(hash_ranges, "i long, rows long, md5 string").collect()
+        result = (
+            handle.session.range(0, n, 1, n)
+            .mapInArrow(hash_ranges, "i long, rows long, md5 string")
+            .collect()
+        )
     finally:
         spark_job.release(handle)
     by_index = {r.i: (int(r.rows), r.md5) for r in result}

@@ -118,12 +118,18 @@ def main() -> None:
     variants = args.variants or ["bare", "ours", "bare", "ours"]
     if set(variants) - {"bare", "ours"}:
         ap.error("variants are bare and ours")
-    settings = {"max_prepared_transactions": "100", "wal_level": "logical", "fsync": "off" if args.no_fsync else "on"}
+    settings = {
+        "max_prepared_transactions": "100",
+        "wal_level": "logical",
+        "fsync": "off" if args.no_fsync else "on",
+    }
     with PostgresCluster(name="prepbench", durable=True, settings=settings) as c:
         c.execute("CREATE TABLE acc (id int PRIMARY KEY, bal int)")
         c.execute("INSERT INTO acc SELECT g, 0 FROM generate_series(1, 1000) g")
         c.execute("CREATE TABLE hist (id int PRIMARY KEY, a int, d int, note text)")
-        print(f"PostgreSQL {c.binaries.major}, fsync {'off' if args.no_fsync else 'on'}, {args.n} transactions per run")
+        print(
+            f"PostgreSQL {c.binaries.major}, fsync {'off' if args.no_fsync else 'on'}, {args.n} transactions per run"
+        )
         for k, variant in enumerate(variants):
             c.execute("TRUNCATE hist")
             rate, cpu = run(c, variant, args.n, k)

@@ -171,7 +171,9 @@ def local_parallelism(spark_master: str | None = None) -> int | None:
     master, a master we cannot read, or a session already active in this process (whose start-up is paid)."""
     if not runs_locally(spark_master):
         return None
-    context = getattr(sys.modules.get("pyspark.context"), "SparkContext", None)  # (no pyspark import for this)
+    context = getattr(
+        sys.modules.get("pyspark.context"), "SparkContext", None
+    )  # (no pyspark import for this)
     if not spark_master and context is not None and context._active_spark_context is not None:
         return None
     m = re.fullmatch(r"local(?:\[(\*|\d+)(?:,\d+)?\])?", spark_master or "local[*]")

@@ -20,8 +20,19 @@ from applier.testing import assert_tables_equal, wait_for_catchup
 pytestmark = pytest.mark.core
 
 AWKWARD = [
-    "plain", "", "NULL", 'a "quoted" word', "back\\slash", "{braces}", "a,b", " spaced ", "tab\there",
-    "new\nline", "é ü 中文", "\\x00", "'single'",
+    "plain",
+    "",
+    "NULL",
+    'a "quoted" word',
+    "back\\slash",
+    "{braces}",
+    "a,b",
+    " spaced ",
+    "tab\there",
+    "new\nline",
+    "é ü 中文",
+    "\\x00",
+    "'single'",
 ]
 
 
@@ -117,7 +128,9 @@ def test_missing_rows_are_one_conflict_per_update_message(pair, caplog):
     assert logged == missing_xids
     assert all('relation "public.k"' in line and 'target relation "public.k"' in line for line in lines)
     assert pair.target.scalar("SELECT count(*) FROM k WHERE id <= 5") == 0
-    assert pair.target.scalar("SELECT sum(n) FROM k") == pair.publisher.scalar("SELECT sum(n) FROM k WHERE id > 5")
+    assert pair.target.scalar("SELECT sum(n) FROM k") == pair.publisher.scalar(
+        "SELECT sum(n) FROM k WHERE id > 5"
+    )
     assert pair.target.scalar("SELECT count(*) FROM h") == 1000
 
 
@@ -125,7 +138,9 @@ def test_deletes_and_reinserts_of_one_key_keep_their_order(pair, caplog):
     """Deletes by key in bulk: a key deleted and inserted again inside one transaction and across transactions ends
     as on the publisher; keys the target lacks are one delete_missing conflict per Delete message."""
     both(pair, "CREATE TABLE k (id int, region text, n int, PRIMARY KEY (id, region))")
-    pair.publisher.execute("INSERT INTO k SELECT g, r, 0 FROM generate_series(1, 30) g, unnest('{eu,us}'::text[]) r")
+    pair.publisher.execute(
+        "INSERT INTO k SELECT g, r, 0 FROM generate_series(1, 30) g, unnest('{eu,us}'::text[]) r"
+    )
     pair.target.execute(
         "INSERT INTO k SELECT g, r, 0 FROM generate_series(1, 30) g, unnest('{eu,us}'::text[]) r WHERE g > 3"
     )
@@ -151,7 +166,9 @@ def test_deletes_and_reinserts_of_one_key_keep_their_order(pair, caplog):
 def test_unchanged_toast_values_are_kept_inside_bulk_runs(pair):
     """Updates that leave a TOASTed column alone carry it as unchanged: each is applied on its own, in its place
     among its table's bulk stretches, and keeps the target's value; the transactions still go in bulk."""
-    both(pair, "CREATE TABLE doc (id int PRIMARY KEY, n int, big text)", "CREATE TABLE h (id int PRIMARY KEY)")
+    both(
+        pair, "CREATE TABLE doc (id int PRIMARY KEY, n int, big text)", "CREATE TABLE h (id int PRIMARY KEY)"
+    )
     pair.publisher.execute("ALTER TABLE doc ALTER COLUMN big SET STORAGE EXTERNAL")
     for db in (pair.publisher, pair.target):
         db.execute("INSERT INTO doc SELECT g, 0, repeat(md5(g::text), 100) FROM generate_series(1, 20) g")
@@ -178,7 +195,9 @@ def test_tables_with_always_triggers_keep_the_publisher_order(pair):
         " BEGIN INSERT INTO public.seen (what) VALUES (TG_TABLE_NAME || ' ' || NEW.id); RETURN NEW; END $$"
     )
     for t in ("a", "b"):
-        pair.target.execute(f"CREATE TRIGGER note AFTER INSERT OR UPDATE ON {t} FOR EACH ROW EXECUTE FUNCTION note()")
+        pair.target.execute(
+            f"CREATE TRIGGER note AFTER INSERT OR UPDATE ON {t} FOR EACH ROW EXECUTE FUNCTION note()"
+        )
         pair.target.execute(f"ALTER TABLE {t} ENABLE ALWAYS TRIGGER note")
     _work(
         pair,
@@ -216,7 +235,9 @@ def test_a_trigger_enabled_always_while_running_is_noticed(pair):
     try:
         wait_for_catchup(pair.publisher, pair.name, timeout=60)
         for t in ("a", "b"):
-            pair.target.execute(f"CREATE TRIGGER note AFTER INSERT OR UPDATE ON {t} FOR EACH ROW EXECUTE FUNCTION note()")
+            pair.target.execute(
+                f"CREATE TRIGGER note AFTER INSERT OR UPDATE ON {t} FOR EACH ROW EXECUTE FUNCTION note()"
+            )
             pair.target.execute(f"ALTER TABLE {t} ENABLE ALWAYS TRIGGER note")
         time.sleep(3 * REREAD_INTERVAL)  # the worker's own interval, not a condition we could wait for
         pair.publisher.execute("CALL work(501, 800)")

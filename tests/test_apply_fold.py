@@ -137,8 +137,12 @@ def test_kill9_while_folding_a_backlog_applies_each_transaction_once(pair):
         applier.start()
         catchup(pair.publisher, pair.name)
         assert applier.alive, applier.log_tail()
-    assert any(0 < at < end for at in progress), f"no kill landed in the middle of the backlog: {progress}, {end}"
+    assert any(0 < at < end for at in progress), (
+        f"no kill landed in the middle of the backlog: {progress}, {end}"
+    )
     assert_tables_equal(pair.publisher, pair.target, "public.f")
     assert pair.target.query("SELECT n, v FROM f GROUP BY n, v HAVING count(*) > 1") == []
     assert pair.target.scalar("SELECT count(*) FROM f WHERE v = 'p'") == 2700
-    assert pair.target.scalar("SELECT count(*) FROM pg_prepared_xacts WHERE database = current_database()") == 0
+    assert (
+        pair.target.scalar("SELECT count(*) FROM pg_prepared_xacts WHERE database = current_database()") == 0
+    )

@@ -27,7 +27,8 @@ from applier.messages import (
 _VALUES = st.one_of(
     st.none(),
     st.lists(
-        st.sampled_from([b'"', b"\\", b",", b"{", b"}", b" ", b"NULL", b"a", b"\xc3\xa9", b"\n", b"\t"]), max_size=6
+        st.sampled_from([b'"', b"\\", b",", b"{", b"}", b" ", b"NULL", b"a", b"\xc3\xa9", b"\n", b"\t"]),
+        max_size=6,
     ).map(b"".join),
 )
 
@@ -113,7 +114,9 @@ def test_batch_finds_the_transactions_that_qualify(txns, head: int, tail: int) -
     lsn = 100
     for n, (body, relation_before, bad_lsn) in enumerate(txns):
         if relation_before:
-            msgs.append(_xlog(encode_message(Relation(None, 9, "public", "t", "d", [RelationColumn(1, "a", 23, -1)]))))
+            msgs.append(
+                _xlog(encode_message(Relation(None, 9, "public", "t", "d", [RelationColumn(1, "a", 23, -1)])))
+            )
         gap_before[len(msgs)] = relation_before
         expected[len(msgs)] = all(k in _QUALIFYING for k in body) and not bad_lsn
         msgs.append(_xlog(encode_message(Begin(lsn, 0, 1000 + n))))
@@ -172,8 +175,11 @@ def test_plan_cuts_each_table_into_stretches_of_one_kind_in_its_order() -> None:
 
 @given(
     st.lists(
-        st.tuples(st.sampled_from(b"BCIUOD"), st.binary(max_size=40)).map(lambda t: _xlog(bytes([t[0]]) + t[1])),
-        min_size=1, max_size=40,
+        st.tuples(st.sampled_from(b"BCIUOD"), st.binary(max_size=40)).map(
+            lambda t: _xlog(bytes([t[0]]) + t[1])
+        ),
+        min_size=1,
+        max_size=40,
     )
 )
 def test_malformed_batches_never_raise(msgs: list[bytes]) -> None:
@@ -209,5 +215,11 @@ def test_unchanged_toast_and_null_keys_are_applied_singly_in_their_place() -> No
     plan = bulk.plan(batch, 0, 1, {1: 2}, {1: (0,)})
     assert plan is not None
     got = [(chr(s.kind), s.messages.tolist(), s.single) for s in plan]
-    assert got == [("U", [1], False), ("U", [2], True), ("U", [3, 4], False), ("D", [5], True), ("D", [6], False)]
+    assert got == [
+        ("U", [1], False),
+        ("U", [2], True),
+        ("U", [3, 4], False),
+        ("D", [5], True),
+        ("D", [6], False),
+    ]
     assert [_parse_array(c) for c in plan[2].columns] == [[b"1", b"1"], [b"x", b"x"]]

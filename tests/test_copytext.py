@@ -24,9 +24,9 @@ HEAD = (RELID << 8) | ord("N")
 _VALUES = st.one_of(
     st.none(),
     st.binary(max_size=12),
-    st.lists(st.sampled_from([b"\\", b"\t", b"\n", b"\r", b"N", b"t", b"\x00", b"a", b"\xc3\xa9"]), max_size=8).map(
-        b"".join
-    ),
+    st.lists(
+        st.sampled_from([b"\\", b"\t", b"\n", b"\r", b"N", b"t", b"\x00", b"a", b"\xc3\xa9"]), max_size=8
+    ).map(b"".join),
 )
 
 
@@ -95,11 +95,19 @@ def test_heads_tell_relations_and_other_messages_apart() -> None:
         _xlog(encode_message(Update(None, RELID, None, None, t))),
         _xlog(b"I"),  # too short to be an Insert
     ]
-    assert InsertRun.of(messages, 25, 26).relid_heads().tolist() == [HEAD, ((RELID + 1) << 8) | 78, -1, -1, -1]
+    assert InsertRun.of(messages, 25, 26).relid_heads().tolist() == [
+        HEAD,
+        ((RELID + 1) << 8) | 78,
+        -1,
+        -1,
+        -1,
+    ]
 
 
 @given(st.integers(1, 4).flatmap(lambda n: st.tuples(st.just(n), _rows(n))), st.data())
-def test_damaged_messages_are_left_to_the_row_by_row_path(shape: tuple[int, list], data: st.DataObject) -> None:
+def test_damaged_messages_are_left_to_the_row_by_row_path(
+    shape: tuple[int, list], data: st.DataObject
+) -> None:
     """Whatever damage is done to one message, the stretch is either refused (``None``: the row-by-row path
     then raises the precise error or copes) or converted exactly as the row-by-row path would convert it."""
     ncols, rows = shape

@@ -372,6 +372,7 @@ def test_differential_property(
 
 # --- backlogs of small transactions (bulk apply) ------------------------------------------------------------------
 
+
 #: one change of a small transaction: what our bulk apply takes (inserts, updates keeping the key, deletes by key,
 #: on wl_pk and into wl_full) and what sends a transaction message by message (a key change, an unchanged TOAST
 #: value, a change to wl_idx, whose array column has no array type)
@@ -380,18 +381,35 @@ def _q(template: str, *values: object) -> str:
 
 
 _bulk_change = st.one_of(
-    st.builds(lambda k, v: _q("INSERT INTO wl_pk (id, v, n) VALUES ({}, {}, {}) ON CONFLICT DO NOTHING", k, v, k),
-              st.integers(1, 12), st.sampled_from(["a", 'b "q"', "c\\d", "{e,f}", "", "it's"])),  # fmt: skip
-    st.builds(lambda k, n: _q("UPDATE wl_pk SET n = {}, v = {} WHERE id = {}", n, f"u{n}", k), st.integers(1, 12),
-              st.integers(0, 99)),  # fmt: skip
+    st.builds(
+        lambda k, v: _q("INSERT INTO wl_pk (id, v, n) VALUES ({}, {}, {}) ON CONFLICT DO NOTHING", k, v, k),
+        st.integers(1, 12),
+        st.sampled_from(["a", 'b "q"', "c\\d", "{e,f}", "", "it's"]),
+    ),  # fmt: skip
+    st.builds(
+        lambda k, n: _q("UPDATE wl_pk SET n = {}, v = {} WHERE id = {}", n, f"u{n}", k),
+        st.integers(1, 12),
+        st.integers(0, 99),
+    ),  # fmt: skip
     st.builds(lambda k: _q("DELETE FROM wl_pk WHERE id = {}", k), st.integers(1, 12)),
     st.builds(lambda a: _q("INSERT INTO wl_full (a, b) VALUES ({}, NULL)", a), st.integers(1, 5)),
 )
 _other_change = st.one_of(
-    st.builds(lambda k, j: _q("UPDATE wl_pk SET id = {} WHERE id = {} AND NOT EXISTS (SELECT FROM wl_pk WHERE id = {})",
-                              j, k, j), st.integers(1, 12), st.integers(1, 12)),  # fmt: skip
-    st.builds(lambda k: _q("UPDATE wl_pk SET big = repeat(md5({}), 300) WHERE id = {}", str(k), k), st.integers(1, 12)),
-    st.builds(lambda k: _q("INSERT INTO wl_idx (k, v) VALUES ({}, 'x') ON CONFLICT DO NOTHING", k), st.integers(1, 5)),
+    st.builds(
+        lambda k, j: _q(
+            "UPDATE wl_pk SET id = {} WHERE id = {} AND NOT EXISTS (SELECT FROM wl_pk WHERE id = {})", j, k, j
+        ),
+        st.integers(1, 12),
+        st.integers(1, 12),
+    ),  # fmt: skip
+    st.builds(
+        lambda k: _q("UPDATE wl_pk SET big = repeat(md5({}), 300) WHERE id = {}", str(k), k),
+        st.integers(1, 12),
+    ),
+    st.builds(
+        lambda k: _q("INSERT INTO wl_idx (k, v) VALUES ({}, 'x') ON CONFLICT DO NOTHING", k),
+        st.integers(1, 5),
+    ),
 )
 #: mostly what bulk apply takes, so that runs of such transactions form
 _small_change = st.one_of(*[_bulk_change] * 5, _other_change)
@@ -419,7 +437,9 @@ def test_differential_small_transaction_backlogs(
     _event(f"bulk transactions: {'some' if stats.bulk_transactions else 'none'}")
 
 
-def _apply_backlog(clusters: tuple[PostgresCluster, PostgresCluster, PostgresCluster], workload: Workload) -> WorkerStats:
+def _apply_backlog(
+    clusters: tuple[PostgresCluster, PostgresCluster, PostgresCluster], workload: Workload
+) -> WorkerStats:
     """``workload`` on the publisher while only native streams, then our worker started on the backlog it left; at
     the end ours = native = publisher. Our worker's stats."""
     _note("workload (SQL):\n" + workload.to_sql())

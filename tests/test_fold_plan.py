@@ -31,10 +31,16 @@ _SHAPES = st.sampled_from(["plain", "commit", "rollback", "open", "streamed"])
 
 
 def _plain(xid: int, lsn: int) -> list[bytes]:
-    return [encode_message(Begin(lsn, 5, xid)), encode_message(_ROW), encode_message(Commit(0, lsn, lsn + 8, 5))]
+    return [
+        encode_message(Begin(lsn, 5, xid)),
+        encode_message(_ROW),
+        encode_message(Commit(0, lsn, lsn + 8, 5)),
+    ]
 
 
-def _stream(shapes: list[str], split: list[bool], mismatch: list[bool]) -> tuple[list[bytes], dict[int, Decision]]:
+def _stream(
+    shapes: list[str], split: list[bool], mismatch: list[bool]
+) -> tuple[list[bytes], dict[int, Decision]]:
     """The messages of ``shapes`` in stream order and the decisions a correct reader must find. ``split[k]``: a
     plain transaction comes between transaction k's PREPARE and its decision, so it does not count; ``mismatch[k]``:
     its decision names another transaction."""

@@ -61,7 +61,9 @@ def test_comparison_of_a_table_with_a_column_named_like_an_alias(pair):
 def test_clusters_of_a_dead_test_process_are_reaped(pg_binaries):
     """A killed test run leaves its servers running; the next run's harness stops and removes them, and leaves the
     clusters of live processes alone."""
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     orphan, live = PostgresCluster(pg_binaries, name="orphan"), PostgresCluster(pg_binaries, name="live")
     with orphan, live:
         (orphan.datadir / OWNER_FILE).write_text(dead.stdout)

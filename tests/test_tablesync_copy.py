@@ -365,7 +365,9 @@ def hold_partitions(pair, subid: int, table: str, parts: range) -> psycopg.Conne
     (tablesync.copy locks a partition before copying it) until it is closed or its session ends."""
     conn = pair.target.connect()
     for part in parts:
-        conn.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", (f"applier.tablesync:{subid}:{table}:{part}",))
+        conn.execute(
+            "SELECT pg_advisory_lock(hashtextextended(%s, 0))", (f"applier.tablesync:{subid}:{table}:{part}",)
+        )
     return conn
 
 

@@ -44,7 +44,9 @@ def test_join_apply_stream_rule() -> None:
 class Workload:
     """Inserts, updates and deletes on the publisher, one small transaction after another, until stopped."""
 
-    def __init__(self, publisher: Database, tables: list[str], *, first_id: int = 100_000, big_every: int = 0) -> None:
+    def __init__(
+        self, publisher: Database, tables: list[str], *, first_id: int = 100_000, big_every: int = 0
+    ) -> None:
         self.publisher = publisher
         self.tables = tables
         self.big_every = big_every  # every so many transactions, one with 500 new rows per table (streamed)
@@ -61,11 +63,15 @@ class Workload:
                 while not self.stop.is_set():
                     for name in self.tables:
                         t = sql.Identifier(name)
-                        conn.execute(sql.SQL("INSERT INTO {} VALUES (%s, 'new')").format(t), (next(self.ids),))
+                        conn.execute(
+                            sql.SQL("INSERT INTO {} VALUES (%s, 'new')").format(t), (next(self.ids),)
+                        )
                         conn.execute(sql.SQL("UPDATE {} SET v = v || '+' WHERE id = %s").format(t),
                                      (rnd.randint(1, 2000),))  # fmt: skip
                         if rnd.random() < 0.3:
-                            conn.execute(sql.SQL("DELETE FROM {} WHERE id = %s").format(t), (rnd.randint(1, 2000),))
+                            conn.execute(
+                                sql.SQL("DELETE FROM {} WHERE id = %s").format(t), (rnd.randint(1, 2000),)
+                            )
                         if self.big_every and self.transactions % self.big_every == 0:
                             first = next(self.ids)
                             for _ in range(500):
@@ -301,5 +307,7 @@ def test_kill_9_during_catch_up_copies_again_after_restart(pair, run_cli) -> Non
     assert_equal_eventually(pair, cli, "t1", "t2")
     print_sync_lines(cli)
     log = log_text(cli)
-    restart = log[log.index("--- start 2 ---"):]
-    assert re.search(r"public\.t2: copied at \S+ but the stream is at \S+: copying it again", restart), restart
+    restart = log[log.index("--- start 2 ---") :]
+    assert re.search(r"public\.t2: copied at \S+ but the stream is at \S+: copying it again", restart), (
+        restart
+    )

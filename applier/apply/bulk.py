@@ -79,7 +79,11 @@ class Batch:
         self.kind = kind
         # relation id of Inserts, Updates and Deletes (-1 elsewhere), read where it is in all three; then a tuple:
         # the new one ('N'), or for a Delete the key ('K')
-        change = ((kind == INSERT) | (kind == UPDATE) | (kind == DELETE)) & (lens >= 25 + 8) & (lens <= MAX_MESSAGE)
+        change = (
+            ((kind == INSERT) | (kind == UPDATE) | (kind == DELETE))
+            & (lens >= 25 + 8)
+            & (lens <= MAX_MESSAGE)
+        )
         p = np.where(change, starts + 26, 0)
         relid = np.zeros(len(starts), dtype=_I64)
         for i in range(4):
@@ -244,7 +248,9 @@ def plan(
                     )
                     continue
                 columns = [
-                    array_literal(batch.data, seg_start[x:y, c], seg_len[x:y, c], is_null[x:y, c], batch.null_at)
+                    array_literal(
+                        batch.data, seg_start[x:y, c], seg_len[x:y, c], is_null[x:y, c], batch.null_at
+                    )
                     for c in (keys[relid] if kind == DELETE else range(n))
                 ]
                 out.append(Stretch(relid, kind, messages[x:y], columns, m_txn[a + x : a + y]))

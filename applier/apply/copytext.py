@@ -45,7 +45,9 @@ class InsertRun:
 
     __slots__ = ("_data", "_starts", "_ends", "_null", "kind_pos", "relid_pos")
 
-    def __init__(self, buffer: bytes, starts: np.ndarray, ends: np.ndarray, kind_pos: int, relid_pos: int) -> None:
+    def __init__(
+        self, buffer: bytes, starts: np.ndarray, ends: np.ndarray, kind_pos: int, relid_pos: int
+    ) -> None:
         """Messages at ``buffer[starts[i]:ends[i]]``."""
         self._starts = starts
         self._ends = ends
@@ -82,7 +84,11 @@ class InsertRun:
         if stop - first <= 0 or ncols <= 0:
             return None
         segments = tuple_segments(
-            self._data, self._null, self._starts[first:stop] + (self.relid_pos + 5), self._ends[first:stop], ncols
+            self._data,
+            self._null,
+            self._starts[first:stop] + (self.relid_pos + 5),
+            self._ends[first:stop],
+            ncols,
         )
         if segments is None:
             return None
@@ -148,7 +154,9 @@ def source_positions(offset: np.ndarray, width: np.ndarray, first: int, total: i
     return src
 
 
-def _gather(data: np.ndarray, seg_start: np.ndarray, seg_len: np.ndarray, is_null: np.ndarray, ncols: int) -> bytes:
+def _gather(
+    data: np.ndarray, seg_start: np.ndarray, seg_len: np.ndarray, is_null: np.ndarray, ncols: int
+) -> bytes:
     """Every segment followed by a separator (tab, or newline after a row's last column), escaped as COPY text
     needs (the ``\\N`` of a NULL is not escaped)."""
     width = seg_len + 1

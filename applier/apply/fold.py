@@ -82,6 +82,8 @@ def decided_prepares(messages: Sequence[bytes | memoryview], offset: int = 0) ->
                 )
             )
         ):
-            decided[begin.xid] = Decision(prepare.end_lsn, prepare.prepare_time, isinstance(end, CommitPrepared))
+            decided[begin.xid] = Decision(
+                prepare.end_lsn, prepare.prepare_time, isinstance(end, CommitPrepared)
+            )
         i = j + 2
     return decided

@@ -820,7 +820,9 @@ class Applier:
         """A change inside a stream chunk (type byte in :data:`RAW_SPOOL_TYPES`), spooled as received, undecoded:
         only the subtransaction xid after the type byte is read (as ``stream_write_change`` does). It is decoded,
         and checked, once, at replay."""
-        if self.stream_xid is None or len(payload) < 5:  # pragma: no cover - the worker's decoder says in-stream
+        if (
+            self.stream_xid is None or len(payload) < 5
+        ):  # pragma: no cover - the worker's decoder says in-stream
             self.handle(decode_message(payload, in_stream=True, encoding=self.encoding), payload)
             return
         self.spool.write(int.from_bytes(payload[1:5], "big"), payload)
@@ -992,7 +994,9 @@ class Applier:
         """One Update or Delete of a bulk run that its own statement applies (see ``Stretch.single``), in its own
         transaction's context, exactly as :meth:`handle_update` / :meth:`handle_delete` would."""
         m, t = int(stretch.messages[0]), int(stretch.transactions[0])
-        msg = decode_message(batch.data[int(batch.starts[m]) + 25 : int(batch.ends[m])].tobytes(), encoding=self.encoding)
+        msg = decode_message(
+            batch.data[int(batch.starts[m]) + 25 : int(batch.ends[m])].tobytes(), encoding=self.encoding
+        )
         ctx = ErrorContext(self.origin, _BULK_OPERATIONS[stretch.kind].upper(), entry.display, int(batch.xid[t]),
                            int(batch.final_lsn[t]))  # fmt: skip
         if isinstance(msg, Update):
@@ -1000,7 +1004,9 @@ class Applier:
         elif isinstance(msg, Delete):
             self.target.delete(entry, msg.old, ctx)
         else:  # pragma: no cover - the batch said Update or Delete
-            raise self._protocol_error(ctx.message_type, f"unexpected {MESSAGE_NAMES[msg.__class__]} in a bulk run")
+            raise self._protocol_error(
+                ctx.message_type, f"unexpected {MESSAGE_NAMES[msg.__class__]} in a bulk run"
+            )
 
     def recheck_bulk(self) -> None:
         """Forget the mapped tables whose fitness for bulk apply changed since they were loaded (a trigger enabled

@@ -106,7 +106,9 @@ class Spool:
             raise RuntimeError("spool write outside a stream chunk")
         start = 0
         for i, m in enumerate(messages):
-            if len(m) > _BATCH_MESSAGE_MAX:  # a large value: written on its own (index arrays cost 16 bytes a byte)
+            if (
+                len(m) > _BATCH_MESSAGE_MAX
+            ):  # a large value: written on its own (index arrays cost 16 bytes a byte)
                 self._write_many(messages[start:i], offset)
                 self.write(int.from_bytes(m[offset + 1 : offset + 5], "big"), bytes(m[offset:]))
                 start = i + 1

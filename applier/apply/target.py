@@ -447,9 +447,9 @@ class Target:
         """Which of these tables may still be applied a batch at a time (what ``LocalTable.bulk`` says, read
         now: a trigger enabled ALWAYS since the table was loaded makes it no longer so)."""
         rows = self.query(
-            sql.SQL("SELECT c.oid FROM pg_catalog.pg_class c WHERE c.oid = ANY(%s::pg_catalog.oid[]) AND {}").format(
-                _BULK_OK
-            ),
+            sql.SQL(
+                "SELECT c.oid FROM pg_catalog.pg_class c WHERE c.oid = ANY(%s::pg_catalog.oid[]) AND {}"
+            ).format(_BULK_OK),
             (list(oids),),
         )
         return {int(r[0]) for r in rows}

@@ -355,7 +355,12 @@ class ApplyWorker:
     def _apply_failed(self, exc: ApplierError) -> _Outcome:
         """Record an apply error; disable the subscription if it says so (behaviour 101), else let it retry."""
         ctx: ErrorContext | None = exc.context if isinstance(exc, ApplyError) else None
-        if self._grouped_session and ctx is not None and ctx.finish_lsn and ctx.finish_lsn > self._grouped_after:
+        if (
+            self._grouped_session
+            and ctx is not None
+            and ctx.finish_lsn
+            and ctx.finish_lsn > self._grouped_after
+        ):
             # the failing remote transaction may have shared its local transaction with others (group commit), which
             # the error then rolled back too: retry at once, applying what this session received one remote
             # transaction per local one, and let that attempt record the error (and disable the subscription) for
@@ -566,7 +571,9 @@ class ApplyWorker:
         insert_run = applier.handle_insert_run
         spool_batch = applier.spool_batch
         bulk: list[memoryview] = []  # XLogData read undecoded, envelope included, handled together
-        two_phase = tables.two_phase_state != "d"  # (prepared transactions can come: their records are batched)
+        two_phase = (
+            tables.two_phase_state != "d"
+        )  # (prepared transactions can come: their records are batched)
         fold = self.fold_prepares
 
         def dispatch(payload: bytes) -> None:
@@ -627,6 +634,7 @@ class ApplyWorker:
                         continue
                 dispatch(bytes(messages[i][25:]))
                 i += 1
+
         decode = decoder.decode
         stats = self.stats
         last_heard = time.monotonic()

@@ -131,7 +131,11 @@ def workloads(*, max_actions: int = 40, sessions: int = 3, big: bool = True, tru
         return actions
 
     pairs = st.lists(forced, min_size=min_prepared, max_size=min_prepared)
-    return st.tuples(st.lists(_action, min_size=min_actions, max_size=max_actions), pairs).map(with_prepares).map(build)
+    return (
+        st.tuples(st.lists(_action, min_size=min_actions, max_size=max_actions), pairs)
+        .map(with_prepares)
+        .map(build)
+    )
 
 
 # --- the model -------------------------------------------------------------------------------------------------
