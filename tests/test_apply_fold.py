@@ -4,8 +4,6 @@ PREPARE + COMMIT/ROLLBACK PREPARED would have left it."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from prometheus_client import REGISTRY
 from psycopg import sql
@@ -123,15 +121,29 @@ def test_kill9_while_folding_a_backlog_applies_each_transaction_once(pair):
     end = int(pair.publisher.scalar("SELECT pg_current_wal_lsn() - '0/0'"))
     origin = s.sub.origin_name
     progress: list[int] = []
+
+    def applied() -> int:
+        return int(
+            pair.target.scalar("SELECT pg_replication_origin_progress(%s, true) - '0/0'", (origin,)) or 0
+        )
+
+    def moved_on(last: int) -> bool:
+        """This start committed something past ``last``, or has nothing left to apply (a fast machine)."""
+        replayed = pair.publisher.cluster.scalar(
+            "SELECT replay_lsn - '0/0' FROM pg_stat_replication WHERE application_name = %s AND state = 'streaming'",
+            (pair.name,),
+        )
+        return applied() > last or (replayed is not None and int(replayed) >= end)
+
     with CliApplier(pair.target, pair.name) as applier:
-        for delay in (0.0, 0.01, 0.03):
+        for _ in range(3):
+            last = progress[-1] if progress else 0
             applier.start()
-            wait_until(lambda: walsender_pid(pair.publisher, pair.name) is not None, timeout=60,
-                       what="the applier to stream")  # fmt: skip
-            time.sleep(delay)
+            wait_until(
+                lambda last=last: moved_on(last), timeout=60, what="the restarted applier to commit progress"
+            )
             applier.kill9()
-            at = pair.target.scalar("SELECT pg_replication_origin_progress(%s, true) - '0/0'", (origin,))
-            progress.append(int(at or 0))
+            progress.append(applied())
             wait_until(lambda: walsender_pid(pair.publisher, pair.name) is None, timeout=60,
                        what="the killed applier's walsender to go")  # fmt: skip
         applier.start()
