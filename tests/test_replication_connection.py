@@ -391,7 +391,13 @@ def test_feedback_moves_confirmed_flush_to_exactly_what_we_report(pair) -> None:
             (pair.name,),
         )
         assert row == [(_lsn_text(second), _lsn_text(second), _lsn_text(second))]
-    # a restart resumes after the confirmed position: nothing is sent again
+    # a restart resumes after the confirmed position: nothing is sent again (once the old walsender has let go of
+    # the slot: it exits only when it notices the closed connection)
+    wait_until(
+        lambda: db.scalar("SELECT NOT active FROM pg_replication_slots WHERE slot_name = %s", (pair.name,)),
+        timeout=30,
+        what="the previous walsender to release the slot",
+    )
     with ReplicationConnection().connect(db.dsn) as rc:
         rc.start_replication(pair.name, 0, StreamOptions([pair.name]))
         assert not [
