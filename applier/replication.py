@@ -15,9 +15,12 @@ own messages are scrubbed of the password's text as well (a malformed conninfo m
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import re
 import select
 import selectors
+import socket
 import time
 from dataclasses import dataclass
 from types import TracebackType
@@ -43,6 +46,8 @@ __all__ = [
     "StreamOptions",
     "SystemInfo",
     "protocol_version_for",
+    "receive_buffer_for",
+    "receive_buffer_setting",
     "scrub_conninfo",
     "start_replication_command",
 ]
@@ -53,9 +58,17 @@ REPLICATION_SESSION_OPTIONS = "-c datestyle=ISO -c intervalstyle=postgres -c ext
 
 #: what read() passes to read_undecoded: no message type is taken undecoded, so it returns the first one decoded
 _NO_TYPES = bytes(256)
-_NOTHING: list[memoryview] = []
+_NOTHING: list[bytes] = []
 #: read_undecoded stops gathering at this many bytes, so what is handled together stays a few MB of arrays
 UNDECODED_MAX_BYTES = 1 << 20
+#: The receive buffer of a replication socket whose publisher is on this host (``APPLIER_RECEIVE_BUFFER`` sets
+#: another, for any TCP publisher; ``0`` leaves the kernel's autotuning). Why: the walsender sends every message
+#: with its own ``send()``, and a send into an open TCP window costs it the whole loopback round (about 1.3 µs
+#: more per message, measured) while one into a closed window only queues. Autotuning grows the window to
+#: megabytes, which stays open whenever the worker keeps up; 32 kB closes it, so the walsender's output queues and
+#: goes out in large segments. On loopback a window that small costs no throughput (the round trip is microseconds);
+#: across a network it would (window / round trip), so it is not applied there.
+LOOPBACK_RECEIVE_BUFFER = 32 << 10
 _COPY_BOTH = pq.ExecStatus.COPY_BOTH
 _COPY_IN = pq.ExecStatus.COPY_IN
 _COMMAND_OK = pq.ExecStatus.COMMAND_OK
@@ -242,6 +255,50 @@ def _merge_options(user_options: str | None) -> str:
     return REPLICATION_SESSION_OPTIONS
 
 
+def receive_buffer_setting(value: str | None) -> int | None:
+    """``APPLIER_RECEIVE_BUFFER``: ``None`` when unset (the default rule of :func:`receive_buffer_for`), else a
+    size in bytes, ``0`` meaning the kernel's autotuning."""
+    if value is None or not value.strip():
+        return None
+    try:
+        size = int(value)
+    except ValueError:
+        size = -1
+    if size < 0:
+        raise ReplicationConnectionError(
+            f"APPLIER_RECEIVE_BUFFER must be a number of bytes (0: the kernel's autotuning), not {value!r}"
+        )
+    return size
+
+
+def receive_buffer_for(peer: str | None, setting: int | None) -> int | None:
+    """The receive buffer to set on a replication socket connected to ``peer`` (an IP address; ``None``: not
+    TCP), given :func:`receive_buffer_setting`; ``None``: leave the kernel's (see
+    :data:`LOOPBACK_RECEIVE_BUFFER`)."""
+    if peer is None:
+        return None
+    if setting is not None:
+        return setting or None
+    try:
+        address = ipaddress.ip_address(peer.split("%", 1)[0])
+    except ValueError:
+        return None
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 (an IPv6 socket reaching 127.0.0.1)
+    return LOOPBACK_RECEIVE_BUFFER if (mapped or address).is_loopback else None
+
+
+def _set_receive_buffer(fd: int, setting: int | None) -> None:
+    """Apply :func:`receive_buffer_for` to the connected socket ``fd`` (which stays libpq's: this is a dup)."""
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        peer = sock.getpeername()[0] if sock.family in (socket.AF_INET, socket.AF_INET6) else None
+        size = receive_buffer_for(peer, setting)
+        if size is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
+    finally:
+        sock.close()
+
+
 class ReplicationConnection:
     """A logical-replication connection to a publisher (``replication=database``).
 
@@ -257,6 +314,8 @@ class ReplicationConnection:
         self._display: str = ""
         self._streaming = False
         self._ended = False
+        #: the last read_undecoded() returned because libpq's buffer and the socket were empty (no limit reached)
+        self.ran_dry = False
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     @classmethod
@@ -271,6 +330,7 @@ class ReplicationConnection:
     ) -> ReplicationConnection:
         """Connect as the native apply worker does (behaviours 1-2): ``replication=database``, the value-format
         options, ``client_encoding``, and ``application_name`` as a *fallback*, so one set in ``conninfo`` wins.
+        A publisher on this host gets a small receive buffer (:data:`LOOPBACK_RECEIVE_BUFFER`).
 
         Raises :class:`ReplicationConnectionError` with a password-free message.
         """
@@ -283,6 +343,7 @@ class ReplicationConnection:
                 f"invalid publisher connection string: {_scrub_text(str(exc), conninfo)}"
             ) from None
         self._display = scrub_conninfo(conninfo)
+        receive_buffer = receive_buffer_setting(os.environ.get("APPLIER_RECEIVE_BUFFER"))
         kwargs: dict[str, Any] = {
             "replication": "database",
             "options": _merge_options(params.get("options")),
@@ -302,6 +363,7 @@ class ReplicationConnection:
         self._conn = conn
         self._pgconn = conn.pgconn
         self._fd = self._pgconn.socket
+        _set_receive_buffer(self._fd, receive_buffer)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._fd, selectors.EVENT_READ)
         return self
@@ -477,13 +539,13 @@ class ReplicationConnection:
             self._consume_input()
 
     def read_undecoded(
-        self, into: list[memoryview], limit: int, wanted: bytes, *, refill: bool = False
+        self, into: list[bytes], limit: int, wanted: bytes, *, refill: bool = False
     ) -> XLogData | PrimaryKeepalive | None:
         """Drain libpq's buffer without decoding the messages the caller handles in bulk: every XLogData whose
         message type byte ``t`` has ``wanted[t]`` set (and that is at least 5 bytes long) is appended to ``into``
-        as received, envelope included, until ``limit`` of them, or :data:`UNDECODED_MAX_BYTES`, are there; the
+        as ``bytes``, envelope included, until ``limit`` of them, or :data:`UNDECODED_MAX_BYTES`, are there; the
         first other message is decoded and returned (it comes after everything in ``into``, in stream order).
-        ``None``: the buffer is empty or a limit was reached. Never waits on the socket (:meth:`read` does
+        ``None``: the buffer is empty (:attr:`ran_dry`) or a limit was reached. Never waits on the socket (:meth:`read` does
         that); with ``refill``, an empty buffer is refilled from the socket as long as the socket has data right
         now (so a backlog comes in batches of up to the limits, not of one socket read, about 16 kB)."""
         pgconn = self._pgconn
@@ -498,7 +560,7 @@ class ReplicationConnection:
             except psycopg.OperationalError as exc:
                 raise self._lost(exc) from None
             if nbytes >= 30 and data[0] == 119 and wanted[data[25]]:  # an XLogData the caller wants
-                append(data)
+                append(bytes(data))  # (frees libpq's buffer at once: holding thousands of them costs more)
                 size += nbytes
                 continue
             if nbytes > 0:
@@ -509,8 +571,10 @@ class ReplicationConnection:
             if nbytes < 0:
                 self._end_of_copy()
             if not refill or not select.select([self._fd], [], [], 0)[0]:
+                self.ran_dry = True
                 return None
             self._consume_input()
+        self.ran_dry = False
         return None
 
     def _consume_input(self) -> None:

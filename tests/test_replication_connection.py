@@ -3,6 +3,7 @@ ways a stream ends. Plus the pure START_REPLICATION command builder (behaviour 4
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -17,12 +18,15 @@ from applier.decoder import MessageDecoder
 from applier.lsn import parse_lsn
 from applier.messages import Begin, Commit, Insert, LogicalMessage, PrimaryKeepalive, Relation, XLogData
 from applier.replication import (
+    LOOPBACK_RECEIVE_BUFFER,
     REPLICATION_SESSION_OPTIONS,
     ReplicationConnection,
     ReplicationConnectionError,
     StreamEnded,
     StreamOptions,
     protocol_version_for,
+    receive_buffer_for,
+    receive_buffer_setting,
     scrub_conninfo,
     start_replication_command,
 )
@@ -178,6 +182,35 @@ def _slot(db: Database, name: str) -> dict[str, object] | None:
     return dict(zip(keys, rows[0], strict=True))
 
 
+# --- the receive buffer: pure ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("peer", ["127.0.0.1", "127.1.2.3", "::1", "::ffff:127.0.0.1"])
+def test_a_publisher_on_this_host_gets_a_small_receive_buffer(peer: str) -> None:
+    assert receive_buffer_for(peer, None) == LOOPBACK_RECEIVE_BUFFER
+
+
+@pytest.mark.parametrize(
+    "peer", ["10.0.0.5", "192.168.1.20", "2001:db8::1", "fe80::1%eth0", "not-an-address"]
+)
+def test_a_remote_publisher_keeps_the_kernels_autotuning(peer: str) -> None:
+    """A small window across a network would cap throughput at window / round trip."""
+    assert receive_buffer_for(peer, None) is None
+
+
+def test_the_receive_buffer_setting() -> None:
+    assert receive_buffer_setting(None) is None and receive_buffer_setting(" ") is None
+    assert receive_buffer_setting("0") == 0
+    assert receive_buffer_for("127.0.0.1", 0) is None  # 0: the kernel's, even on loopback
+    assert receive_buffer_for("10.0.0.5", receive_buffer_setting("262144")) == 262144  # any TCP peer
+    assert receive_buffer_for(None, 262144) is None  # a Unix socket: nothing to set
+    for bad in ("64k", "-1", "1.5"):
+        with pytest.raises(
+            ReplicationConnectionError, match=r"APPLIER_RECEIVE_BUFFER must be a number of bytes"
+        ):
+            receive_buffer_setting(bad)
+
+
 # --- commands ------------------------------------------------------------------------------------------------
 
 
@@ -224,6 +257,36 @@ def test_explicit_application_name_and_options_in_the_conninfo_win_over_ours(pai
         # ...but not over the value formats the apply side relies on
         assert conn.execute("SHOW datestyle").fetchone() == ("ISO, MDY",)
     assert REPLICATION_SESSION_OPTIONS.startswith("-c datestyle=ISO")
+
+
+def _receive_buffer(fd: int) -> int:
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+    finally:
+        sock.close()
+
+
+def test_the_replication_socket_gets_the_small_receive_buffer_on_loopback(pair, monkeypatch) -> None:
+    """The harness's servers listen on 127.0.0.1. Linux reports twice what was set (its bookkeeping share)."""
+    db = pair.publisher
+    with psycopg.connect(db.dsn) as plain:
+        kernels = _receive_buffer(plain.pgconn.socket)
+    monkeypatch.delenv("APPLIER_RECEIVE_BUFFER", raising=False)
+    with ReplicationConnection().connect(db.dsn) as rc:
+        assert _receive_buffer(rc.connection.pgconn.socket) == 2 * LOOPBACK_RECEIVE_BUFFER != kernels
+        assert rc.identify_system().dbname == db.name  # the connection is still libpq's, and works
+    monkeypatch.setenv("APPLIER_RECEIVE_BUFFER", "0")
+    with ReplicationConnection().connect(db.dsn) as rc:
+        assert _receive_buffer(rc.connection.pgconn.socket) == kernels
+    monkeypatch.setenv("APPLIER_RECEIVE_BUFFER", "100000")
+    with ReplicationConnection().connect(db.dsn) as rc:
+        assert _receive_buffer(rc.connection.pgconn.socket) == 200000
+    monkeypatch.setenv("APPLIER_RECEIVE_BUFFER", "lots")
+    rc = ReplicationConnection()
+    with pytest.raises(ReplicationConnectionError, match="APPLIER_RECEIVE_BUFFER"):
+        rc.connect(db.dsn)
+    assert rc.closed  # refused before connecting
 
 
 def test_create_and_drop_slots(pair) -> None:
