@@ -21,7 +21,9 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import operator
 import os
+import re
 import struct
 import threading
 import time
@@ -75,12 +77,18 @@ BURST = 5000
 #: at most this much latency, and only under heavy traffic. Measured on bulk inserts: bench/RESULTS.md.
 READ_PAUSE_AFTER = 200
 READ_PAUSE = 0.002
+#: the pgoutput message type of an XLogData read undecoded (after its 25-byte envelope)
+_MESSAGE_TYPE = operator.itemgetter(25)
+_NOT_INSERT = re.compile(rb"[^I]")
 #: dataStart and walEnd of an XLogData envelope
 _XLOG_POSITIONS = struct.Struct(">QQ").unpack_from
 #: every XLogData is read undecoded (ReplicationConnection.read_undecoded) and handled in batches
 XLOG_MESSAGE = bytes([1] * 256)
 #: the changes that a stream chunk spools
 STREAMED_CHANGE = bytes(1 if t in RAW_SPOOL_TYPES else 0 for t in range(256))
+_NOT_STREAMED_CHANGE = re.compile(
+    b"[^" + b"".join(re.escape(bytes([t])) for t in sorted(RAW_SPOOL_TYPES)) + b"]"
+)
 #: How often the worker hands its counters to the Prometheus metrics (off the per-message path).
 METRICS_INTERVAL = 1.0
 #: How often the sync-state pass re-reads the table states while the stream is busy (when idle: REREAD_INTERVAL).
@@ -600,7 +608,8 @@ class ApplyWorker:
             changes of a stream chunk (spooled with one write) and Inserts into an open COPY (converted into COPY
             text at once, applier.apply.copytext)."""
             i, count = 0, len(messages)
-            if two_phase and count > 1 and any(m[25] == 98 for m in messages):  # 'b': BEGIN PREPARE
+            kinds = bytes(map(_MESSAGE_TYPE, messages))  # each one's pgoutput type byte, gathered at C speed
+            if two_phase and count > 1 and 98 in kinds:  # 'b': BEGIN PREPARE
                 decided = applier.decided
                 if fold:  # those whose COMMIT/ROLLBACK PREPARED is here too are applied folded (apply.fold)
                     decided.update(decided_prepares(messages, 25))
@@ -612,7 +621,7 @@ class ApplyWorker:
             batch: Batch | None = None
             bulk = applier.bulk and count >= 3 * BULK_MIN_TRANSACTIONS
             while i < count:
-                kind = messages[i][25]
+                kind = kinds[i]
                 if kind == 66 and bulk and not decoder.in_stream and applier.bulk_ready():  # 'B'
                     if batch is None:
                         batch = Batch(messages)
@@ -621,16 +630,14 @@ class ApplyWorker:
                         i = j
                         continue
                 if decoder.in_stream and applier.stream_xid is not None and STREAMED_CHANGE[kind]:
-                    j = i + 1
-                    while j < count and STREAMED_CHANGE[messages[j][25]]:
-                        j += 1
+                    end = _NOT_STREAMED_CHANGE.search(kinds, i + 1)  # the end of this chunk's run of changes
+                    j = count if end is None else end.start()
                     spool_batch(messages[i:j], 25)
                     i = j
                     continue
                 if kind == 73 and not decoder.in_stream and copy_lane() is not None:
-                    j = i + 1
-                    while j < count and messages[j][25] == 73:
-                        j += 1
+                    end = _NOT_INSERT.search(kinds, i + 1)  # the end of this run of Inserts
+                    j = count if end is None else end.start()
                     if j - i >= VECTOR_MIN:
                         stretch = messages[i:j]
                         insert_run(
