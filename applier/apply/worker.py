@@ -70,11 +70,13 @@ STATUS_INTERVAL = 10.0
 FLUSH_POLL_INTERVAL = 0.1
 #: Messages applied before the loop looks at feedback, results and the stop event again.
 BURST = 5000
-#: A read that emptied the socket after at least READ_PAUSE_AFTER messages (the publisher is sending a backlog, and
-#: the worker caught up with its walsender) is followed by a READ_PAUSE wait before reading on. The walsender sends
-#: each message with its own send(), cheap while the socket is full and about 1.3 µs more per message while the
-#: reader keeps up (ReplicationConnection's receive buffer); the pause lets its output queue up again. The cost is
-#: at most this much latency, and only under heavy traffic. Measured on bulk inserts: bench/RESULTS.md.
+#: A read that emptied the socket in the middle of a remote transaction (the walsender is still sending it: it
+#: only sends committed ones, or a streamed chunk), or after at least READ_PAUSE_AFTER messages (a backlog), is
+#: followed by a READ_PAUSE wait before reading on. The walsender sends each message with its own send(), cheap
+#: while the socket is full and about 1.3 µs more per message while the reader keeps up (ReplicationConnection's
+#: receive buffer); the pause lets its output queue up again, so the worker reads large batches. The cost is at
+#: most this much latency, and only while a transaction is arriving or traffic is heavy. Measured on bulk inserts:
+#: bench/RESULTS.md.
 READ_PAUSE_AFTER = 200
 READ_PAUSE = 0.002
 #: the pgoutput message type of an XLogData read undecoded (after its 25-byte envelope)
@@ -676,7 +678,11 @@ class ApplyWorker:
                     tracker.received(max(data_start, wal_end))
                     dispatch_bulk(bulk)
                     bulk.clear()
-                    if item is None and got >= READ_PAUSE_AFTER and repl.ran_dry:
+                    if (
+                        item is None
+                        and repl.ran_dry
+                        and (got >= READ_PAUSE_AFTER or applier.in_remote_transaction)
+                    ):
                         time.sleep(READ_PAUSE)  # the socket ran dry in a backlog (see READ_PAUSE)
                     if item is None:
                         continue
