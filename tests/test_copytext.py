@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -152,3 +153,29 @@ def test_large_messages_go_row_by_row(monkeypatch) -> None:
     messages = [_xlog(encode_message(Insert(None, RELID, t))) for t in (small, large, small)]
     monkeypatch.setattr(copytext, "MAX_MESSAGE", 100)
     assert InsertRun.of(messages, 25, 26).relid_heads().tolist() == [HEAD, -1, HEAD]
+
+
+@given(
+    st.lists(st.tuples(st.integers(-50, 200), st.integers(0, 6)), min_size=1, max_size=30),
+    st.integers(0, 3),
+    st.integers(1, 120),
+    st.booleans(),
+)
+def test_source_positions_equal_repeated_offsets_plus_positions(
+    runs: list[tuple[int, int]], first: int, size: int, int64: bool
+) -> None:
+    """The running-sum construction against its definition: ``offset[k]`` plus the output position for every byte
+    of run ``k`` (empty runs included), clipped into the source, in int32 or, forced, int64."""
+    offset = np.array([o for o, _ in runs], dtype=np.int64)
+    width = np.array([w for _, w in runs], dtype=np.int64)
+    total = first + int(width.sum())
+    expected = np.clip(np.repeat(offset, width) + np.arange(first, total), 0, size - 1)
+    limit = copytext._INT32_LIMIT
+    try:
+        if int64:
+            copytext._INT32_LIMIT = 0
+        got = copytext.source_positions(offset, width, first, total, size)
+    finally:
+        copytext._INT32_LIMIT = limit
+    assert got.dtype == (np.int64 if int64 else np.int32)
+    assert got.tolist() == expected.tolist()

@@ -621,7 +621,11 @@ class ApplyWorker:
                     applier.expect_prepares(begins)  # type: ignore[arg-type]
             # whole transactions a batch at a time (applier.apply.bulk), when there can be enough of them
             batch: Batch | None = None
-            bulk = applier.bulk and count >= 3 * BULK_MIN_TRANSACTIONS
+            bulk = (
+                applier.bulk
+                and count >= 3 * BULK_MIN_TRANSACTIONS
+                and kinds.count(66) >= BULK_MIN_TRANSACTIONS
+            )
             while i < count:
                 kind = kinds[i]
                 if kind == 66 and bulk and not decoder.in_stream and applier.bulk_ready():  # 'B'
