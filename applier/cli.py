@@ -263,6 +263,10 @@ def _dispatch(args: argparse.Namespace, extra: list[str], parser: argparse.Argum
             os.environ["APPLIER_BULK_APPLY"] = "0"
         if args.no_fold_prepares:
             os.environ["APPLIER_FOLD_PREPARES"] = "0"
+        # checked here, so that a bad value stops `run` at once rather than every worker's every connection
+        from applier.replication import receive_buffer_setting
+
+        receive_buffer_setting(os.environ.get("APPLIER_RECEIVE_BUFFER"))
         return runner.run(target, args.names, metrics_port=args.metrics_port, wait_target=wait)
     elif args.command == "status":
         entries = subs.status(target, args.name)

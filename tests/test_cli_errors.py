@@ -3,6 +3,7 @@ password, and leaves nothing half-made behind."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -405,6 +406,13 @@ def test_run_says_when_there_is_nothing_to_run(pair) -> None:
     assert "nothing to run: the target has no enabled subscription" in fails(pair.target, "run")
     err = fails(pair.target, "run", "s")
     assert "subscription s is disabled" in err and "applier alter s --enable" in err
+
+
+def test_run_refuses_a_bad_receive_buffer_setting(pair) -> None:
+    make_tables(pair, "t1")
+    create(pair, "s", "--no-copy-data")
+    err = fails(pair.target, "run", "s", env={**os.environ, "APPLIER_RECEIVE_BUFFER": "lots"})
+    assert "APPLIER_RECEIVE_BUFFER must be a number of bytes (0: the kernel's autotuning), not 'lots'" in err
 
 
 # --- drop --------------------------------------------------------------------------------------------------------

@@ -158,9 +158,8 @@ def source_positions(offset: np.ndarray, width: np.ndarray, first: int, total: i
     if len(src) == 0:
         return src
     src[0] = offset[0] + first
-    src[np.cumsum(width[:-1])] = (
-        np.diff(offset) + 1
-    )  # the step from a run's last source byte to the next's first
+    # where a run starts, the step from the previous run's last source byte to this run's first
+    src[np.cumsum(width[:-1])] = np.diff(offset) + 1
     np.cumsum(src, out=src)
     np.clip(src, 0, size - 1, out=src)
     return src

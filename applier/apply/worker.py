@@ -687,7 +687,8 @@ class ApplyWorker:
                         and repl.ran_dry
                         and (got >= READ_PAUSE_AFTER or applier.in_remote_transaction)
                     ):
-                        time.sleep(READ_PAUSE)  # the socket ran dry in a backlog (see READ_PAUSE)
+                        # more is on its way: let the walsender's output queue up (READ_PAUSE)
+                        time.sleep(READ_PAUSE)
                     if item is None:
                         continue
                 if item is None:
