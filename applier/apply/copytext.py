@@ -152,8 +152,9 @@ def source_positions(offset: np.ndarray, width: np.ndarray, first: int, total: i
     0.03 against 0.22 µs per 60-byte row). In int32 whenever positions fit: these arrays hold one number per output
     byte, and at half the width they are built 3-4 times faster than in int64."""
     index = np.int32 if size + total < _INT32_LIMIT else _I64
-    if (width <= 0).any():
-        offset, width = offset[width > 0], width[width > 0]
+    runs = width > 0
+    if not runs.all():  # an empty run has no byte to start at
+        offset, width = offset[runs], width[runs]
     src = np.ones(total - first, dtype=index)
     if len(src) == 0:
         return src

@@ -81,6 +81,7 @@ READ_PAUSE_AFTER = 200
 READ_PAUSE = 0.002
 #: the pgoutput message type of an XLogData read undecoded (after its 25-byte envelope)
 _MESSAGE_TYPE = operator.itemgetter(25)
+#: over a batch's message types: where a run of Inserts ends
 _NOT_INSERT = re.compile(rb"[^I]")
 #: dataStart and walEnd of an XLogData envelope
 _XLOG_POSITIONS = struct.Struct(">QQ").unpack_from
@@ -88,6 +89,7 @@ _XLOG_POSITIONS = struct.Struct(">QQ").unpack_from
 XLOG_MESSAGE = bytes([1] * 256)
 #: the changes that a stream chunk spools
 STREAMED_CHANGE = bytes(1 if t in RAW_SPOOL_TYPES else 0 for t in range(256))
+#: over a batch's message types: where a run of such changes ends
 _NOT_STREAMED_CHANGE = re.compile(
     b"[^" + b"".join(re.escape(bytes([t])) for t in sorted(RAW_SPOOL_TYPES)) + b"]"
 )
@@ -615,7 +617,7 @@ class ApplyWorker:
                 decided = applier.decided
                 if fold:  # those whose COMMIT/ROLLBACK PREPARED is here too are applied folded (apply.fold)
                     decided.update(decided_prepares(messages, 25))
-                begins = [b for b in (decode_message(bytes(m[25:])) for m in messages if m[25] == 98)
+                begins = [b for b in (decode_message(m[25:]) for m in messages if m[25] == 98)
                           if b.xid not in decided]  # type: ignore[union-attr]  # fmt: skip
                 if len(begins) > 1:  # their prepared_xact records are written together, at the first
                     applier.expect_prepares(begins)  # type: ignore[arg-type]
@@ -648,11 +650,11 @@ class ApplyWorker:
                         stretch = messages[i:j]
                         insert_run(
                             InsertRun.of(stretch, 25, 26), 0, j - i,
-                            lambda k, stretch=stretch: insert(bytes(stretch[k][25:])),  # type: ignore[misc]
+                            lambda k, stretch=stretch: insert(stretch[k][25:]),  # type: ignore[misc]
                         )  # fmt: skip
                         i = j
                         continue
-                dispatch(bytes(messages[i][25:]))
+                dispatch(messages[i][25:])
                 i += 1
 
         decode = decoder.decode
