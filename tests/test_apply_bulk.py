@@ -1,4 +1,4 @@
-"""Bulk apply (:mod:`applier.apply.bulk`, README "Where we differ") against real servers: a backlog of small
+"""Bulk apply (:mod:`applier.apply.bulk`, docs/differences.md) against real servers: a backlog of small
 transactions is applied a table stretch at a time, and the target still equals the publisher, for values of every
 common type and of every character the array literals must escape; an Update whose row is missing is still one
 ``update_missing`` conflict per message, in its own transaction's context; tables that could observe the order

@@ -1,5 +1,5 @@
-"""Group commit: remote transactions that arrive back to back share one local transaction (README, "Where we
-differ"). What must hold: the target equals the publisher; an error names the one remote transaction it concerns
+"""Group commit: remote transactions that arrive back to back share one local transaction (docs/differences.md,
+"Group commit"). What must hold: the target equals the publisher; an error names the one remote transaction it concerns
 and everything before that transaction is committed, as with the native worker; a kill -9 in the middle of a group
 loses nothing and applies nothing twice; ``group_commit=False`` commits each remote transaction on its own."""
 
