@@ -46,9 +46,9 @@ def _on(t: str, template: str) -> sql.Composed:
 def _changes(pub, first: int, n: int) -> None:
     """Inserts, updates (value, key via DEFAULT, non-key identity via DEFAULT) and deletes on every table."""
     for t in ("ida", "idd"):
-        pub.execute(_on(t, "INSERT INTO {} (v) SELECT 'v' || g FROM generate_series(1, %s) g"), (n,))
+        pub.execute(_on(t, "INSERT INTO {} (v) SELECT 'v' || g FROM generate_series(1, %s::int) g"), (n,))
     for t in ("nka", "nkd"):
-        pub.execute(_on(t, "INSERT INTO {} (k, v) SELECT g, 'v' || g FROM generate_series(%s, %s) g"),
+        pub.execute(_on(t, "INSERT INTO {} (k, v) SELECT g, 'v' || g FROM generate_series(%s::int, %s::int) g"),
                     (first, first + n - 1))  # fmt: skip
     for t in TABLES:
         pub.execute(_on(t, "UPDATE {} SET v = v || '+' WHERE v LIKE '%1'"))
@@ -146,10 +146,11 @@ def test_identity_columns_streamed_and_prepared(streaming_pair, tmp_path):
                 conn.execute("BEGIN")
                 n = 3000 if gid == "big" else 5
                 conn.execute(
-                    "INSERT INTO idd (v) SELECT repeat('p', 100) FROM generate_series(1, %s) g", (n,)
+                    "INSERT INTO idd (v) SELECT repeat('p', 100) FROM generate_series(1, %s::int) g", (n,)
                 )
                 conn.execute(
-                    "INSERT INTO nkd (k, v) SELECT g, 'p' FROM generate_series(%s, %s) g", (first, first + n)
+                    "INSERT INTO nkd (k, v) SELECT g, 'p' FROM generate_series(%s::int, %s::int) g",
+                    (first, first + n),
                 )
                 conn.execute("UPDATE ida SET id = DEFAULT WHERE id = 7")
                 conn.execute(f"PREPARE TRANSACTION '{gid}'")
