@@ -213,3 +213,61 @@ def test_update_with_every_value_unchanged_toast_fires_replica_trigger(pair):
         ]  # fmt: skip
     finally:
         w.stop()
+
+
+@pytest.mark.spark
+def test_initial_copy_writes_identity_columns_as_given(pair) -> None:
+    """The initial copy (COPY FROM, which writes identity columns as given, like OVERRIDING SYSTEM VALUE) brings
+    the publisher's identity values, ALWAYS and BY DEFAULT, key and not; the target's sequences are not used."""
+    from tablesync import run_initial_copy
+    from tablesync.testing import subscribe
+
+    _identity_tables(pair)
+    _changes(pair.publisher, 1, 300)
+    pair.publisher.execute("CREATE PUBLICATION pub FOR TABLE " + ", ".join(TABLES))
+    subscribe(pair.target.dsn, pair.publisher.dsn, pair.name, [f"public.{t}" for t in TABLES])
+    result = run_initial_copy(pair.target.dsn, pair.name, progress=False)
+    assert result.completed and len(result.tables) == len(TABLES)
+    assert_tables_equal(pair.publisher, pair.target, *(f"public.{t}" for t in TABLES))
+    assert pair.target.scalar("SELECT min(id) FROM ida") == 1  # not the target's 5000
+
+
+def test_stored_generated_columns_are_never_written(pair) -> None:
+    """The target computes its stored generated columns. A publisher that sends one (PostgreSQL 18's
+    ``publish_generated_columns = stored``) is refused for a column the target generates, with the native
+    worker's error, and its value is written where the target's column is a plain one (as natively)."""
+    both(pair, "CREATE TABLE g (id int PRIMARY KEY, a int, s int GENERATED ALWAYS AS (a * 2) STORED)")
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.g"])
+    w = s.start()
+    try:
+        pair.publisher.execute("INSERT INTO g (id, a) SELECT g, g FROM generate_series(1, 5) g")
+        pair.publisher.execute("UPDATE g SET a = a + 10 WHERE id <= 2")
+        wait_for_catchup(pair.publisher, pair.name, timeout=30)
+        assert_tables_equal(pair.publisher, pair.target, "public.g")
+        if pair.publisher.cluster.binaries.major < 18:
+            return
+        pair.publisher.execute(
+            sql.SQL("ALTER PUBLICATION {} SET (publish_generated_columns = stored)").format(
+                sql.Identifier(pair.name)
+            )
+        )
+        pair.publisher.execute("INSERT INTO g (id, a) VALUES (6, 6)")
+        wait_until(
+            lambda: (
+                "incompatible generated column"
+                in str((s.catalog.last_error(s.sub.subid) or {}).get("message"))
+            ),
+            timeout=30,
+            what="the incompatible generated column error",
+        )
+        err = s.catalog.last_error(s.sub.subid)
+        assert (
+            err["message"]
+            == 'logical replication target relation "public.g" has incompatible generated column: "s"'
+        )
+        # a plain column on the target takes the publisher's value
+        pair.target.execute("ALTER TABLE g ALTER COLUMN s DROP EXPRESSION")
+        wait_for_catchup(pair.publisher, pair.name, timeout=60)
+        assert pair.target.scalar("SELECT s FROM g WHERE id = 6") == 12
+    finally:
+        w.stop()
