@@ -18,8 +18,6 @@ from applier.retry import RetrySettingError, parse_max_retry_interval, retry_del
 from applier.testing import wait_for_catchup, wait_until
 from state.catalog import Catalog
 
-pytestmark = pytest.mark.core
-
 
 def _errors(target, subid: int) -> list[dict]:
     with target.connect() as conn:
@@ -33,6 +31,7 @@ def _errors(target, subid: int) -> list[dict]:
         return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
 
 
+@pytest.mark.core
 def test_retry_delay_doubles_up_to_the_cap() -> None:
     waits = [retry_delay(n, initial=0.5, cap=5.0, jitter=False) for n in range(1, 8)]
     assert waits == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0, 5.0]
@@ -43,6 +42,7 @@ def test_retry_delay_doubles_up_to_the_cap() -> None:
             parse_max_retry_interval(bad)
 
 
+@pytest.mark.core
 def test_backoff_grows_while_the_same_transaction_fails_and_status_says_how_to_skip_it(pair) -> None:
     """A unique violation on the target: every attempt is recorded with its count and next attempt; the wait
     doubles up to the cap; status shows xid, finish LSN, relation, kind, SQLSTATE and the skip command, which
@@ -93,6 +93,7 @@ def test_backoff_grows_while_the_same_transaction_fails_and_status_says_how_to_s
         w.stop()
 
 
+@pytest.mark.core
 def test_old_catalog_upgrades_itself_and_status_reads_it(pair) -> None:
     """A catalog of version 1 (no retry columns) is read by status as it is, and upgraded by run/create."""
     make_tables(pair, "t1")
@@ -141,6 +142,7 @@ def _stop(proc: subprocess.Popen[str]) -> tuple[int, str]:
     return code, text
 
 
+@pytest.mark.core
 @pytest.mark.spark
 def test_copy_conflict_is_retried_and_never_ends_run(pair, tmp_path: Path) -> None:
     """Without disable_on_error a conflicting initial copy is tried again, growing its wait, with the error in
