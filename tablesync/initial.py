@@ -359,10 +359,12 @@ class InitialCopy:
             assert raw is not None
             for rs in self.to_copy:
                 plan = self.plans[rs.name]
-                # Only rows an earlier attempt committed (it left partition markers with them) are removed: rows
-                # that were on the target before any copy stay, so a copy that failed on them (a unique violation)
-                # fails again on the retry, as PostgreSQL's table sync does, until the user deals with them.
-                ours = rs.state != "i" and self._copied_before(c, rs.name)
+                # Only rows a copy of ours committed are removed: a whole earlier copy (``f``: copied again because
+                # the stream had moved past it), or the partitions an interrupted attempt committed with their
+                # markers (``d``). Rows that were on the target before any copy stay, so a copy that failed on them
+                # (a unique violation) fails again on the retry, as PostgreSQL's table sync does, until the user
+                # deals with them.
+                ours = rs.state == "f" or (rs.state == "d" and self._copied_before(c, rs.name))
                 # Deleting the old markers waits for any task of a killed run that still holds its claim row.
                 self._delete_markers(c, rs.name)
                 if ours:
