@@ -30,7 +30,7 @@ import re
 from collections.abc import Iterator
 
 import pytest
-from test_cli_common import applier, ok
+from test_cli_common import applier, ok, status
 from test_tap_support import (
     TIMEOUT,
     CliApplier,
@@ -138,7 +138,7 @@ def test_initial_sync_failure_disables_the_subscription(node: Node) -> None:
     assert n.subscriber.scalar("SELECT COUNT(*) FROM tbl") == 1, "subscription sub replicated data"
 
 
-def _test_skip_lsn(n: Node, nonconflict_data: str, expected: int) -> None:
+def _test_skip_lsn(n: Node, nonconflict_data: str, expected: int, gid: str | None = None) -> None:
     """The TAP file's ``test_skip_lsn``: called after the caller has inserted data that conflicts with the
     subscriber. The finish LSN of the error transaction is taken from the log; after the skip, logical
     replication must go on with ``nonconflict_data``."""
@@ -154,6 +154,9 @@ def _test_skip_lsn(n: Node, nonconflict_data: str, expected: int) -> None:
     # status says the same, with the command to run
     status_text = ok(n.subscriber, "status", SUB)
     assert f"applier alter {SUB} --skip-lsn {lsn}" in status_text, status_text
+    error = status(n.subscriber, SUB)["last_error"]
+    assert (error["finish_lsn"], error["sqlstate"], error["gid"]) == (lsn, "23505", gid)
+    assert error["next_retry_at"] is None  # disabled: no retry comes
     # Set skip lsn.
     ok(n.subscriber, "alter", SUB, "--skip-lsn", lsn)
     # Re-enable the subscription.
@@ -185,7 +188,7 @@ def test_skipping_prepare_and_commit_prepared(node: Node) -> None:
         node.publisher,
         "BEGIN; INSERT INTO tbl VALUES (1, NULL); PREPARE TRANSACTION 'gtx'; COMMIT PREPARED 'gtx';",
     )
-    _test_skip_lsn(node, "(3, NULL)", 3)
+    _test_skip_lsn(node, "(3, NULL)", 3, gid="gtx")
 
 
 def test_skipping_stream_commit(node: Node) -> None:
