@@ -140,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-format", choices=("text", "json"), default=None,
         help="log lines for people (text, default) or one JSON object per line for machines (json)",
     )  # fmt: skip
+    p.add_argument(
+        "--max-retry-interval", metavar="SECONDS", default=None,
+        help="the longest wait between attempts while the same remote transaction or table copy keeps failing "
+        "(the wait doubles from 0.5 s up to this; default 5, like PostgreSQL's wal_retrieve_retry_interval; same "
+        "as APPLIER_MAX_RETRY_INTERVAL)",
+    )  # fmt: skip
 
     p = sub.add_parser("status", parents=[common], help="show subscriptions: tables, positions, lag, errors")
     p.add_argument("name", nargs="?", metavar="NAME", help="only this subscription")
@@ -263,6 +269,11 @@ def _dispatch(args: argparse.Namespace, extra: list[str], parser: argparse.Argum
             os.environ["APPLIER_BULK_APPLY"] = "0"
         if args.no_fold_prepares:
             os.environ["APPLIER_FOLD_PREPARES"] = "0"
+        from applier.retry import MAX_RETRY_ENV, max_retry_interval_default, parse_max_retry_interval
+
+        if args.max_retry_interval is not None:
+            os.environ[MAX_RETRY_ENV] = str(parse_max_retry_interval(args.max_retry_interval))
+        max_retry_interval_default()  # a bad value (option or environment) stops `run` at once
         # checked here, so that a bad value stops `run` at once rather than every worker's every connection
         from applier.replication import receive_buffer_setting
 

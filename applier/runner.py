@@ -41,6 +41,7 @@ import psycopg
 from applier.apply.worker import ApplyWorker
 from applier.conninfo import scrub
 from applier.errors import ApplierError
+from applier.retry import max_retry_interval_default, retry_delay
 from applier.subscriptions import (
     SubscriptionBusy,
     SubscriptionError,
@@ -355,12 +356,7 @@ def _serve(target: str, subname: str, stop: threading.Event, wlog: logging.Logge
     watchdog.start()
     try:
         wlog.info('worker for subscription "%s" (subid %d) started', subname, sub.subid)
-        # returns at once, without starting Spark, when every table is already s or r
-        copied = run_initial_copy(target, subname, stop=stop)
-        if copied.tables or copied.resumed:
-            wlog.info('subscription "%s": initial copy of %d table(s) done: %d rows, %d bytes in %.1f s',
-                      subname, len(copied.tables) + len(copied.resumed), copied.rows, copied.bytes, copied.seconds)  # fmt: skip
-        if not stop.is_set():
+        if _initial_copy(target, catalog, subname, stop, wlog) and not stop.is_set():
             ApplyWorker(target, subname, stop=stop, logger=wlog).run()
     finally:
         watchdog.finish()
@@ -378,6 +374,50 @@ def _serve(target: str, subname: str, stop: threading.Event, wlog: logging.Logge
         reason = "asked to stop"
     wlog.info('worker for subscription "%s" stopped: %s', subname, reason)
     return reason
+
+
+def _initial_copy(
+    target: str, catalog: Catalog, subname: str, stop: threading.Event, wlog: logging.Logger
+) -> bool:
+    """Copy the tables that need it; True when streaming may follow, False when the subscription was disabled.
+
+    A failed copy (a row already on the target, a table missing there...) never ends ``run``: like PostgreSQL's
+    table sync worker, it is recorded (``applier status`` shows it) and, with ``disable_on_error``, disables the
+    subscription (behaviour 101, TAP 029); otherwise it is tried again, the wait growing while it keeps failing,
+    up to ``--max-retry-interval`` (applier.retry). The tables stay ``d``: each attempt copies them afresh.
+    """
+    from tablesync import TablesyncError
+
+    cap = max_retry_interval_default()
+    failures = 0
+    while not stop.is_set():
+        try:
+            # returns at once, without starting Spark, when every table is already s or r
+            copied = run_initial_copy(target, subname, stop=stop)
+        except TablesyncError as exc:
+            failures += 1
+            delay = retry_delay(failures, cap=cap)
+            with target_errors(target):
+                sub = require_subscription(catalog, subname)
+                disable = sub.subdisableonerr
+                catalog.record_error(sub.subid, str(exc), message_type="COPY", retry_count=failures,
+                                     retry_in=None if disable else delay)  # fmt: skip
+                if disable:
+                    catalog.update_subscription(sub.subid, subenabled=False)
+            if disable:
+                wlog.error('subscription "%s": %s\nthe subscription has been disabled because of this error '
+                           "(disable_on_error); fix the cause, then: applier alter %s --enable",
+                           subname, exc, subname)  # fmt: skip
+                return False
+            wlog.error('subscription "%s": %s\nfailure %d of the initial copy; next attempt in %.1f s',
+                       subname, exc, failures, delay)  # fmt: skip
+            stop.wait(delay)
+            continue
+        if copied.tables or copied.resumed:
+            wlog.info('subscription "%s": initial copy of %d table(s) done: %d rows, %d bytes in %.1f s',
+                      subname, len(copied.tables) + len(copied.resumed), copied.rows, copied.bytes, copied.seconds)  # fmt: skip
+        return True
+    return False
 
 
 class _LockWatchdog(threading.Thread):

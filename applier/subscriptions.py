@@ -943,6 +943,41 @@ def _when(value: dt.datetime | None) -> str | None:
     return None if value is None else value.isoformat()
 
 
+def _skip_command(subname: str, finish_lsn: int | None) -> str | None:
+    """``applier alter NAME --skip-lsn X/Y`` for a failed remote transaction (None when the error had none)."""
+    if not finish_lsn:
+        return None
+    from applier.apply.worker import skip_command
+
+    return skip_command(subname, finish_lsn)
+
+
+def _error_lines(e: dict[str, Any]) -> list[str]:
+    """The last error for people: what the target said, in which remote transaction, and what can be done."""
+    message = e["message"].strip().replace("\n", "\n      ")
+    lines = [f"  last error ({e['at']}): {message}"]
+    if e["sqlstate"]:
+        lines.append(f"    SQLSTATE {e['sqlstate']}")
+    if e["finish_lsn"]:
+        where = f"    in remote transaction {e['remote_xid']}, finished at {e['finish_lsn']}"
+        if e["gid"]:
+            where += f" (prepared, GID {e['gid']})"
+        if e["message_type"]:
+            where += f", during {e['message_type']}"
+        if e["relation"]:
+            where += f" on {e['relation']}"
+        lines.append(where)
+    if e["next_retry_at"]:
+        lines.append(
+            f"    failed {e['retry_count'] or 1} time(s) in a row; next attempt at {e['next_retry_at']}"
+        )
+    if e["skip_command"]:
+        lines.append(
+            f"    to skip that transaction (its changes are lost on this target): {e['skip_command']}"
+        )
+    return lines
+
+
 def status(target: str, name: str | None = None, *, publisher_timeout: int = 5) -> list[dict[str, Any]]:
     """Everything ``applier status`` shows, one JSON-ready dict per subscription."""
     catalog = open_catalog(target)
@@ -985,6 +1020,11 @@ def _status_of(catalog: Catalog, sub: Subscription, publisher_timeout: int) -> d
             "finish_lsn": _lsn(error["finish_lsn"]),
             "message_type": error["message_type"],
             "relation": error["relation"],
+            "sqlstate": error["sqlstate"],
+            "gid": error["gid"],
+            "retry_count": error["retry_count"],
+            "next_retry_at": _when(error["next_retry_at"]),
+            "skip_command": _skip_command(sub.subname, error["finish_lsn"]),
         },
     }
     result["replication"] = _publisher_view(sub, origin, publisher_timeout)
@@ -1088,7 +1128,6 @@ def format_status(entries: list[dict[str, Any]]) -> str:
         if s["prepared"]:
             lines.append("  prepared on the target: " + ", ".join(p["gid"] for p in s["prepared"]))
         if s["last_error"]:
-            e = s["last_error"]
-            lines.append(f"  last error ({e['at']}): {e['message']}")
+            lines.extend(_error_lines(s["last_error"]))
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)

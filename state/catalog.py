@@ -37,7 +37,7 @@ from applier.lsn import format_lsn, parse_lsn
 
 SCHEMA = "applier"
 #: Bump with a migration in :data:`_MIGRATIONS` whenever a table or column changes.
-CATALOG_VERSION = 1
+CATALOG_VERSION = 2
 
 
 class CatalogError(ApplierError):
@@ -164,6 +164,13 @@ apply_error = sa.Table(
     sa.Column("message_type", sa.Text, nullable=True),
     sa.Column("relation", sa.Text, nullable=True),
     sa.Column("message", sa.Text, nullable=False),
+    # since catalog version 2: what a user needs to act on a failing remote transaction without reading our code
+    sa.Column("sqlstate", sa.Text, nullable=True),  # the target's SQLSTATE, when the target raised it
+    sa.Column("gid", sa.Text, nullable=True),  # the publisher's GID of a prepared transaction
+    sa.Column("retry_count", sa.Integer, nullable=True),  # failures in a row of this same remote transaction
+    sa.Column(
+        "next_retry_at", sa.DateTime(timezone=True), nullable=True
+    ),  # None: no retry (disabled, stopped)
 )
 
 #: Exactly-once markers of the Spark initial copy: a partition's rows and its row here commit in one transaction.
@@ -181,8 +188,17 @@ tablesync_partition = sa.Table(
     sa.Column("done_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
 )
 
+#: apply_error's columns added by catalog version 2
+_ERROR_COLUMNS_V2 = ("sqlstate", "gid", "retry_count", "next_retry_at")
+
 # Migrations: version -> list of SQL statements that take the catalog from version-1 to version.
-_MIGRATIONS: dict[int, list[str]] = {}
+_MIGRATIONS: dict[int, list[str]] = {
+    2: [
+        f"ALTER TABLE {SCHEMA}.apply_error ADD COLUMN IF NOT EXISTS sqlstate text,"
+        " ADD COLUMN IF NOT EXISTS gid text, ADD COLUMN IF NOT EXISTS retry_count integer,"
+        " ADD COLUMN IF NOT EXISTS next_retry_at timestamptz",
+    ],
+}
 
 
 # --- values ----------------------------------------------------------------------------------------------------
@@ -504,12 +520,20 @@ class Catalog:
 
     # errors ----------------------------------------------------------------------------------------------------
     def record_error(self, subid: int, message: str, *, remote_xid: int | None = None, finish_lsn: int | None = None,
-                     message_type: str | None = None, relation: str | None = None) -> None:  # fmt: skip
-        """Always in its own transaction: the failed local transaction is rolled back, the record must survive."""
+                     message_type: str | None = None, relation: str | None = None, sqlstate: str | None = None,
+                     gid: str | None = None, retry_count: int | None = None,
+                     retry_in: float | None = None) -> None:  # fmt: skip
+        """Always in its own transaction: the failed local transaction is rolled back, the record must survive.
+        ``retry_in``: seconds until the worker tries again (None: it will not, e.g. the subscription was disabled)."""
+        next_retry = (
+            None if retry_in is None else sa.func.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, retry_in)
+        )
         with self.engine.begin() as c:
             c.execute(
                 apply_error.insert().values(subid=subid, message=message, remote_xid=remote_xid,
-                                            finish_lsn=finish_lsn, message_type=message_type, relation=relation)
+                                            finish_lsn=finish_lsn, message_type=message_type, relation=relation,
+                                            sqlstate=sqlstate, gid=gid, retry_count=retry_count,
+                                            next_retry_at=next_retry)
             )  # fmt: skip
             c.execute(
                 sa.text(
@@ -520,14 +544,18 @@ class Catalog:
             )
 
     def last_error(self, subid: int, conn: sa.Connection | None = None) -> dict[str, Any] | None:
+        """The newest error record of ``subid``. A catalog of version 1 (not upgraded yet: ``applier run`` and
+        ``create`` upgrade it) has no sqlstate/gid/retry columns: they read as None."""
         with self._conn(conn) as c:
+            version = c.execute(sa.select(sa.func.max(catalog_version.c.version))).scalar() or 0
+            columns = [col for col in apply_error.c if version >= 2 or col.name not in _ERROR_COLUMNS_V2]
             row = (
                 c.execute(
-                    sa.select(apply_error)
-                    .where(apply_error.c.subid == subid)
-                    .order_by(apply_error.c.id.desc())
+                    sa.select(*columns).where(apply_error.c.subid == subid).order_by(apply_error.c.id.desc())
                 )
                 .mappings()
                 .first()
             )
-            return dict(row) if row else None
+            if not row:
+                return None
+            return {name: None for name in _ERROR_COLUMNS_V2} | dict(row)

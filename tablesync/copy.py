@@ -52,6 +52,9 @@ log = logging.getLogger("applier.tablesync")
 
 #: ``part`` of the row through which a copy generation (one exported snapshot) claims a table.
 CLAIM_PART = -1
+#: SQLSTATE classes of errors a retry cannot cure: the target refuses the rows themselves (22 data exception, 23
+#: integrity constraint violation). A head-start stream that meets one reports it, and the copy fails at once.
+DEFINITE_SQLSTATE_CLASSES = ("22", "23")
 #: Same value formats on both sides, so text COPY round-trips exactly (what the native worker sets, behaviour 1).
 SESSION_OPTIONS = "-c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3"
 #: How much of the COPY stream is gathered before it is handed to the target (fewer, larger writes): psycopg's
@@ -311,6 +314,7 @@ class HeadStart:
             self._procs.append(proc)
             self._results.append(receiver)
         self._done: set[int] = set()
+        self._failure: str | None = None
 
     @property
     def done(self) -> frozenset[int]:
@@ -318,8 +322,19 @@ class HeadStart:
         for r in self._results:
             with contextlib.suppress(EOFError, OSError):
                 while r.poll():
-                    self._done.add(r.recv())
+                    item = r.recv()
+                    if isinstance(item, tuple):
+                        self._failure = self._failure or item[1]
+                    else:
+                        self._done.add(item)
         return frozenset(self._done)
+
+    @property
+    def failure(self) -> str | None:
+        """The error of a partition the target refused outright (DEFINITE_SQLSTATE_CLASSES), if one was met:
+        the copy fails with it without waiting for Spark to fail the same way."""
+        _ = self.done
+        return self._failure
 
     def stop(self) -> None:
         """Take no new partition (the one under way finishes)."""
@@ -374,6 +389,10 @@ def _head_start_main(
             try:
                 copier.copy(task)
             except Exception as exc:  # noqa: BLE001 - left to the Spark job, which reports real failures
+                if isinstance(exc, psycopg.Error) and (exc.sqlstate or "")[:2] in DEFINITE_SQLSTATE_CLASSES:
+                    # the target refuses these rows: every Spark attempt would too (after a JVM start)
+                    results.send(("failed", f"psycopg.errors.{type(exc).__name__}: {str(exc).strip()}"))
+                    return
                 log.info("head start: %s part %d left to Spark (%s)", task.relname, task.part, exc)
                 return
             results.send(task.task_id)

@@ -339,6 +339,18 @@ class InitialCopy:
             {"s": self.subid, "r": relname},
         )
 
+    def _copied_before(self, c: sa.Connection, relname: str) -> bool:
+        """Whether an earlier attempt committed partitions of ``relname`` (each commits with its marker row)."""
+        return bool(
+            c.execute(
+                sa.text(
+                    "SELECT EXISTS (SELECT FROM applier.tablesync_partition"
+                    " WHERE subid = :s AND relname = :r AND part >= 0)"
+                ),
+                {"s": self.subid, "r": relname},
+            ).scalar()
+        )
+
     def claim(self) -> None:
         """Take the tables for this copy generation (see the module docstring, step 4)."""
         assert self.slot is not None
@@ -347,9 +359,15 @@ class InitialCopy:
             assert raw is not None
             for rs in self.to_copy:
                 plan = self.plans[rs.name]
+                # Only rows a copy of ours committed are removed: a whole earlier copy (``f``: copied again because
+                # the stream had moved past it), or the partitions an interrupted attempt committed with their
+                # markers (``d``). Rows that were on the target before any copy stay, so a copy that failed on them
+                # (a unique violation) fails again on the retry, as PostgreSQL's table sync does, until the user
+                # deals with them.
+                ours = rs.state == "f" or (rs.state == "d" and self._copied_before(c, rs.name))
                 # Deleting the old markers waits for any task of a killed run that still holds its claim row.
                 self._delete_markers(c, rs.name)
-                if rs.state != "i":
+                if ours:
                     self._empty(raw, plan)
                 c.execute(
                     sa.text(
@@ -571,6 +589,7 @@ class InitialCopy:
                     )
                     if not self.copy(None, leave_rest=True):
                         return self.result(stopped=True)
+                    self._raise_head_start_failure()
                     left = len(self.tasks) - len(self.head_start.done)
                     if not left:
                         return self.complete()
@@ -582,6 +601,9 @@ class InitialCopy:
                     if self.stop.is_set():
                         starter.abandon()
                         return self.result(stopped=True)
+                    if self.head_start.failure is not None:
+                        starter.abandon()
+                        self._raise_head_start_failure()
                     if len(self.head_start.done) == len(self.tasks):
                         return self._finished_by_driver(starter, "every partition before Spark was ready")
                 handle = starter.handle()
@@ -609,6 +631,13 @@ class InitialCopy:
                     starter.release()
         finally:
             self.close()
+
+    def _raise_head_start_failure(self) -> None:
+        """Fail the copy with the error of a partition the target refused outright (a unique or check constraint
+        violation, a value it cannot take): Spark would only meet it again, after starting a JVM."""
+        failure = self.head_start.failure if self.head_start is not None else None
+        if failure is not None:
+            raise TablesyncError(f"initial copy of subscription {self.subname!r} failed: {failure}")
 
     def _finished_by_driver(self, starter: spark_job.SessionStarter, what: str) -> CopyResult:
         """The driver's head start copied everything: Spark (still starting, or just ready) is let go."""

@@ -22,7 +22,7 @@ class ErrorContext:
     the hot path, and this constructor is three times cheaper.
     """
 
-    __slots__ = ("finish_lsn", "message_type", "origin", "relation", "xid")
+    __slots__ = ("finish_lsn", "gid", "message_type", "origin", "relation", "xid")
 
     def __init__(
         self,
@@ -31,6 +31,7 @@ class ErrorContext:
         relation: str | None = None,
         xid: int | None = None,
         finish_lsn: int | None = None,
+        gid: str | None = None,
     ) -> None:
         self.origin = origin
         self.message_type = (
@@ -39,6 +40,9 @@ class ErrorContext:
         self.relation = relation  # "schema.table" of the local target
         self.xid = xid  # remote transaction id
         self.finish_lsn = finish_lsn  # commit_lsn, or prepare_lsn for two-phase: what SKIP takes
+        self.gid = (
+            gid  # the publisher's GID of a prepared transaction (shown by applier status, not in the text)
+        )
 
     def __repr__(self) -> str:
         return f"ErrorContext({self.describe()!r})"

@@ -163,6 +163,8 @@ class Applier:
         self.remote_xid: int | None = None
         self.remote_final_lsn = 0
         self.prepare: BeginPrepare | None = None
+        #: the publisher's GID of the prepared transaction being applied (error contexts name it)
+        self.remote_gid: str | None = None
         self.skipping = False  # the skip-LSN names this transaction (behaviours 99-100)
         self.discarding = False  # its changes are not applied: skipped, or a folded ROLLBACK PREPARED
         self.last_message_type = ""
@@ -266,6 +268,7 @@ class Applier:
             self.origin, message_type, relation,
             self.remote_xid if self.in_remote_transaction else None,
             self.remote_final_lsn if self.in_remote_transaction else None,
+            self.remote_gid if self.in_remote_transaction else None,
         )  # fmt: skip
 
     def _change_context(self, message_type: str, entry: RelMapEntry) -> ErrorContext:
@@ -296,6 +299,7 @@ class Applier:
         self._count(kind)
         self.in_remote_transaction = False
         self.remote_xid = None
+        self.remote_gid = None
         self.prepare = None
         self.skipping = self.discarding = False
 
@@ -718,6 +722,7 @@ class Applier:
         are discarded."""
         self._start_remote(m.xid, m.prepare_lsn, "BEGIN PREPARE")
         self.prepare = m
+        self.remote_gid = m.gid
         decision = self.decided.pop(m.xid, None) if self.decided else None
         if (
             decision is not None
@@ -894,8 +899,9 @@ class Applier:
         """``apply_handle_stream_prepare``: replay the spool, then PREPARE it."""
         if self.stream_xid is not None:
             raise self._protocol_error("STREAM PREPARE", "STREAM PREPARE message without STREAM STOP")
-        ctx = ErrorContext(self.origin, "STREAM PREPARE", None, m.xid, m.prepare_lsn)
+        ctx = ErrorContext(self.origin, "STREAM PREPARE", None, m.xid, m.prepare_lsn, m.gid)
         self._record_prepared(m.xid, m.prepare_lsn, m.end_lsn, m.prepare_time, ctx)
+        self.remote_gid = m.gid  # _replay's _start_remote keeps it; _end_remote clears it
         self._replay(m.xid, m.prepare_lsn, "STREAM PREPARE")
         self._prepare_internal(m.xid, m.end_lsn, m.prepare_time, "STREAM PREPARE")
         self.spool.discard(m.xid)
@@ -1044,6 +1050,7 @@ class Applier:
         self.entries.clear()
         self.in_remote_transaction = False
         self.remote_xid = None
+        self.remote_gid = None
         self.prepare = None
         self.skipping = self.discarding = False
         self._folding = None

@@ -30,6 +30,8 @@ class LocalColumn:
     generated: str = ""  # pg_attribute.attgenerated: '' | 's' (stored) | 'v' (virtual, PG18)
     #: the type's array type with ',' as delimiter, 0 when none (applier.apply.bulk passes values as arrays)
     array_type: int = 0
+    #: pg_attribute.attidentity: '' | 'a' (GENERATED ALWAYS AS IDENTITY) | 'd' (BY DEFAULT)
+    identity: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +89,10 @@ class RelMapEntry:
     #: and an array type for every published column (and, for updates and deletes, a key)
     bulk_insert: bool = False
     bulk_update: bool = False
+    #: remote positions of the columns that are GENERATED ALWAYS AS IDENTITY locally: an INSERT of the publisher's
+    #: values needs ``OVERRIDING SYSTEM VALUE`` and an UPDATE may assign them only while they are BY DEFAULT (the
+    #: native worker writes through the executor and never meets either check)
+    always_identity: tuple[int, ...] = ()
     statements: dict[Any, bytes] = field(default_factory=dict)
 
     @property
@@ -145,6 +151,13 @@ def map_relation(remote: Relation, local: LocalTable) -> RelMapEntry:
         )
     array_types = tuple(by_name[n].array_type for n in names)
     bulk_insert = local.bulk and bool(names) and all(array_types)
+    always_identity = tuple(i for i, n in enumerate(names) if by_name[n].identity == "a")
+    # a bulk UPDATE assigns every column but the key: an ALWAYS identity column outside the key could not be
+    key_set = set(key_positions or ()) if not_updatable is None else set()
+    identity_outside_key = any(i not in key_set for i in always_identity)
+    bulk_update = (
+        bulk_insert and not_updatable is None and key_positions is not None and not identity_outside_key
+    )
     return RelMapEntry(
         remote=remote,
         local=local,
@@ -154,5 +167,6 @@ def map_relation(remote: Relation, local: LocalTable) -> RelMapEntry:
         not_updatable=not_updatable,
         array_types=array_types,
         bulk_insert=bulk_insert,
-        bulk_update=bulk_insert and not_updatable is None and key_positions is not None,
+        bulk_update=bulk_update,
+        always_identity=always_identity,
     )

@@ -150,9 +150,10 @@ class Pipeline:
         ctx: ErrorContext | None = None,
         on_ok: Callable[[Any], None] | None = None,
         types: Sequence[int] | None = None,
+        formats: Sequence[int] | None = None,
     ) -> None:
         self.enter()
-        self.pgconn.send_query_params(command, params, types)
+        self.pgconn.send_query_params(command, params, types, formats)
         self.unflushed += 32 + len(command) + (sum(map(len, filter(None, params))) if params else 0)
         self._pending.append((ctx, on_ok))
 
@@ -422,7 +423,7 @@ class Target:
         oid, relkind, replident, bulk = rows[0]
         cols = self.query(
             "SELECT a.attname, a.atttypid::int, a.attgenerated::text,"
-            " CASE WHEN t.typdelim = ',' THEN t.typarray::int ELSE 0 END"
+            " CASE WHEN t.typdelim = ',' THEN t.typarray::int ELSE 0 END, a.attidentity::text"
             " FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_type t ON t.oid = a.atttypid"
             " WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum",
             (oid,),
@@ -440,7 +441,7 @@ class Target:
             (oid, oid, replident, replident),
         )
         key = tuple(r[0] for r in key_rows) or None
-        columns = tuple(LocalColumn(n, t, g or "", a) for n, t, g, a in cols)
+        columns = tuple(LocalColumn(n, t, g or "", a, i or "") for n, t, g, a, i in cols)
         return LocalTable(int(oid), schema, name, relkind, columns, key, bool(bulk))
 
     def bulk_tables(self, oids: Sequence[int]) -> set[int]:
@@ -721,7 +722,10 @@ class Target:
     def _insert_sql(self, entry: RelMapEntry) -> tuple[sql.Composable, Sequence[int]]:
         cols = sql.SQL(", ").join(sql.Identifier(n) for n in entry.names)
         vals = sql.SQL(", ").join(_param(i + 1) for i in range(len(entry.names)))
-        return sql.SQL("INSERT INTO {} ({}) VALUES ({})").format(_tbl(entry.local), cols, vals), entry.types
+        q = sql.SQL("INSERT INTO {} ({}){} VALUES ({})").format(
+            _tbl(entry.local), cols, _overriding(entry), vals
+        )
+        return q, entry.types
 
     @staticmethod
     def _search_shape(entry: RelMapEntry, search: TupleData) -> bytes:
@@ -793,42 +797,94 @@ class Target:
     ) -> None:
         """UPDATE the row found by the old key (or the new tuple's key when the key did not change, behaviour
         45); unchanged-TOAST columns are left out of SET, so they keep the target's value (behaviour 46). No row
-        found: :attr:`Pipeline.on_missing_row` hears of it."""
+        found: :attr:`Pipeline.on_missing_row` hears of it.
+
+        A GENERATED ALWAYS identity column can only be assigned DEFAULT by an UPDATE, so it is left out of SET when
+        its value is known not to change (a key column without an old tuple, or an old tuple with the same value:
+        nearly always, since the publisher itself can only change it with ``SET col = DEFAULT``); when it may
+        change, :meth:`_update_identity` applies the row as the native worker does. When nothing is left to assign
+        (every column unchanged TOAST), the row is still updated, with a no-op assignment, as the native worker
+        updates it with its old values: update triggers enabled for replica fire."""
         if self._copy is not None:
             self.end_copy()
         search = old if old is not None else new
-        unchanged = KIND_UNCHANGED_TOAST in new.kinds
+        kinds = new.kinds
+        unchanged = KIND_UNCHANGED_TOAST in kinds
+        omitted: tuple[int, ...] = ()
+        if entry.always_identity:
+            omitted, changing = _identity_split(entry, old, new)
+            if changing:
+                self._update_identity(entry, search, new, changing, ctx)
+                return
         shape = self._search_shape(entry, search)
-        key = ("U", self._shape(new) if unchanged else None, shape)
+        key = ("U", self._shape(new) if unchanged else None, shape, omitted)
         name = entry.statements.get(key)
         set_pos: Sequence[int] = (
-            [i for i, k in enumerate(new.kinds) if k != KIND_UNCHANGED_TOAST]
-            if unchanged
+            [i for i, k in enumerate(kinds) if k != KIND_UNCHANGED_TOAST and i not in omitted]
+            if unchanged or omitted
             else range(len(new))
         )
         if name is None:
 
             def build() -> tuple[sql.Composable, Sequence[int]]:
-                cond, wtypes = self._search_condition(entry, shape, len(set_pos) + 1)
-                sets = sql.SQL(", ").join(
-                    sql.SQL("{} = {}").format(sql.Identifier(entry.names[i]), _param(j + 1))
-                    for j, i in enumerate(set_pos)
-                )
-                q = sql.SQL("UPDATE {only}{tbl} SET {sets} WHERE {where}").format(
-                    only=_only(entry), tbl=_tbl(entry.local), sets=sets, where=cond
-                )
-                return q, [entry.types[i] for i in set_pos] + wtypes
+                return self._update_sql(entry, shape, set_pos)
 
             name = self._statement(entry, key, build, ctx)
         wparams, wkinds = self._search_values(entry, search, shape)
         values = new.values
-        params = ([values[i] for i in set_pos] if unchanged else list(values)) + wparams
+        params = ([values[i] for i in set_pos] if unchanged or omitted else list(values)) + wparams
         formats = None
         if self.binary:
-            kinds = bytes([new.kinds[i] for i in set_pos]) + wkinds
-            if KIND_BINARY in kinds:
-                formats = [1 if k == KIND_BINARY else 0 for k in kinds]
+            pkinds = bytes([kinds[i] for i in set_pos]) + wkinds
+            if KIND_BINARY in pkinds:
+                formats = [1 if k == KIND_BINARY else 0 for k in pkinds]
         self.pipeline.send_prepared(name, params, formats, ctx, CHECK_ROWS)
+
+    def _update_sql(
+        self, entry: RelMapEntry, shape: bytes, set_pos: Sequence[int]
+    ) -> tuple[sql.Composable, list[int]]:
+        """The UPDATE assigning the columns at ``set_pos`` (parameters 1..n) of the row ``shape`` finds."""
+        cond, wtypes = self._search_condition(entry, shape, len(set_pos) + 1)
+        if set_pos:
+            sets = sql.SQL(", ").join(
+                sql.SQL("{} = {}").format(sql.Identifier(entry.names[i]), _param(j + 1))
+                for j, i in enumerate(set_pos)
+            )
+        else:
+            sets = _noop_assignment(entry, "")
+        q = sql.SQL("UPDATE {only}{tbl} SET {sets} WHERE {where}").format(
+            only=_only(entry), tbl=_tbl(entry.local), sets=sets, where=cond
+        )
+        return q, [entry.types[i] for i in set_pos] + wtypes
+
+    def _update_identity(self, entry: RelMapEntry, search: TupleData, new: TupleData, changing: tuple[int, ...],
+                         ctx: ErrorContext | None) -> None:  # fmt: skip
+        """The rare UPDATE that may give a GENERATED ALWAYS identity column a new value (the publisher ran ``SET
+        col = DEFAULT``, or the column is outside the key and the message has no old tuple to compare with).
+
+        PostgreSQL lets nothing but DEFAULT be assigned to such a column, and ``OVERRIDING`` does not exist for
+        UPDATE; so, within the apply transaction, the column is made BY DEFAULT for this one statement and ALWAYS
+        again right after (both undone with the transaction should it fail). The cost is an ACCESS EXCLUSIVE lock
+        on the target table until the local commit. The statement is unnamed: a prepared statement would be
+        checked (and refused) while the column is ALWAYS."""
+        kinds = new.kinds
+        set_pos = [i for i, k in enumerate(kinds) if k != KIND_UNCHANGED_TOAST]
+        shape = self._search_shape(entry, search)
+        query, types = self._update_sql(entry, shape, set_pos)
+        wparams, wkinds = self._search_values(entry, search, shape)
+        params = [new.values[i] for i in set_pos] + wparams
+        pkinds = bytes([kinds[i] for i in set_pos]) + wkinds
+        formats = [1 if k == KIND_BINARY else 0 for k in pkinds] if KIND_BINARY in pkinds else None
+
+        def alter(generated: str) -> bytes:
+            return sql.SQL("ALTER TABLE {} {}").format(_tbl(entry.local), sql.SQL(", ").join(
+                sql.SQL("ALTER COLUMN {} SET GENERATED " + generated).format(sql.Identifier(entry.names[i]))
+                for i in changing
+            )).as_bytes(self.conn)  # fmt: skip
+
+        self.pipeline.send_query(alter("BY DEFAULT"), None, ctx)
+        self.pipeline.send_query(query.as_bytes(self.conn), params, ctx, CHECK_ROWS, types, formats)
+        self.pipeline.send_query(alter("ALWAYS"), None, ctx)
 
     def delete(self, entry: RelMapEntry, old: TupleData, ctx: ErrorContext | None) -> None:
         """DELETE the row found by the old key or, for a FULL publisher without a local key, the first match; no
@@ -869,8 +925,9 @@ class Target:
         """INSERT rows given as one array literal per column (in the publisher's column order)."""
         query = entry.statements.get(("bulk", "I"))
         if query is None:
-            q = sql.SQL("INSERT INTO {} ({}) SELECT * FROM {}").format(
-                _tbl(entry.local), sql.SQL(", ").join(map(sql.Identifier, entry.names)), _unnest(len(entry.names))
+            q = sql.SQL("INSERT INTO {} ({}){} SELECT * FROM {}").format(
+                _tbl(entry.local), sql.SQL(", ").join(map(sql.Identifier, entry.names)), _overriding(entry),
+                _unnest(len(entry.names)),
             )  # fmt: skip
             query = entry.statements[("bulk", "I")] = q.as_bytes(self.conn)
         self.end_copy()
@@ -934,7 +991,11 @@ class Target:
             unnest=_unnest(len(names)),
             cols=sql.SQL(", ").join(map(sql.Identifier, names)), ordc=ordc, keys=key_list,
             only=_only(entry), tbl=_tbl(entry.local),
-            sets=sql.SQL(", ").join(sql.SQL("{} = l.{}").format(sql.Identifier(n), sql.Identifier(n)) for n in names),
+            sets=sql.SQL(", ").join(
+                [sql.SQL("{} = l.{}").format(sql.Identifier(n), sql.Identifier(n))
+                 for i, n in enumerate(names) if i not in entry.always_identity]
+                or [_noop_assignment(entry, "t.")]
+            ),
             match=sql.SQL(" AND ").join(sql.SQL("t.{} = l.{}").format(k, k) for k in keys),
             join=sql.SQL(" AND ").join(sql.SQL("s.{} = l.{}").format(k, k) for k in keys),
         )  # fmt: skip
@@ -990,6 +1051,49 @@ class Target:
     def copy_eligible(t: TupleData) -> bool:
         """COPY text format can carry text values and NULLs; binary values go through INSERT."""
         return KIND_BINARY not in t.kinds and KIND_UNCHANGED_TOAST not in t.kinds
+
+
+def _overriding(entry: RelMapEntry) -> sql.Composable:
+    """``OVERRIDING SYSTEM VALUE`` when a published column is GENERATED ALWAYS AS IDENTITY locally: the row keeps
+    the publisher's value, as the native worker's does (BY DEFAULT columns take given values anyway)."""
+    return sql.SQL(" OVERRIDING SYSTEM VALUE" if entry.always_identity else "")
+
+
+def _noop_assignment(entry: RelMapEntry, qualifier: str) -> sql.Composable:
+    """``col = col`` for an UPDATE with nothing to assign (every value unchanged TOAST, or only ALWAYS identity
+    columns that keep their value): the row is still updated, as the native worker updates it with its old values,
+    so update triggers enabled for replica fire. ``col`` is one the UPDATE may assign: not generated, not ALWAYS
+    identity (``qualifier`` names the table in the right-hand side, e.g. ``t.``)."""
+    for c in entry.local.columns:
+        if not c.generated and c.identity != "a":
+            return sql.SQL("{} = " + qualifier + "{}").format(sql.Identifier(c.name), sql.Identifier(c.name))
+    # only ALWAYS identity and generated columns: assign DEFAULT to nothing; a generated column recomputes
+    raise ApplyError(
+        f'cannot update a row of "{entry.display}": it has no column an UPDATE may assign'
+        " (every column is generated or GENERATED ALWAYS AS IDENTITY)"
+    )
+
+
+def _identity_split(
+    entry: RelMapEntry, old: TupleData | None, new: TupleData
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Split the ALWAYS identity columns an UPDATE carries into those known to keep their value (left out of SET)
+    and those that may change (see :meth:`Target.update`). A key column keeps its value when the message has no
+    old tuple (the publisher sends one when the key changes); any column keeps it when the old tuple shows the same
+    value (same kind and bytes)."""
+    keep: list[int] = []
+    change: list[int] = []
+    key = entry.key_positions or ()
+    for i in entry.always_identity:
+        if new.kinds[i] == KIND_UNCHANGED_TOAST:
+            continue
+        if old is None:
+            (keep if i in key else change).append(i)
+        elif old.kinds[i] == new.kinds[i] and old.values[i] == new.values[i]:
+            keep.append(i)
+        else:
+            change.append(i)
+    return tuple(keep), tuple(change)
 
 
 def _unnest(n: int) -> sql.Composable:

@@ -24,12 +24,12 @@ import logging
 import operator
 import os
 import re
+import shlex
 import struct
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import psycopg
@@ -51,6 +51,7 @@ from applier.lsn import format_lsn
 from applier.messages import PrimaryKeepalive, XLogData
 from applier.metrics import WorkerMetrics
 from applier.replication import ReplicationConnection, ReplicationConnectionError, StreamOptions
+from applier.retry import RETRY_INITIAL, max_retry_interval_default, retry_delay
 from state.catalog import Catalog, CatalogError, RelState, Subscription
 from state.tables import TableState, process_syncing_tables, should_apply_changes_for_rel
 from state.twophase import (
@@ -122,6 +123,11 @@ def bulk_apply_default() -> bool:
     """Bulk apply (applier.apply.bulk) is on unless the environment says ``APPLIER_BULK_APPLY=0`` (or off/false/no);
     it needs group commit."""
     return _switch("APPLIER_BULK_APPLY")
+
+
+def skip_command(subname: str, finish_lsn: int) -> str:
+    """The command that skips the remote transaction finishing at ``finish_lsn`` (behaviours 97-100)."""
+    return f"applier alter {shlex.quote(subname)} --skip-lsn {format_lsn(finish_lsn)}"
 
 
 class ApplyWorkerError(ApplierError):
@@ -287,8 +293,8 @@ class ApplyWorker:
         stop: threading.Event | None = None,
         spool_dir: Path | None = None,
         logger: logging.Logger | None = None,
-        retry_initial: float = 0.5,
-        retry_max: float = 30.0,
+        retry_initial: float = RETRY_INITIAL,
+        retry_max: float | None = None,
         live_sync: bool = True,
         group_commit: bool | None = None,
         bulk: bool | None = None,
@@ -300,11 +306,17 @@ class ApplyWorker:
         self.spool_dir = spool_dir or default_spool_dir()
         self.log = logger or log
         self.retry_initial = retry_initial
-        self.retry_max = retry_max
+        #: the cap of the backoff (applier.retry): ``--max-retry-interval`` / ``APPLIER_MAX_RETRY_INTERVAL``, 5 s
+        self.retry_max = retry_max if retry_max is not None else max_retry_interval_default()
         self.catalog = Catalog.connect(target_conninfo)
         self.stats = WorkerStats()
         self.metrics = WorkerMetrics(subname)
         self._failures = 0
+        #: (xid, finish LSN) of the remote transaction that failed last, while it keeps failing: the backoff grows
+        #: until a session commits past it (or another one fails)
+        self._failing: tuple[int | None, int] | None = None
+        #: the wait _apply_failed computed (and recorded) for the retry that follows it
+        self._planned_delay: float | None = None
         self._subid: int | None = None
         #: tables added while streaming are copied and caught up live (tablesync.live)
         self.live_sync_enabled = live_sync
@@ -392,24 +404,62 @@ class ApplyWorker:
         self.stats.errors += 1
         self.stats.last_error = str(exc)
         self.metrics.error(exc)
-        self.log.error('logical replication apply worker for subscription "%s": %s', self.subname, exc)
+        failing = (ctx.xid, ctx.finish_lsn) if ctx is not None and ctx.finish_lsn else None
+        if failing != self._failing:
+            self._failures = 0  # another transaction: its own backoff starts from the beginning
+        self._failing = failing
+        delay = self._planned_delay = self._next_delay()
+        sqlstate = exc.sqlstate if isinstance(exc, ApplyError) else None
+        disable = False
         try:
             sub = self.catalog.get(self.subname)
             if sub is None:
                 return _Outcome.DROPPED
+            disable = sub.subdisableonerr
             message = exc.message if isinstance(exc, ApplyError) else str(exc)
-            if ctx is not None:
-                self.catalog.record_error(sub.subid, message, remote_xid=ctx.xid, finish_lsn=ctx.finish_lsn,
-                                          message_type=ctx.message_type, relation=ctx.relation)  # fmt: skip
-            else:
-                self.catalog.record_error(sub.subid, message)
-            if sub.subdisableonerr:
-                self.catalog.update_subscription(sub.subid, subenabled=False)
-                self.log.info('subscription "%s" has been disabled because of an error', self.subname)
-                return _Outcome.DISABLED
+            self.catalog.record_error(
+                sub.subid, message, remote_xid=ctx.xid if ctx else None, finish_lsn=ctx.finish_lsn if ctx else None,
+                message_type=ctx.message_type if ctx else None, relation=ctx.relation if ctx else None,
+                sqlstate=sqlstate, gid=ctx.gid if ctx else None, retry_count=self._failures,
+                retry_in=None if disable else delay,
+            )  # fmt: skip
         except (psycopg.Error, sqlalchemy.exc.DBAPIError) as db_exc:  # the target is down: retry anyway
             self.log.warning("could not record the error in the catalog: %s", db_exc)
+        self._log_failure(exc, ctx, sqlstate, None if disable else delay)
+        if disable:
+            try:
+                self.catalog.update_subscription(sub.subid, subenabled=False)
+            except (psycopg.Error, sqlalchemy.exc.DBAPIError) as db_exc:  # the target is down: retry anyway
+                self.log.warning("could not disable the subscription: %s", db_exc)
+                raise exc from None
+            self.log.info('subscription "%s" has been disabled because of an error', self.subname)
+            return _Outcome.DISABLED
         raise exc
+
+    def _log_failure(self, exc: ApplierError, ctx: ErrorContext | None, sqlstate: str | None,
+                     delay: float | None) -> None:  # fmt: skip
+        """The error line of a failed remote transaction: what failed, where, when we try again and how to skip
+        it; with ``--log-format json`` each part is a field of its own."""
+        fields: dict[str, Any] = {
+            "subscription": self.subname,
+            "sqlstate": sqlstate,
+            "retry_count": self._failures,
+        }
+        text = str(exc)
+        if sqlstate:
+            text = f"{text}\nSQLSTATE: {sqlstate}"
+        if ctx is not None and ctx.finish_lsn:
+            skip = skip_command(self.subname, ctx.finish_lsn)
+            fields.update(remote_xid=ctx.xid, finish_lsn=format_lsn(ctx.finish_lsn), gid=ctx.gid,
+                          relation=ctx.relation, message_type=ctx.message_type, skip_command=skip)  # fmt: skip
+            if ctx.gid:
+                text += f"\nprepared transaction GID: {ctx.gid}"
+            text += f"\nto skip this remote transaction: {skip}"
+        if delay is not None:
+            fields["retry_in"] = round(delay, 3)
+            text += f"\nfailure {self._failures} of this transaction; next attempt in {delay:.1f} s"
+        self.log.error('logical replication apply worker for subscription "%s": %s', self.subname, text,
+                       extra={"failure": fields})  # fmt: skip
 
     def _retryable(self, exc: BaseException) -> bool:
         if isinstance(exc, ApplyWorkerError | CatalogError):
@@ -417,34 +467,40 @@ class ApplyWorker:
         # SQLAlchemy wraps the catalog's driver errors (a target restarting shows up there first)
         return isinstance(exc, ApplierError | psycopg.Error | sqlalchemy.exc.DBAPIError | OSError)
 
+    def _next_delay(self) -> float:
+        """Count one more failure in a row and return the wait before the next attempt (applier.retry)."""
+        self._failures += 1
+        return retry_delay(self._failures, initial=self.retry_initial, cap=self.retry_max)
+
     def _backoff(self, retry_state: Any) -> float:
-        """Exponential with jitter from ``retry_initial`` to ``retry_max``; reset by a session that made
-        progress, so an occasional failure after hours of work is retried quickly."""
-        wait = tenacity.wait_exponential_jitter(
-            multiplier=self.retry_initial, max=self.retry_max, jitter=self.retry_initial
-        )
-        return float(wait(SimpleNamespace(attempt_number=max(self._failures, 1))))  # type: ignore[arg-type]
+        """The wait before the next session: what :meth:`_apply_failed` computed and recorded for an apply error,
+        else the next step of the backoff. It grows while failures follow each other and starts again after a
+        session that made progress (past the failing remote transaction, when one failed)."""
+        planned, self._planned_delay = self._planned_delay, None
+        return planned if planned is not None else self._next_delay()
 
     def _sleep(self, seconds: float) -> None:
         self.stop.wait(seconds)
 
     def _before_sleep(self, retry_state: tenacity.RetryCallState) -> None:
         exc = retry_state.outcome.exception() if retry_state.outcome else None
-        self._failures += 1
         if not isinstance(exc, ApplyError | ProtocolError):
             self.stats.errors += 1
             self.stats.last_error = str(exc)
             if exc is not None:
                 self.metrics.error(exc)
-            self.log.warning("logical replication apply worker for subscription \"%s\" will retry: %s",
-                             self.subname, exc)  # fmt: skip
+            delay = retry_state.upcoming_sleep
+            self.log.warning("logical replication apply worker for subscription \"%s\" will retry in %.1f s: %s",
+                             self.subname, delay, exc)  # fmt: skip
             if self._subid is not None and not isinstance(
                 exc, psycopg.OperationalError | sqlalchemy.exc.DBAPIError
             ):
                 # e.g. the publisher refused START_REPLICATION: worth showing in applier status (a target that
                 # is down cannot record anything, so connection errors are only logged)
                 with contextlib.suppress(Exception):
-                    self.catalog.record_error(self._subid, str(exc))
+                    self.catalog.record_error(
+                        self._subid, str(exc), retry_count=self._failures, retry_in=delay
+                    )
 
     # --- one session ---------------------------------------------------------------------------------------------
     def _session(self) -> _Outcome:
@@ -515,8 +571,13 @@ class ApplyWorker:
                 self.stats.folded_prepares += applier.folded_prepares
                 self._publish(applier)
                 self.metrics.session_ended()
-                if applier.transactions:
+                if applier.transactions and (
+                    self._failing is None or target.good_origin_lsn > self._failing[1]
+                ):
+                    # progress (past the transaction that failed, if one did): the next failure starts the
+                    # backoff again, so an occasional one after hours of work is retried quickly
                     self._failures = 0
+                    self._failing = None
             if not clean and tracker is not None:
                 self._ungrouped_until = max(self._ungrouped_until, tracker.last_received)
             if not clean and not target.closed:
