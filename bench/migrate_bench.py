@@ -42,9 +42,10 @@ every source table, the number of valid indexes per table, the number of validat
 unique, foreign, check) and every sequence's ``last_value`` must equal the source's. A run that fails it is reported
 and left out of the medians.
 
-Peak RSS: the highest sum of ``VmRSS`` over the tool's process tree (the process the bench starts and all its
-descendants; for ours the Spark JVM too), sampled every 0.1 s from ``/proc`` (processes shorter than that may be
-missed). The server backends that do the work (COPY, CREATE INDEX, the native tablesync workers) are children of
+Peak memory: the highest sum of ``Pss`` (``/proc/<pid>/smaps_rollup``: private pages plus a share of the shared
+ones) over the tool's process tree (the process the bench starts and all its descendants; for ours the Spark JVM
+too), sampled every 0.1 s (processes shorter than that may be missed). ``VmRSS`` summed the same way counts a page
+that forked workers share once per worker: pgcopydb's tree showed 2 GB that way at ``--scale 0.25``. The server backends that do the work (COPY, CREATE INDEX, the native tablesync workers) are children of
 the postmaster, not of the tool, and are not counted for anyone.
 
 pgcopydb is not installed by ``.ci/install`` (CI does not need it); ``bash .ci/install --bench`` or, as root,
@@ -91,6 +92,8 @@ OUT_DIR = ROOT / "bench" / "out"
 TOOLS = ("pgcopydb", "dump_restore", "dump_restore_z0", "native", "ours")
 SOURCE_DB = "src"
 SAMPLE_S = 0.1
+#: Output lines kept in the results: pgcopydb saying which pg_dump/pg_restore (from ``PG_CONFIG``) it runs.
+NOTE_MARKERS = ("Using pg_dump", "Found psql", "PG_CONFIG")
 POLL_S = 0.05
 #: The issue's goal for ours: at most this fraction of pgcopydb's time.
 GOAL_VS_PGCOPYDB = 0.75
@@ -103,13 +106,15 @@ CODE_PACKAGES = ("applier", "state", "tablesync")
 
 @dataclass
 class Step:
-    """One command of a tool's run: what it took and the peak RSS of its process tree."""
+    """One command of a tool's run: what it took and the peak memory (PSS) of its process tree."""
 
     argv: list[str]
     seconds: float
     returncode: int
-    peak_rss_kb: int
+    peak_pss_kb: int
     output_tail: str = ""
+    #: lines of the output worth keeping whole, e.g. which pg_dump pgcopydb found
+    notes: list[str] = field(default_factory=list)
 
 
 class ToolFailed(RuntimeError):
@@ -117,7 +122,7 @@ class ToolFailed(RuntimeError):
 
 
 def run_step(argv: list[str], env: dict[str, str] | None, timeout: float, cwd: str | None = None) -> Step:
-    """Run ``argv`` in a new session, sampling its process tree's RSS; raise :class:`ToolFailed` unless it exits 0.
+    """Run ``argv`` in a new session, sampling its process tree's memory; raise :class:`ToolFailed` unless it exits 0.
 
     Output goes to a temporary file rather than a pipe, so a chatty tool never blocks on a full pipe and nothing
     has to read it while it runs."""
@@ -133,7 +138,7 @@ def run_step(argv: list[str], env: dict[str, str] | None, timeout: float, cwd: s
             while not done.is_set():
                 total = 0
                 for pid in [proc.pid, *descendants(proc.pid)]:
-                    total += _vm_rss_kb(pid)
+                    total += _pss_kb(pid)
                 peak[0] = max(peak[0], total)
                 done.wait(SAMPLE_S)
 
@@ -153,8 +158,10 @@ def run_step(argv: list[str], env: dict[str, str] | None, timeout: float, cwd: s
         done.set()
         sampler.join()
         out.seek(0)
-        tail = out.read()[-4000:]
-    step = Step(argv, elapsed, rc, peak[0], tail)
+        text = out.read()
+    tail = text[-4000:]
+    notes = [line.strip() for line in text.splitlines() if any(k in line for k in NOTE_MARKERS)][:5]
+    step = Step(argv, elapsed, rc, peak[0], tail, notes)
     if rc != 0:
         why = f"timed out after {timeout:.0f}s" if timed_out else f"exit status {rc}"
         last = next((line for line in reversed(tail.splitlines()) if line.strip()), "")
@@ -162,14 +169,20 @@ def run_step(argv: list[str], env: dict[str, str] | None, timeout: float, cwd: s
     return step
 
 
-def _vm_rss_kb(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
+def _pss_kb(pid: int) -> int:
+    """Proportional set size of ``pid``: its private pages plus its share of the pages it shares with others.
+
+    Summed over a process tree it is the tree's real memory; ``VmRSS`` summed over a tree counts a page that the
+    tool's forked workers share once per worker (pgcopydb's tree showed 2 GB that way).
+    Falls back to ``VmRSS`` where ``smaps_rollup`` is missing or unreadable."""
+    for path, key in ((f"/proc/{pid}/smaps_rollup", "Pss:"), (f"/proc/{pid}/status", "VmRSS:")):
+        try:
+            with open(path) as f:
+                for line in f:
+                    if line.startswith(key):
+                        return int(line.split()[1])
+        except OSError:
+            continue
     return 0
 
 
@@ -491,7 +504,7 @@ class RunResult:
     tool: str
     rep: int
     seconds: float | None  # None: the tool failed
-    peak_rss_mb: float | None
+    peak_pss_mb: float | None
     verified: bool
     steps: list[dict[str, Any]] = field(default_factory=list)
     error: str = ""
@@ -517,7 +530,7 @@ def one_run(ctx: Context, tool: str, rep: int, expected: dict[str, Any], schemas
             got = snapshot(t, schemas)
         diff = differences(expected, got)
         result = RunResult(
-            tool, rep, seconds, max(s.peak_rss_kb for s in steps) / 1024, not diff,
+            tool, rep, seconds, max(s.peak_pss_kb for s in steps) / 1024, not diff,
             [asdict(s) | {"output_tail": s.output_tail[-500:]} for s in steps],
             "; ".join(diff), os.getloadavg()[0],
         )  # fmt: skip
@@ -531,7 +544,7 @@ def describe(r: RunResult) -> str:
     if r.seconds is None:
         return "FAILED: " + (r.error.strip().splitlines() or [""])[0][:300]
     check = "verified" if r.verified else f"WRONG: {r.error}"
-    return f"{r.seconds:7.2f}s  peak RSS {r.peak_rss_mb or 0:6.0f} MB  {check}"
+    return f"{r.seconds:7.2f}s  peak PSS {r.peak_pss_mb or 0:6.0f} MB  {check}"
 
 
 @dataclass
@@ -540,7 +553,7 @@ class ToolSummary:
     median_s: float | None
     runs_s: list[float]
     failed: int
-    peak_rss_mb: float | None
+    peak_pss_mb: float | None
     unavailable: str = ""
     errors: list[str] = field(default_factory=list)
 
@@ -553,7 +566,7 @@ def summarize(tool: str, results: list[RunResult], unavailable: str | None) -> T
         median([r.seconds for r in good]) if good else None,  # type: ignore[misc]
         [round(r.seconds, 2) for r in good],  # type: ignore[arg-type]
         len(bad),
-        max((r.peak_rss_mb or 0.0) for r in good) if good else None,
+        max((r.peak_pss_mb or 0.0) for r in good) if good else None,
         unavailable or "",
         [f"run {r.rep}: " + (r.error or "verification failed").strip().splitlines()[0][:300] for r in bad],
     )
@@ -565,7 +578,7 @@ def render(summaries: list[ToolSummary], header: str) -> str:
     lines = [
         header,
         "",
-        "| tool | median s | runs s | peak RSS of its processes MB | ours / this |",
+        "| tool | median s | runs s | peak memory (PSS) of its processes MB | ours / this |",
         "|---|---|---|---|---|",
     ]
     for s in summaries:
@@ -577,7 +590,7 @@ def render(summaries: list[ToolSummary], header: str) -> str:
             ratio = f"{ours.median_s / s.median_s:.2f}"
         med = f"{s.median_s:.1f}" if s.median_s is not None else "FAILED"
         runs = ", ".join(f"{x:.1f}" for x in s.runs_s) + (f" ({s.failed} failed)" if s.failed else "")
-        rss = f"{s.peak_rss_mb:.0f}" if s.peak_rss_mb is not None else ""
+        rss = f"{s.peak_pss_mb:.0f}" if s.peak_pss_mb is not None else ""
         lines.append(f"| {LABELS[s.tool]} | {med} | {runs} | {rss} | {ratio} |")
     pg = by.get("pgcopydb")
     if ours and ours.median_s and pg and pg.median_s:

@@ -75,7 +75,7 @@ def test_bench_runs_every_installed_tool_and_verifies_it(tmp_path: Path) -> None
             assert "not run: " in (tmp_path / "r.md").read_text()
             continue
         assert s["failed"] == 0 and s["median_s"] is not None, (tool, s, res.stderr[-3000:])
-        assert s["peak_rss_mb"] > 0
+        assert s["peak_pss_mb"] > 0
     runs = [r for r in data["results"] if r["tool"] in tools]
     assert all(r["verified"] for r in runs), runs
     # 5 pgbench/big tables (pgbench_* and big) + 3 small ones, all counted on the source
