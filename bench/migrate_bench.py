@@ -640,6 +640,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--pg", default="15", help="server version or bindir (default 15: Debian, as pgcopydb needs)"
     )
+    ap.add_argument(
+        "--target-pg",
+        help="the target's version or bindir, when it differs from --pg (an upgrade); the client tools stay --pg's",
+    )
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one tool may take for one run")
     ap.add_argument("--ours-code", type=Path, default=ROOT, help="project tree whose applier runs as ours")
     ap.add_argument(
@@ -666,7 +670,8 @@ def main(argv: list[str] | None = None) -> int:
     bindir = str(binaries.bindir)
     common = {"autovacuum": "off", "max_wal_size": "8GB", "checkpoint_timeout": "1h"}
     src = PostgresCluster(binaries, name="mbench-src", durable=True, settings=common)
-    tgt = PostgresCluster(binaries, name="mbench-tgt", durable=True,
+    tgt_binaries = find_binaries(args.target_pg) if args.target_pg else binaries
+    tgt = PostgresCluster(tgt_binaries, name="mbench-tgt", durable=True,
                           settings={**common, "max_sync_workers_per_subscription": str(args.jobs)})  # fmt: skip
     unavailable: dict[str, str] = {}
     if "pgcopydb" in args.tools and (why := pgcopydb_unavailable()):
@@ -695,6 +700,8 @@ def main(argv: list[str] | None = None) -> int:
             expected = snapshot(c, schemas)
             size_mb = c.execute("SELECT pg_database_size(current_database())").fetchone()[0] / 1e6  # type: ignore[index]
         version = str(src.scalar("SHOW server_version"))
+        if args.target_pg:
+            version += " source, " + str(tgt.scalar("SHOW server_version")) + " target"
         print(f"migrate_bench {started:%Y-%m-%d %H:%M} UTC, PostgreSQL {version}, dataset {asdict(ds)}: "
               f"{len(expected['rows'])} tables, {sum(expected['rows'].values()):,} rows, {size_mb:,.0f} MB, built in "
               f"{time.monotonic() - t0:.0f}s; jobs {args.jobs}; load {load_at_start[0]:.1f}", file=sys.stderr,
@@ -718,7 +725,8 @@ def main(argv: list[str] | None = None) -> int:
     load_at_end = loadavg()
     summaries = [summarize(t, [r for r in results if r.tool == t], unavailable.get(t)) for t in args.tools]
     header = (
-        f"{started:%Y-%m-%d %H:%M} UTC; PostgreSQL {version} source and target ({bindir}); "
+        f"{started:%Y-%m-%d %H:%M} UTC; PostgreSQL {version}{'' if args.target_pg else ' source and target'}"
+        f" (client tools from {bindir}); "
         f"dataset --scale {args.scale:g} ({len(expected['rows'])} tables, {sum(expected['rows'].values()):,} rows, "
         f"{size_mb:,.0f} MB); N = {args.jobs} jobs; {args.repeat} run(s) per tool, rotating order; ours: code of "
         f"{args.ours_code} at {ours_rev or '-'}; bench at {git_rev(ROOT)}; {os.cpu_count()} CPUs; load average "
