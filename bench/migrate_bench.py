@@ -92,8 +92,6 @@ OUT_DIR = ROOT / "bench" / "out"
 TOOLS = ("pgcopydb", "dump_restore", "dump_restore_z0", "native", "ours")
 SOURCE_DB = "src"
 SAMPLE_S = 0.1
-#: Output lines kept in the results: pgcopydb saying which pg_dump/pg_restore (from ``PG_CONFIG``) it runs.
-NOTE_MARKERS = ("Using pg_dump", "Found psql", "PG_CONFIG")
 POLL_S = 0.05
 #: The issue's goal for ours: at most this fraction of pgcopydb's time.
 GOAL_VS_PGCOPYDB = 0.75
@@ -113,8 +111,6 @@ class Step:
     returncode: int
     peak_pss_kb: int
     output_tail: str = ""
-    #: lines of the output worth keeping whole, e.g. which pg_dump pgcopydb found
-    notes: list[str] = field(default_factory=list)
 
 
 class ToolFailed(RuntimeError):
@@ -160,8 +156,7 @@ def run_step(argv: list[str], env: dict[str, str] | None, timeout: float, cwd: s
         out.seek(0)
         text = out.read()
     tail = text[-4000:]
-    notes = [line.strip() for line in text.splitlines() if any(k in line for k in NOTE_MARKERS)][:5]
-    step = Step(argv, elapsed, rc, peak[0], tail, notes)
+    step = Step(argv, elapsed, rc, peak[0], tail)
     if rc != 0:
         why = f"timed out after {timeout:.0f}s" if timed_out else f"exit status {rc}"
         last = next((line for line in reversed(tail.splitlines()) if line.strip()), "")
@@ -509,6 +504,8 @@ class RunResult:
     steps: list[dict[str, Any]] = field(default_factory=list)
     error: str = ""
     load: float = 0.0
+    #: ours: its rows of ``applier.migration`` after the run
+    details: list[Any] = field(default_factory=list)
 
 
 def one_run(ctx: Context, tool: str, rep: int, expected: dict[str, Any], schemas: list[str]) -> RunResult:
@@ -524,7 +521,10 @@ def one_run(ctx: Context, tool: str, rep: int, expected: dict[str, Any], schemas
         steps = RUNNERS[tool](ctx, target_db)
         seconds = time.monotonic() - started
     except (ToolFailed, psycopg.Error, subprocess.SubprocessError) as exc:
-        result = RunResult(tool, rep, None, None, False, error=str(exc)[-3000:], load=os.getloadavg()[0])
+        text = str(exc)
+        head, _, rest = text.partition("\n")
+        error = head[:1000] + ("\n" + rest[-2500:] if rest else "")
+        result = RunResult(tool, rep, None, None, False, error=error, load=os.getloadavg()[0])
     else:
         with ctx.tgt.connect(target_db) as t:
             got = snapshot(t, schemas)
@@ -536,8 +536,20 @@ def one_run(ctx: Context, tool: str, rep: int, expected: dict[str, Any], schemas
         )  # fmt: skip
     finally:
         shutil.rmtree(ctx.workdir, ignore_errors=True)
+    if tool == "ours":
+        result.details = migration_rows(ctx.tgt, target_db)
     ctx.tgt.drop_database(target_db)
     return result
+
+
+def migration_rows(cluster: PostgresCluster, db: str) -> list[Any]:
+    """Our migration's own record (phase, time of each phase, when it ended), kept with the run: it tells a slow
+    exit from a slow migration. Best effort: the table belongs to ``applier migrate`` and may change."""
+    try:
+        with cluster.connect(db) as c:
+            return [r[0] for r in c.execute("SELECT to_jsonb(m) FROM applier.migration m").fetchall()]
+    except psycopg.Error as exc:
+        return [f"(no applier.migration: {str(exc).strip()[:200]})"]
 
 
 def describe(r: RunResult) -> str:
