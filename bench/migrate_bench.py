@@ -1,0 +1,766 @@
+"""Migration speed: ``applier migrate`` against pgcopydb, pg_dump/pg_restore and the native path, same servers, same run.
+
+What is timed, for each tool, is the wall time from an empty target database to a *consistent, indexed* copy of the
+source (issue 17, "Speed"), at the same parallelism ``N`` (``--jobs``, default 2):
+
+* ``pgcopydb``: ``pgcopydb clone --table-jobs N --index-jobs N`` (Debian package 0.10; it runs the pg_dump/pg_restore
+  it finds through ``PG_CONFIG``, which the bench points at the servers' own bindir).
+* ``dump_restore``: ``pg_dump -Fd -j N`` into a directory, then ``pg_restore -j N`` (default compression: gzip);
+  ``dump_restore_z0``: the same with ``pg_dump -Z 0``.
+* ``native``: ``pg_dump --schema-only`` once, ``pg_restore --section=pre-data``, ``CREATE PUBLICATION ... FOR ALL
+  TABLES`` on the source and ``CREATE SUBSCRIPTION`` (copy_data) on the target with
+  ``max_sync_workers_per_subscription = N``, wait until every table is ``r``, ``pg_restore -j N
+  --section=post-data``, ``setval`` of every sequence from the source, ``DROP SUBSCRIPTION``.
+* ``ours``: ``python -m applier.cli migrate start NAME --source S --target T --table-jobs N --index-jobs N
+  --cutover``, timed until it exits 0 (the target is consistent, indexed, verified and cut over). Its code comes
+  from ``--ours-code DIR`` (default: this work tree), copied once at start-up into a temporary directory that is put
+  on ``PYTHONPATH``, so that one benchmark measures one version even while someone edits DIR (nothing is ever
+  written into DIR); ``--code-rev REV`` takes ``git archive REV`` of DIR instead. When that code has no usable
+  ``migrate start --cutover`` (``--help`` fails or lacks the option), the ``ours`` column says so and the others
+  are still measured. A cutover fences the source, so ours runs against a fresh copy of the source database
+  (``CREATE DATABASE ... TEMPLATE src STRATEGY FILE_COPY``, outside the timed part), dropped afterwards.
+
+Servers: two PostgreSQL clusters from ``--pg`` (default 15, Debian's ``/usr/lib/postgresql/15/bin``: the Debian
+pgcopydb drives the system's PostgreSQL 15 client, so all client tools come from that bindir), started by
+``applier.testing.cluster`` with ``durable=True`` (fsync on), ``autovacuum = off``, ``max_wal_size = 8GB``,
+``checkpoint_timeout = 1h`` (as bench/apply_bench.py: no autovacuum or checkpoint lands at random inside one tool's
+run; a CHECKPOINT on both sides precedes each run instead). Other settings are the harness's defaults
+(``shared_buffers = 128MB``, ``maintenance_work_mem`` 64MB) and are the same for every tool. ``--target-pg 18``
+makes the target another version (an upgrade); the client tools stay the source's.
+
+Dataset (built once per run of the bench, reused by every tool; only the target database is dropped and recreated
+between runs): ``pgbench -i -s 30 --foreign-keys``; a ``big`` table of 2,000,000 rows (bigserial key, an integer, a
+timestamp, text and a jsonb document) with three secondary indexes, one of them GIN on the jsonb; 200 tables of
+5,000 rows with a serial key each (so 201 sequences); 1.5 GB as ``pg_database_size`` counts it (the issue says
+1.17 GB). ``--scale F`` multiplies the pgbench scale (at least 1), the big table's rows and the small tables' rows;
+``--small-tables`` sets their number.
+
+Fairness: the tools run in a rotating order (repetition ``i`` starts at tool ``i mod k``), so none always follows
+the same neighbour or always runs first on cold caches. Medians of ``--repeat`` runs (default 3); the report gives
+the ratio of ours to each other tool.
+
+Verification after each run, outside the timed part, so that a fast-but-wrong run cannot win: exact row count of
+every source table, the number of valid indexes per table, the number of validated constraints per kind (primary,
+unique, foreign, check) and every sequence's ``last_value`` must equal the source's. A run that fails it is reported
+and left out of the medians.
+
+Peak memory: the highest sum of ``Pss`` (``/proc/<pid>/smaps_rollup``: private pages plus a share of the shared
+ones) over the tool's process tree (the process the bench starts and all its descendants; for ours the Spark JVM
+too), sampled every 0.1 s (processes shorter than that may be missed). ``VmRSS`` summed the same way counts a page
+that forked workers share once per worker: pgcopydb's tree showed 2 GB that way at ``--scale 0.25``. The server backends that do the work (COPY, CREATE INDEX, the native tablesync workers) are children of
+the postmaster, not of the tool, and are not counted for anyone.
+
+pgcopydb is not installed by ``.ci/install`` (CI does not need it); ``bash .ci/install --bench`` or, as root,
+``apt-get install pgcopydb`` adds it. Without it the bench says so and measures the others.
+
+    .venv/bin/python bench/migrate_bench.py --scale 0.05 --small-tables 20 --repeat 1   # a couple of minutes
+    .venv/bin/python bench/migrate_bench.py                                              # the issue's size, 3 runs
+    .venv/bin/python bench/migrate_bench.py --ours-code ../migrate --tools ours,pgcopydb
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+ROOT = Path(__file__).resolve().parent.parent
+if __package__ in (None, ""):  # run as a script: make the project and the bench helpers importable
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import descendants, loadavg, median  # noqa: E402
+
+from applier.testing.cluster import PostgresCluster, find_binaries  # noqa: E402
+
+OUT_DIR = ROOT / "bench" / "out"
+TOOLS = ("pgcopydb", "dump_restore", "dump_restore_z0", "native", "ours")
+SOURCE_DB = "src"
+SAMPLE_S = 0.1
+POLL_S = 0.05
+#: The issue's goal for ours: at most this fraction of pgcopydb's time.
+GOAL_VS_PGCOPYDB = 0.75
+#: Top-level packages of the project that ``python -m applier.cli`` needs, copied from ``--ours-code``.
+CODE_PACKAGES = ("applier", "state", "tablesync")
+
+
+# --- running a tool ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Step:
+    """One command of a tool's run: what it took and the peak memory (PSS) of its process tree."""
+
+    argv: list[str]
+    seconds: float
+    returncode: int
+    peak_pss_kb: int
+    output_tail: str = ""
+
+
+class ToolFailed(RuntimeError):
+    """A tool exited non-zero or timed out; the message carries the command and its output's tail."""
+
+
+def run_step(argv: list[str], env: dict[str, str] | None, timeout: float, cwd: str | None = None) -> Step:
+    """Run ``argv`` in a new session, sampling its process tree's memory; raise :class:`ToolFailed` unless it exits 0.
+
+    Output goes to a temporary file rather than a pipe, so a chatty tool never blocks on a full pipe and nothing
+    has to read it while it runs."""
+    with tempfile.TemporaryFile(mode="w+") as out:
+        started = time.monotonic()
+        proc = subprocess.Popen(
+            argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        peak = [0]
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                total = 0
+                for pid in [proc.pid, *descendants(proc.pid)]:
+                    total += _pss_kb(pid)
+                peak[0] = max(peak[0], total)
+                done.wait(SAMPLE_S)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the session we started for it, and only that
+            rc = proc.wait()
+            rc = rc if rc != 0 else -9
+            timed_out = True
+        else:
+            timed_out = False
+        elapsed = time.monotonic() - started
+        done.set()
+        sampler.join()
+        out.seek(0)
+        text = out.read()
+    tail = text[-4000:]
+    step = Step(argv, elapsed, rc, peak[0], tail)
+    if rc != 0:
+        why = f"timed out after {timeout:.0f}s" if timed_out else f"exit status {rc}"
+        last = next((line for line in reversed(tail.splitlines()) if line.strip()), "")
+        raise ToolFailed(f"{' '.join(argv[:6])} ...: {why}: {last.strip()[:300]}\n{tail}")
+    return step
+
+
+def _pss_kb(pid: int) -> int:
+    """Proportional set size of ``pid``: its private pages plus its share of the pages it shares with others.
+
+    Summed over a process tree it is the tree's real memory; ``VmRSS`` summed over a tree counts a page that the
+    tool's forked workers share once per worker (pgcopydb's tree showed 2 GB that way).
+    Falls back to ``VmRSS`` where ``smaps_rollup`` is missing or unreadable."""
+    for path, key in ((f"/proc/{pid}/smaps_rollup", "Pss:"), (f"/proc/{pid}/status", "VmRSS:")):
+        try:
+            with open(path) as f:
+                for line in f:
+                    if line.startswith(key):
+                        return int(line.split()[1])
+        except OSError:
+            continue
+    return 0
+
+
+# --- the dataset ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Sizes of the dataset; the defaults are the issue's (1.5 GB with indexes)."""
+
+    pgbench_scale: int = 30
+    big_rows: int = 2_000_000
+    small_tables: int = 200
+    small_rows: int = 5_000
+
+    @classmethod
+    def scaled(cls, scale: float, small_tables: int | None) -> Dataset:
+        base = cls()
+        return cls(
+            pgbench_scale=max(1, round(base.pgbench_scale * scale)),
+            big_rows=max(100, round(base.big_rows * scale)),
+            small_tables=base.small_tables if small_tables is None else small_tables,
+            small_rows=max(10, round(base.small_rows * scale)),
+        )
+
+
+BIG_DDL = [
+    "CREATE TABLE big (id bigserial PRIMARY KEY, account integer NOT NULL, created timestamptz NOT NULL,"
+    " label text NOT NULL, doc jsonb NOT NULL)",
+    "INSERT INTO big (account, created, label, doc) SELECT g %% 100000, timestamptz '2025-01-01 00:00:00+00'"
+    " + g * interval '1 s', md5(g::text) || md5((g + 1)::text), jsonb_build_object('g', g, 'tag', 't' || (g %% 50),"
+    " 'flags', jsonb_build_array(g %% 3, g %% 7), 'note', md5((g * 7)::text)) FROM generate_series(1, %(rows)s) g",
+    "CREATE INDEX big_account ON big (account)",
+    "CREATE INDEX big_created ON big (created)",
+    "CREATE INDEX big_doc ON big USING gin (doc)",
+]
+SMALL_DDL = (
+    "CREATE TABLE {} (id serial PRIMARY KEY, k integer NOT NULL, v text NOT NULL, ts timestamptz NOT NULL)"
+)
+SMALL_FILL = (
+    "INSERT INTO {} (k, v, ts) SELECT g %% 97, md5(g::text), timestamptz '2025-01-01 00:00:00+00' + g * interval '1 min'"
+    " FROM generate_series(1, %s) g"
+)
+
+
+def build_dataset(src: PostgresCluster, ds: Dataset, bindir: str) -> None:
+    """pgbench's tables, the big table and the small ones, then VACUUM ANALYZE (so every tool reads the same
+    all-visible, hinted pages) and a CHECKPOINT."""
+    src.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(SOURCE_DB)))
+    env = dict(os.environ, PGHOST="127.0.0.1", PGPORT=str(src.port), PGUSER="postgres")
+    subprocess.run(
+        [f"{bindir}/pgbench", "-i", "-q", "-s", str(ds.pgbench_scale), "--foreign-keys", SOURCE_DB],
+        env=env, check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    with src.connect(SOURCE_DB) as c:
+        for stmt in BIG_DDL:
+            c.execute(stmt, {"rows": ds.big_rows} if "%(rows)s" in stmt else None)
+        for i in range(ds.small_tables):
+            name = sql.Identifier(f"small_{i:03d}")
+            c.execute(sql.SQL(SMALL_DDL).format(name))
+            c.execute(sql.SQL(SMALL_FILL).format(name), (ds.small_rows,))
+        c.execute("VACUUM ANALYZE")
+        c.execute("CHECKPOINT")
+
+
+# --- verification -----------------------------------------------------------------------------------------------
+
+
+def user_schemas(conn: psycopg.Connection) -> list[str]:
+    rows = conn.execute(
+        "SELECT nspname FROM pg_namespace WHERE nspname NOT LIKE 'pg\\_%' AND nspname <> 'information_schema'"
+    ).fetchall()
+    return sorted(r[0] for r in rows)
+
+
+def snapshot(conn: psycopg.Connection, schemas: Sequence[str]) -> dict[str, Any]:
+    """What a copy must reproduce, in ``schemas`` (the source's: a tool may add its own, e.g. ``applier``): exact
+    row counts, valid index counts per table, validated constraints per kind, sequence values."""
+    nsp = list(schemas)
+    tables = conn.execute(
+        "SELECT n.nspname, c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE c.relkind IN ('r', 'p') AND n.nspname = ANY(%s) ORDER BY 1, 2",
+        (nsp,),
+    ).fetchall()
+    counts = {}
+    for schema, rel in tables:
+        q = sql.SQL("SELECT count(*) FROM {}.{}").format(sql.Identifier(schema), sql.Identifier(rel))
+        counts[f"{schema}.{rel}"] = conn.execute(q).fetchone()[0]  # type: ignore[index]
+    indexes = dict(
+        conn.execute(
+            "SELECT n.nspname || '.' || t.relname, count(*) FILTER (WHERE i.indisvalid AND i.indisready)"
+            " FROM pg_index i JOIN pg_class t ON t.oid = i.indrelid JOIN pg_namespace n ON n.oid = t.relnamespace"
+            " WHERE n.nspname = ANY(%s) GROUP BY 1",
+            (nsp,),
+        ).fetchall()
+    )
+    constraints = dict(
+        conn.execute(
+            "SELECT k.contype::text, count(*) FILTER (WHERE k.convalidated) FROM pg_constraint k"
+            " JOIN pg_namespace n ON n.oid = k.connamespace WHERE k.contype IN ('p', 'u', 'f', 'c')"
+            " AND n.nspname = ANY(%s) GROUP BY 1",
+            (nsp,),
+        ).fetchall()
+    )
+    sequences = dict(
+        conn.execute(
+            "SELECT schemaname || '.' || sequencename, last_value FROM pg_sequences WHERE schemaname = ANY(%s)",
+            (nsp,),
+        ).fetchall()
+    )
+    return {"rows": counts, "indexes": indexes, "constraints": constraints, "sequences": sequences}
+
+
+def differences(expected: dict[str, Any], got: dict[str, Any], limit: int = 8) -> list[str]:
+    """Human-readable differences, at most ``limit`` of them."""
+    out = []
+    for kind, exp in expected.items():
+        have = got.get(kind, {})
+        for key in sorted(set(exp) | set(have)):
+            if exp.get(key) != have.get(key):
+                out.append(f"{kind} {key}: source {exp.get(key)!r}, target {have.get(key)!r}")
+    return out[:limit] + ([f"... and {len(out) - limit} more"] if len(out) > limit else [])
+
+
+# --- the tools --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Context:
+    """What every tool's run needs."""
+
+    src: PostgresCluster
+    tgt: PostgresCluster
+    bindir: str
+    jobs: int
+    timeout: float
+    workdir: Path  # scratch space for dumps and pgcopydb's work directory, emptied after each run
+    ours_code: Path | None
+    ours_env: dict[str, str] = field(default_factory=dict)
+
+    def uri(self, cluster: PostgresCluster, db: str) -> str:
+        return f"postgresql://postgres@127.0.0.1:{cluster.port}/{db}"
+
+    def tool_env(self) -> dict[str, str]:
+        """PATH and PG_CONFIG pointing at the servers' bindir, so every client tool matches the servers."""
+        return dict(
+            os.environ,
+            PATH=f"{self.bindir}:{os.environ.get('PATH', '')}",
+            PG_CONFIG=f"{self.bindir}/pg_config",
+            TMPDIR=str(self.workdir),
+        )
+
+
+def run_pgcopydb(ctx: Context, target_db: str) -> list[Step]:
+    argv = ["pgcopydb", "clone", "--source", ctx.uri(ctx.src, SOURCE_DB), "--target", ctx.uri(ctx.tgt, target_db),
+            "--table-jobs", str(ctx.jobs), "--index-jobs", str(ctx.jobs), "--dir", str(ctx.workdir / "pgcopydb")]  # fmt: skip
+    return [run_step(argv, ctx.tool_env(), ctx.timeout)]
+
+
+def _dump_restore(ctx: Context, target_db: str, extra: list[str]) -> list[Step]:
+    dump = str(ctx.workdir / "dump")
+    b = ctx.bindir
+    return [
+        run_step([f"{b}/pg_dump", "-Fd", "-j", str(ctx.jobs), *extra, "-f", dump, "-d", ctx.uri(ctx.src, SOURCE_DB)],
+                 ctx.tool_env(), ctx.timeout),
+        run_step([f"{b}/pg_restore", "-j", str(ctx.jobs), "-d", ctx.uri(ctx.tgt, target_db), dump],
+                 ctx.tool_env(), ctx.timeout),
+    ]  # fmt: skip
+
+
+def run_dump_restore(ctx: Context, target_db: str) -> list[Step]:
+    return _dump_restore(ctx, target_db, [])
+
+
+def run_dump_restore_z0(ctx: Context, target_db: str) -> list[Step]:
+    return _dump_restore(ctx, target_db, ["-Z", "0"])
+
+
+def run_native(ctx: Context, target_db: str) -> list[Step]:
+    """pre-data, CREATE SUBSCRIPTION's copy, post-data with -j N, setval, DROP SUBSCRIPTION (see the docstring)."""
+    b, env, schema = ctx.bindir, ctx.tool_env(), str(ctx.workdir / "schema.dump")
+    tgt_uri, src_uri = ctx.uri(ctx.tgt, target_db), ctx.uri(ctx.src, SOURCE_DB)
+    steps = [
+        run_step([f"{b}/pg_dump", "-Fc", "--schema-only", "-f", schema, "-d", src_uri], env, ctx.timeout),
+        run_step([f"{b}/pg_restore", "--section=pre-data", "-d", tgt_uri, schema], env, ctx.timeout),
+    ]
+    name = f"migbench_{target_db}"
+    deadline = time.monotonic() + ctx.timeout
+    with ctx.src.connect(SOURCE_DB) as s, ctx.tgt.connect(target_db) as t:
+        s.execute(sql.SQL("CREATE PUBLICATION {} FOR ALL TABLES").format(sql.Identifier(name)))
+        ntables = s.execute(
+            "SELECT count(*) FROM pg_publication_tables WHERE pubname = %s", (name,)
+        ).fetchone()[0]  # type: ignore[index]
+        t.execute(
+            sql.SQL(
+                "CREATE SUBSCRIPTION {} CONNECTION {} PUBLICATION {} WITH (copy_data = true, streaming = off)"
+            ).format(sql.Identifier(name), sql.Literal(ctx.src.dsn(SOURCE_DB)), sql.Identifier(name))
+        )
+        while True:
+            total, ready = t.execute(
+                "SELECT count(*), count(*) FILTER (WHERE srsubstate = 'r') FROM pg_subscription_rel"
+            ).fetchone()  # type: ignore[misc]
+            if total == ntables and ready == total:
+                break
+            if time.monotonic() > deadline:
+                raise ToolFailed(f"native: {ready}/{ntables} tables ready after {ctx.timeout:.0f}s")
+            time.sleep(POLL_S)
+    steps.append(
+        run_step([f"{b}/pg_restore", "-j", str(ctx.jobs), "--section=post-data", "-d", tgt_uri, schema], env,
+                 ctx.timeout)
+    )  # fmt: skip
+    with ctx.src.connect(SOURCE_DB) as s, ctx.tgt.connect(target_db) as t:
+        seqs = s.execute(
+            "SELECT schemaname, sequencename, last_value FROM pg_sequences WHERE last_value IS NOT NULL"
+        ).fetchall()
+        with t.transaction():
+            for nsp, seq, value in seqs:
+                t.execute(
+                    "SELECT pg_catalog.setval(%s::regclass, %s, true)",
+                    (sql.Identifier(nsp, seq).as_string(t), value),
+                )
+        ident = sql.Identifier(name)
+        t.execute(sql.SQL("DROP SUBSCRIPTION {}").format(ident))  # drops the slot on the source too
+        s.execute(sql.SQL("DROP PUBLICATION {}").format(ident))
+    return steps
+
+
+def run_ours(ctx: Context, target_db: str) -> list[Step]:
+    """``applier migrate start --cutover`` against a fresh copy of the source (a cutover fences its source)."""
+    if ctx.ours_code is None:
+        raise ToolFailed("no code for ours")
+    src_db = f"{SOURCE_DB}_{target_db}"
+    ctx.src.execute(
+        sql.SQL("CREATE DATABASE {} TEMPLATE {} STRATEGY FILE_COPY").format(
+            sql.Identifier(src_db), sql.Identifier(SOURCE_DB)
+        )
+    )
+    with ctx.src.connect() as c, ctx.tgt.connect() as t:
+        c.execute("CHECKPOINT")
+        t.execute("CHECKPOINT")
+    try:
+        argv = [sys.executable, "-m", "applier.cli", "migrate", "start", f"migbench_{target_db}",
+                "--source", ctx.src.dsn(src_db), "--target", ctx.tgt.dsn(target_db),
+                "--table-jobs", str(ctx.jobs), "--index-jobs", str(ctx.jobs), "--cutover"]  # fmt: skip
+        return [run_step(argv, ctx.ours_env, ctx.timeout, cwd=str(ctx.workdir))]
+    finally:
+        ctx.src.drop_database(src_db)  # also drops the slot(s) the migration left there
+
+
+RUNNERS: dict[str, Callable[[Context, str], list[Step]]] = {
+    "pgcopydb": run_pgcopydb,
+    "dump_restore": run_dump_restore,
+    "dump_restore_z0": run_dump_restore_z0,
+    "native": run_native,
+    "ours": run_ours,
+}
+LABELS = {
+    "pgcopydb": "pgcopydb clone",
+    "dump_restore": "pg_dump -Fd -j N, then pg_restore -j N",
+    "dump_restore_z0": "the same with pg_dump -Z 0",
+    "native": "native (pre-data, subscription copy, post-data -j N, setval)",
+    "ours": "applier migrate start --cutover",
+}
+
+
+# --- availability -----------------------------------------------------------------------------------------------
+
+
+def prepare_ours_code(source: Path, code_rev: str | None) -> Path:
+    """A private, frozen copy of the project's packages (see the docstring): the working files of ``source``, or
+    ``git archive code_rev`` of it."""
+    dest = Path(tempfile.mkdtemp(prefix="migbench-code-"))
+    if code_rev:
+        archive = subprocess.run(
+            ["git", "-C", str(source), "archive", "--format=tar", code_rev, *CODE_PACKAGES],
+            capture_output=True,
+            check=True,
+        )
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    else:
+        for pkg in CODE_PACKAGES:
+            if (source / pkg).is_dir():
+                shutil.copytree(
+                    source / pkg, dest / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+                )
+    return dest
+
+
+def ours_unavailable(env: dict[str, str], cwd: Path) -> str | None:
+    """Why ``applier migrate start --cutover`` cannot be run from this code, or None when it can."""
+    res = subprocess.run(
+        [sys.executable, "-m", "applier.cli", "migrate", "start", "--help"],
+        env=env, cwd=str(cwd), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    text = res.stdout + res.stderr
+    if res.returncode != 0:
+        return (
+            f"`applier migrate start --help` exits {res.returncode}: {text.strip().splitlines()[-1:] or ''}"
+        )
+    if "--cutover" not in text:
+        return "`applier migrate start` has no --cutover option in this code"
+    return None
+
+
+def pgcopydb_unavailable() -> str | None:
+    if shutil.which("pgcopydb") is None:
+        return (
+            "pgcopydb is not installed (bash .ci/install --bench, or as root: apt-get install pgcopydb); "
+            "its column is left out"
+        )
+    return None
+
+
+# --- one run and the report -------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    tool: str
+    rep: int
+    seconds: float | None  # None: the tool failed
+    peak_pss_mb: float | None
+    verified: bool
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    error: str = ""
+    load: float = 0.0
+    #: ours: its rows of ``applier.migration`` after the run
+    details: list[Any] = field(default_factory=list)
+
+
+def one_run(ctx: Context, tool: str, rep: int, expected: dict[str, Any], schemas: list[str]) -> RunResult:
+    target_db = f"{tool}_{rep}"
+    ctx.tgt.create_database(target_db)
+    shutil.rmtree(ctx.workdir, ignore_errors=True)
+    ctx.workdir.mkdir(parents=True)
+    with ctx.src.connect() as s, ctx.tgt.connect() as t:
+        s.execute("CHECKPOINT")
+        t.execute("CHECKPOINT")
+    started = time.monotonic()
+    try:
+        steps = RUNNERS[tool](ctx, target_db)
+        seconds = time.monotonic() - started
+    except (ToolFailed, psycopg.Error, subprocess.SubprocessError) as exc:
+        text = str(exc)
+        head, _, rest = text.partition("\n")
+        error = head[:1000] + ("\n" + rest[-2500:] if rest else "")
+        result = RunResult(tool, rep, None, None, False, error=error, load=os.getloadavg()[0])
+    else:
+        with ctx.tgt.connect(target_db) as t:
+            got = snapshot(t, schemas)
+        diff = differences(expected, got)
+        result = RunResult(
+            tool, rep, seconds, max(s.peak_pss_kb for s in steps) / 1024, not diff,
+            [asdict(s) | {"output_tail": s.output_tail[-500:]} for s in steps],
+            "; ".join(diff), os.getloadavg()[0],
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(ctx.workdir, ignore_errors=True)
+    if tool == "ours":
+        result.details = migration_rows(ctx.tgt, target_db)
+    ctx.tgt.drop_database(target_db)
+    return result
+
+
+def migration_rows(cluster: PostgresCluster, db: str) -> list[Any]:
+    """Our migration's own record (phase, time of each phase, when it ended), kept with the run: it tells a slow
+    exit from a slow migration. Best effort: the table belongs to ``applier migrate`` and may change."""
+    try:
+        with cluster.connect(db) as c:
+            return [r[0] for r in c.execute("SELECT to_jsonb(m) FROM applier.migration m").fetchall()]
+    except psycopg.Error as exc:
+        return [f"(no applier.migration: {str(exc).strip()[:200]})"]
+
+
+def describe(r: RunResult) -> str:
+    if r.seconds is None:
+        return "FAILED: " + (r.error.strip().splitlines() or [""])[0][:300]
+    check = "verified" if r.verified else f"WRONG: {r.error}"
+    return f"{r.seconds:7.2f}s  peak PSS {r.peak_pss_mb or 0:6.0f} MB  {check}"
+
+
+@dataclass
+class ToolSummary:
+    tool: str
+    median_s: float | None
+    runs_s: list[float]
+    failed: int
+    peak_pss_mb: float | None
+    unavailable: str = ""
+    errors: list[str] = field(default_factory=list)
+
+
+def summarize(tool: str, results: list[RunResult], unavailable: str | None) -> ToolSummary:
+    good = [r for r in results if r.seconds is not None and r.verified]
+    bad = [r for r in results if not (r.seconds is not None and r.verified)]
+    return ToolSummary(
+        tool,
+        median([r.seconds for r in good]) if good else None,  # type: ignore[misc]
+        [round(r.seconds, 2) for r in good],  # type: ignore[arg-type]
+        len(bad),
+        max((r.peak_pss_mb or 0.0) for r in good) if good else None,
+        unavailable or "",
+        [f"run {r.rep}: " + (r.error or "verification failed").strip().splitlines()[0][:300] for r in bad],
+    )
+
+
+def render(summaries: list[ToolSummary], header: str) -> str:
+    by = {s.tool: s for s in summaries}
+    ours = by.get("ours")
+    lines = [
+        header,
+        "",
+        "| tool | median s | runs s | peak memory (PSS) of its processes MB | ours / this |",
+        "|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        if s.unavailable:
+            lines.append(f"| {LABELS[s.tool]} | not run: {s.unavailable} | | | |")
+            continue
+        ratio = ""
+        if ours and ours.median_s and s.median_s and s.tool != "ours":
+            ratio = f"{ours.median_s / s.median_s:.2f}"
+        med = f"{s.median_s:.1f}" if s.median_s is not None else "FAILED"
+        runs = ", ".join(f"{x:.1f}" for x in s.runs_s) + (f" ({s.failed} failed)" if s.failed else "")
+        rss = f"{s.peak_pss_mb:.0f}" if s.peak_pss_mb is not None else ""
+        lines.append(f"| {LABELS[s.tool]} | {med} | {runs} | {rss} | {ratio} |")
+    pg = by.get("pgcopydb")
+    if ours and ours.median_s and pg and pg.median_s:
+        r = ours.median_s / pg.median_s
+        verdict = "met" if r <= GOAL_VS_PGCOPYDB else "NOT met"
+        lines += ["", f"Goal ours <= {GOAL_VS_PGCOPYDB}x pgcopydb: {r:.2f}x, {verdict}."]
+    elif ours is not None:
+        lines += [
+            "",
+            "Goal ours <= 0.75x pgcopydb: not measured (" + (ours.unavailable or "see above") + ").",
+        ]
+    problems = [f"{s.tool}: {e}" for s in summaries for e in s.errors]
+    if problems:
+        lines += ["", "Problems:"] + [f"- {p}" for p in problems]
+    return "\n".join(lines)
+
+
+def rotation(tools: Sequence[str], rep: int) -> list[str]:
+    """Repetition ``rep`` starts at tool ``rep mod k``: each tool takes every position once in k repetitions."""
+    k = len(tools)
+    return [tools[(rep + i) % k] for i in range(k)]
+
+
+def git_rev(path: Path) -> str:
+    try:
+        rev = subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "-C", str(path), "status", "--porcelain", "--", *CODE_PACKAGES],
+                               capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+        return rev + (" + uncommitted changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+
+
+# --- main -------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--scale", type=float, default=1.0, help="fraction of the issue's dataset (default 1: ~1.5 GB)"
+    )
+    ap.add_argument("--small-tables", type=int, help="number of small tables (default 200)")
+    ap.add_argument("--jobs", type=int, default=2, help="parallelism N of every tool (table and index jobs)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per tool, in rotating order")
+    ap.add_argument("--tools", default=",".join(TOOLS), help="comma-separated subset of: " + ", ".join(TOOLS))
+    ap.add_argument(
+        "--pg", default="15", help="server version or bindir (default 15: Debian, as pgcopydb needs)"
+    )
+    ap.add_argument(
+        "--target-pg",
+        help="the target's version or bindir, when it differs from --pg (an upgrade); the client tools stay --pg's",
+    )
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one tool may take for one run")
+    ap.add_argument("--ours-code", type=Path, default=ROOT, help="project tree whose applier runs as ours")
+    ap.add_argument(
+        "--code-rev", metavar="REV", help="ours from `git archive REV` of --ours-code, not its files"
+    )
+    ap.add_argument("--json", type=Path, default=OUT_DIR / "migrate_bench.json", help="raw results")
+    ap.add_argument(
+        "--markdown", type=Path, default=OUT_DIR / "migrate_bench.md", help="the table as Markdown"
+    )
+    args = ap.parse_args(argv)
+    args.tools = [t.strip() for t in args.tools.split(",") if t.strip()]
+    unknown = [t for t in args.tools if t not in TOOLS]
+    if unknown:
+        ap.error(f"unknown tool(s): {', '.join(unknown)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    ds = Dataset.scaled(args.scale, args.small_tables)
+    started = datetime.now(UTC)
+    load_at_start = loadavg()
+    binaries = find_binaries(args.pg)
+    bindir = str(binaries.bindir)
+    common = {"autovacuum": "off", "max_wal_size": "8GB", "checkpoint_timeout": "1h"}
+    src = PostgresCluster(binaries, name="mbench-src", durable=True, settings=common)
+    tgt_binaries = find_binaries(args.target_pg) if args.target_pg else binaries
+    tgt = PostgresCluster(tgt_binaries, name="mbench-tgt", durable=True,
+                          settings={**common, "max_sync_workers_per_subscription": str(args.jobs)})  # fmt: skip
+    unavailable: dict[str, str] = {}
+    if "pgcopydb" in args.tools and (why := pgcopydb_unavailable()):
+        unavailable["pgcopydb"] = why
+    ours_code: Path | None = None
+    ours_rev = ""
+    scratch = Path(tempfile.mkdtemp(prefix="migbench-"))
+    os.chmod(scratch, 0o755)
+    ctx: Context | None = None
+    results: list[RunResult] = []
+    try:
+        if "ours" in args.tools:
+            ours_code = prepare_ours_code(args.ours_code.resolve(), args.code_rev)
+            ours_rev = args.code_rev or git_rev(args.ours_code)
+            env = dict(os.environ, PYTHONPATH=str(ours_code), PYSPARK_PYTHON=sys.executable)
+            if why := ours_unavailable(env, ours_code):
+                unavailable["ours"] = f"{why} (code of {args.ours_code} at {ours_rev})"
+        for tool, why in unavailable.items():
+            print(f"note: {tool}: {why}", file=sys.stderr, flush=True)
+        src.start()
+        tgt.start()
+        t0 = time.monotonic()
+        build_dataset(src, ds, bindir)
+        with src.connect(SOURCE_DB) as c:
+            schemas = user_schemas(c)
+            expected = snapshot(c, schemas)
+            size_mb = c.execute("SELECT pg_database_size(current_database())").fetchone()[0] / 1e6  # type: ignore[index]
+        version = str(src.scalar("SHOW server_version"))
+        if args.target_pg:
+            version += " source, " + str(tgt.scalar("SHOW server_version")) + " target"
+        print(f"migrate_bench {started:%Y-%m-%d %H:%M} UTC, PostgreSQL {version}, dataset {asdict(ds)}: "
+              f"{len(expected['rows'])} tables, {sum(expected['rows'].values()):,} rows, {size_mb:,.0f} MB, built in "
+              f"{time.monotonic() - t0:.0f}s; jobs {args.jobs}; load {load_at_start[0]:.1f}", file=sys.stderr,
+              flush=True)  # fmt: skip
+        ctx = Context(src, tgt, bindir, args.jobs, args.timeout, scratch / "work", ours_code,
+                      dict(os.environ, PYTHONPATH=str(ours_code or ""), PYSPARK_PYTHON=sys.executable))  # fmt: skip
+        tools = [t for t in args.tools if t not in unavailable]
+        for rep in range(args.repeat):
+            for tool in rotation(tools, rep):
+                r = one_run(ctx, tool, rep, expected, schemas)
+                results.append(r)
+                print(
+                    f"  run {rep} {tool:<16} {describe(r)}  (load {r.load:.1f})", file=sys.stderr, flush=True
+                )
+    finally:
+        tgt.destroy()
+        src.destroy()
+        shutil.rmtree(scratch, ignore_errors=True)
+        if ours_code is not None:
+            shutil.rmtree(ours_code, ignore_errors=True)
+    load_at_end = loadavg()
+    summaries = [summarize(t, [r for r in results if r.tool == t], unavailable.get(t)) for t in args.tools]
+    header = (
+        f"{started:%Y-%m-%d %H:%M} UTC; PostgreSQL {version}{'' if args.target_pg else ' source and target'}"
+        f" (client tools from {bindir}); "
+        f"dataset --scale {args.scale:g} ({len(expected['rows'])} tables, {sum(expected['rows'].values()):,} rows, "
+        f"{size_mb:,.0f} MB); N = {args.jobs} jobs; {args.repeat} run(s) per tool, rotating order; ours: code of "
+        f"{args.ours_code} at {ours_rev or '-'}; bench at {git_rev(ROOT)}; {os.cpu_count()} CPUs; load average "
+        f"at start {load_at_start[0]:.1f}, at end {load_at_end[0]:.1f}"
+    )  # fmt: skip
+    report = render(summaries, header)
+    print("\n" + report)
+    for path in (args.json, args.markdown):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    args.markdown.write_text(report + "\n")
+    args.json.write_text(json.dumps({
+        "started": started.isoformat(), "argv": sys.argv, "dataset": asdict(ds), "size_mb": size_mb,
+        "postgresql": version, "jobs": args.jobs, "ours_code": str(args.ours_code), "ours_rev": ours_rev,
+        "bench_rev": git_rev(ROOT), "python": platform.python_version(), "cpus": os.cpu_count(),
+        "load_at_start": load_at_start, "load_at_end": load_at_end, "expected": expected,
+        "summaries": [asdict(s) for s in summaries], "results": [asdict(r) for r in results],
+    }, indent=2, default=str))  # fmt: skip
+    ok = all(s.failed == 0 and s.median_s is not None for s in summaries if not s.unavailable)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
