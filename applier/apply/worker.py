@@ -43,6 +43,7 @@ from applier.apply.copytext import InsertRun
 from applier.apply.feedback import FeedbackTracker
 from applier.apply.fold import decided_prepares
 from applier.apply.handlers import RAW_SPOOL_TYPES, VECTOR_MIN, Applier, SkipState, TableStates
+from applier.apply.lag import LagWindow
 from applier.apply.spool import Spool, default_spool_dir
 from applier.apply.target import Target, TargetConnectionError
 from applier.decoder import MessageDecoder, decode_message
@@ -95,6 +96,8 @@ _NOT_STREAMED_CHANGE = re.compile(
 )
 #: How often the worker hands its counters to the Prometheus metrics (off the per-message path).
 METRICS_INTERVAL = 1.0
+#: How often, at most, the apply lag summary is written to the catalog for ``applier status`` (only when it changed).
+LAG_WRITE_INTERVAL = 2.0
 #: How often the sync-state pass re-reads the table states while the stream is busy (when idle: REREAD_INTERVAL).
 TABLES_REREAD_INTERVAL = 2.0
 #: After a failed live table sync, the next attempt waits this long (wal_retrieve_retry_interval is 5 s).
@@ -304,6 +307,11 @@ class ApplyWorker:
         self.catalog = Catalog.connect(target_conninfo)
         self.stats = WorkerStats()
         self.metrics = WorkerMetrics(subname)
+        #: apply lag samples (applier.apply.lag), kept across sessions; summarised into the catalog for status
+        self.lag = LagWindow()
+        self._lag_written = 0  # LagWindow.added when the summary was last written
+        self._lag_written_at = 0.0
+        self._lag_table: bool | None = None  # whether the catalog has applier.apply_lag (version 2)
         self._failures = 0
         self._subid: int | None = None
         #: tables added while streaming are copied and caught up live (tablesync.live)
@@ -470,7 +478,10 @@ class ApplyWorker:
         self._subid = sub.subid
         tables = _CatalogTables(self, sub)
         target = self._connect_target(sub)
+        target.lag = self.lag
         tables.target = target
+        if self._lag_table is None:
+            self._lag_table = self._ensure_lag_table()
         spool: Spool | None = None
         repl: ReplicationConnection | None = None
         applier: Applier | None = None
@@ -756,6 +767,33 @@ class ApplyWorker:
     def _publish(self, applier: Applier) -> None:
         self.metrics.publish(applier.kinds, applier.rows, applier.conflicts, applier.bulk_transactions,
                              applier.folded_prepares)  # fmt: skip
+        lag = self.lag
+        if lag.added == self._lag_written:
+            return
+        self.metrics.observe_lag(lag.take_new())
+        now = time.monotonic()
+        if self._lag_table and self._subid is not None and now - self._lag_written_at >= LAG_WRITE_INTERVAL:
+            self._lag_written_at = now
+            self._lag_written = lag.added
+            summary = lag.summary(time.time())
+            if summary is not None:
+                try:
+                    self.catalog.record_lag(self._subid, dataclasses.asdict(summary))
+                except Exception as exc:  # noqa: BLE001 - a live figure: never worth failing the apply for
+                    self.log.debug("could not record the apply lag: %s", exc)
+
+    def _ensure_lag_table(self) -> bool:
+        """Whether ``applier.apply_lag`` exists, upgrading a version-1 catalog in place if needed (the upgrade
+        only adds that table); False, and no lag in ``applier status``, when the upgrade is refused."""
+        try:
+            if not self.catalog.has_lag_table():
+                self.catalog.ensure()
+            return self.catalog.has_lag_table()
+        except Exception as exc:  # noqa: BLE001
+            self.log.warning(
+                "apply lag will not show in applier status: cannot add applier.apply_lag: %s", exc
+            )
+            return False
 
     def _reread(self, sub: Subscription, skip: SkipState, tables: _CatalogTables, target: Target) -> None:
         """``maybe_reread_subscription`` (behaviour 52): stop when dropped/disabled, restart when an option the
