@@ -345,26 +345,31 @@ class BigWriter(threading.Thread):
 
 
 class CpuTracker:
-    """CPU seconds of process trees from a starting mark, and the peak ``VmHWM`` of chosen processes."""
+    """CPU seconds of process groups (``client``: the applier run tree; ``server``: the target cluster) from a
+    starting mark, and the peak ``VmHWM`` of each process. A process is counted in the group it was first seen
+    in, and with what it had used when last sampled, so one that exits mid-run still counts up to that sample."""
 
     def __init__(self) -> None:
         self.base: dict[int, float] = {}
         self.last: dict[int, float] = {}
+        self.group: dict[int, str] = {}
         self.hwm_kb: dict[int, int] = {}
 
-    def sample(self, pids: Sequence[int], *, base: bool = False) -> None:
-        for pid in pids:
-            s = proc_sample(pid)
-            if s is None:
-                continue
-            if base:
-                self.base[pid] = s.cpu_s
-            self.last[pid] = s.cpu_s
-            self.hwm_kb[pid] = max(self.hwm_kb.get(pid, 0), s.vm_hwm_kb)
+    def sample(self, groups: dict[str, Sequence[int]], *, base: bool = False) -> None:
+        for group, pids in groups.items():
+            for pid in pids:
+                s = proc_sample(pid)
+                if s is None:
+                    continue
+                if base:
+                    self.base[pid] = s.cpu_s
+                self.group.setdefault(pid, group)
+                self.last[pid] = s.cpu_s
+                self.hwm_kb[pid] = max(self.hwm_kb.get(pid, 0), s.vm_hwm_kb)
 
-    def cpu(self, pids: Sequence[int]) -> float:
+    def cpu(self, group: str) -> float:
         """Since the base mark; a process started later counts from zero."""
-        return sum(self.last[p] - self.base.get(p, 0.0) for p in pids if p in self.last)
+        return sum(cpu - self.base.get(p, 0.0) for p, cpu in self.last.items() if self.group[p] == group)
 
 
 def _tree(pid: int | None) -> list[int]:
@@ -561,7 +566,7 @@ def run_load(env: Env, wl: Workload, rate: int, run: SideRun, pub: Database, tgt
     tgt_root = _postmaster_pid(env.tgtc)
     client_root = proc.pid if proc is not None else None
     cpu = CpuTracker()
-    cpu.sample(_tree(client_root) + _tree(tgt_root), base=True)
+    cpu.sample({"client": _tree(client_root), "server": _tree(tgt_root)}, base=True)
     clients = max(4, math.ceil(rate * 0.15) + 4) if wl.two_phase_load else 4
     cmd = [str(env.bindir / "pgbench"), "-n", "-R", str(rate), "-T", str(int(env.duration)), "-c", str(clients),
            "-j", "2", "--max-tries", "10"]  # fmt: skip
@@ -587,7 +592,7 @@ def run_load(env: Env, wl: Workload, rate: int, run: SideRun, pub: Database, tgt
     while bench.poll() is None:
         if time.monotonic() - last_sample >= SAMPLE_S:
             last_sample = time.monotonic()
-            cpu.sample(_tree(client_root) + _tree(tgt_root))
+            cpu.sample({"client": _tree(client_root), "server": _tree(tgt_root)})
             if proc is not None and proc.poll() is not None:
                 run.error = f"applier run exited with status {proc.returncode}"
         time.sleep(0.05)
@@ -612,7 +617,7 @@ def run_load(env: Env, wl: Workload, rate: int, run: SideRun, pub: Database, tgt
     while time.monotonic() < deadline:
         if time.monotonic() - last_sample >= SAMPLE_S:
             last_sample = time.monotonic()
-            cpu.sample(_tree(client_root) + _tree(tgt_root))
+            cpu.sample({"client": _tree(client_root), "server": _tree(tgt_root)})
         if last_id in poller.visible:
             break
         time.sleep(0.05)
@@ -620,7 +625,7 @@ def run_load(env: Env, wl: Workload, rate: int, run: SideRun, pub: Database, tgt
         run.drain_s = max(0.0, poller.visible[last_id] - load_end)
     if proc is None:
         native_pid = _native_worker_pid(tgt, tag)
-    cpu.sample(_tree(client_root) + _tree(tgt_root))
+    cpu.sample({"client": _tree(client_root), "server": _tree(tgt_root)})
     for t in (poller, pub_prep):
         if t is not None:
             t.stop.set()
@@ -628,8 +633,8 @@ def run_load(env: Env, wl: Workload, rate: int, run: SideRun, pub: Database, tgt
     for t in (writer, poller, pub_prep, big):
         if t is not None and t.error is not None:
             run.error = f"{t.name}: {type(t.error).__name__}: {t.error}"
-    run.client_cpu_s = cpu.cpu(list(cpu.last)) - cpu.cpu([p for p in cpu.last if p in _tree(tgt_root)])
-    run.server_cpu_s = cpu.cpu([p for p in cpu.last if p not in _tree(client_root)])
+    run.client_cpu_s = cpu.cpu("client")
+    run.server_cpu_s = cpu.cpu("server")
     worker = _ours_worker_pid(proc.pid) if proc is not None else native_pid
     if worker is not None and worker in cpu.hwm_kb:
         run.worker_hwm_mb = cpu.hwm_kb[worker] / 1024
