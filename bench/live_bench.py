@@ -443,18 +443,29 @@ def _wait_slot_active(pub: Database, slot: str, timeout: float, proc: subprocess
             time.sleep(0.05)
 
 
-def _start_ours(db: Database, name: str, log_path: Path, spool: Path) -> subprocess.Popen[bytes]:
+def _start_ours(
+    db: Database, name: str, log_path: Path, spool: Path, profile: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """``applier run NAME``; with ``profile``, under ``py-spy record --idle`` (wall time, raw collapsed stacks)."""
+    cmd = [sys.executable, "-m", "applier.cli", "--target", db.dsn, "run", name]
+    if profile is not None:
+        pyspy = Path(sys.executable).with_name("py-spy")
+        cmd = [str(pyspy), "record", "--subprocesses", "--idle", "--rate", "250", "--format", "raw", "-o",
+               str(profile), "--", *cmd]  # fmt: skip
     env = dict(os.environ, APPLIER_LOG_LEVEL=os.environ.get("APPLIER_LOG_LEVEL", "WARNING"), TMPDIR=str(spool),
                PYTHONPATH=str(CODE_ROOT))  # fmt: skip
     with open(log_path, "wb") as log_file:
-        return subprocess.Popen([sys.executable, "-m", "applier.cli", "--target", db.dsn, "run", name], cwd=CODE_ROOT,
-                                env=env, stdout=log_file, stderr=subprocess.STDOUT)  # fmt: skip
+        return subprocess.Popen(cmd, cwd=CODE_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
 
 
 def _stop_ours(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to ``applier run`` (under py-spy: to the CLI below it, so that py-spy writes its profile)."""
     if proc.poll() is not None:
         return
-    proc.send_signal(signal.SIGTERM)
+    cli = next(
+        (p for p in _tree(proc.pid) if "applier.cli" in cmdline(p) and "py-spy" not in cmdline(p)), proc.pid
+    )
+    os.kill(cli, signal.SIGTERM)
     try:
         proc.wait(60)
     except subprocess.TimeoutExpired:
@@ -485,6 +496,7 @@ class Env:
     duration: float
     drain_timeout: float
     spool: Path
+    profile_dir: Path | None = None
 
 
 def run_side(env: Env, wl: Workload, rate: int, side: str) -> SideRun:
@@ -508,7 +520,8 @@ def run_side(env: Env, wl: Workload, rate: int, side: str) -> SideRun:
             setup = setup_subscription(pub, tgt, tag, tables, two_phase_state="e", streaming="on")
             subid = setup.sub.subid
             setup.catalog.engine.dispose()
-            proc = _start_ours(tgt, tag, OUT_DIR / f"{tag}.log", env.spool)
+            profile = env.profile_dir / f"{tag}.txt" if env.profile_dir else None
+            proc = _start_ours(tgt, tag, OUT_DIR / f"{tag}.log", env.spool, profile)
         else:
             pub.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
                 sql.Identifier(tag), sql.SQL(", ").join(sql.Identifier(*t.split(".")) for t in tables)))  # fmt: skip
@@ -832,6 +845,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--duration", type=float, help="seconds of load per run (default 20, --quick 8)")
     ap.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to wait for the last marker")
     ap.add_argument("--pg", default="18", help="server version (15, 16, 18) or a bindir")
+    ap.add_argument("--profile-dir", type=Path, help="run ours under py-spy (wall time, raw stacks); its lag is "
+                    "then not comparable")  # fmt: skip
     ap.add_argument(
         "--code-rev", metavar="REV", help="run the applier code of this commit (a frozen git archive)"
     )
@@ -918,7 +933,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{_commit()}; {os.cpu_count()} CPUs; load at start {load_start[0]:.1f}; {args.duration:.0f} s of "
                   f"load per run")  # fmt: skip
         print("live_bench " + header, file=sys.stderr, flush=True)
-        env = Env(pubc, tgtc, binaries.bindir, args.duration, args.drain_timeout, spool)
+        if args.profile_dir:
+            args.profile_dir = args.profile_dir.resolve()
+            args.profile_dir.mkdir(parents=True, exist_ok=True)
+        env = Env(pubc, tgtc, binaries.bindir, args.duration, args.drain_timeout, spool, args.profile_dir)
         first = [0]
         for key in args.keys:
             runs += run_workload(env, WORKLOADS[key], args.rate_map[key], args.step_up, args.max_rate, first)

@@ -82,6 +82,9 @@ _BULK_OK = sql.SQL(
     "   WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT l.collisdeterministic))"
 )  # fmt: skip
 
+#: the same, as plain SQL text (for a query on another session: applier.apply.worker)
+BULK_OK_SQL = _BULK_OK.as_string(None)
+
 #: A GID that is a valid SQL string literal once put in single quotes (see Target._gid_literal).
 _PLAIN_GID = re.compile(r"[A-Za-z0-9_]+")
 

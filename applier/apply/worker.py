@@ -33,6 +33,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import psycopg
+import sqlalchemy
 import sqlalchemy.exc
 import tenacity
 
@@ -45,7 +46,7 @@ from applier.apply.fold import decided_prepares
 from applier.apply.handlers import RAW_SPOOL_TYPES, VECTOR_MIN, Applier, SkipState, TableStates
 from applier.apply.lag import LagWindow
 from applier.apply.spool import Spool, default_spool_dir
-from applier.apply.target import Target, TargetConnectionError
+from applier.apply.target import BULK_OK_SQL, Target, TargetConnectionError
 from applier.decoder import MessageDecoder, decode_message
 from applier.errors import ApplierError, ProtocolError
 from applier.lsn import format_lsn
@@ -77,8 +78,12 @@ BURST = 5000
 #: while the socket is full and about 1.3 µs more per message while the reader keeps up (ReplicationConnection's
 #: receive buffer); the pause lets its output queue up again, so the worker reads large batches. The cost is at
 #: most this much latency, and only while a transaction is arriving or traffic is heavy. Measured on bulk inserts:
-#: bench/RESULTS.md.
+#: bench/RESULTS.md. The pause adapts to what the reads show: mid-transaction it is taken only after a read of at
+#: least READ_PAUSE_IN_TXN_AFTER messages (a large transaction arriving). A small transaction that a steady load's
+#: read caught half-sent (a few messages; the rest follows within microseconds) is read on at once: there the pause
+#: was pure latency (bench/live_bench.py).
 READ_PAUSE_AFTER = 200
+READ_PAUSE_IN_TXN_AFTER = 32
 READ_PAUSE = 0.002
 #: the pgoutput message type of an XLogData read undecoded (after its 25-byte envelope)
 _MESSAGE_TYPE = operator.itemgetter(25)
@@ -96,6 +101,10 @@ _NOT_STREAMED_CHANGE = re.compile(
 )
 #: How often the worker hands its counters to the Prometheus metrics (off the per-message path).
 METRICS_INTERVAL = 1.0
+#: Records of finished prepared transactions are removed (which drains the apply pipeline) when it holds at most
+#: RECONCILE_DRAIN_MAX statements, or after RECONCILE_MAX_DEFER seconds whatever it holds.
+RECONCILE_DRAIN_MAX = 64
+RECONCILE_MAX_DEFER = 10.0
 #: How often, at most, the apply lag summary is written to the catalog for ``applier status`` (only when it changed).
 LAG_WRITE_INTERVAL = 2.0
 #: How often the sync-state pass re-reads the table states while the stream is busy (when idle: REREAD_INTERVAL).
@@ -592,6 +601,7 @@ class ApplyWorker:
         last_published = 0.0
         last_flush_poll = 0.0
         last_reread = time.monotonic()
+        last_reconcile = last_reread
         read = repl.read
         handle = applier.handle
         spool_raw = applier.spool_raw
@@ -698,7 +708,10 @@ class ApplyWorker:
                     if (
                         item is None
                         and repl.ran_dry
-                        and (got >= READ_PAUSE_AFTER or applier.in_remote_transaction)
+                        and (
+                            got >= READ_PAUSE_AFTER
+                            or (got >= READ_PAUSE_IN_TXN_AFTER and applier.in_remote_transaction)
+                        )
                     ):
                         # more is on its way: let the walsender's output queue up (READ_PAUSE)
                         time.sleep(READ_PAUSE)
@@ -739,10 +752,17 @@ class ApplyWorker:
                     last_reread = now
                     self._reread(sub, skip, tables, target)
                     if applier.bulk:
-                        applier.recheck_bulk()
-                    if applier.finished_prepared:
+                        # on a session of its own: a query on the apply session would wait for the whole pipeline
+                        applier.recheck_bulk(self._bulk_tables)
+                    if applier.finished_prepared and (
+                        target.pipeline.pending <= RECONCILE_DRAIN_MAX
+                        or now - last_reconcile >= RECONCILE_MAX_DEFER
+                    ):
+                        # Removing the records of finished prepared transactions needs the pipeline drained (what
+                        # is queued first: a record whose PREPARE TRANSACTION has not run yet looks finished), so
+                        # it waits for a moment when little is in flight rather than stall a steady load.
+                        last_reconcile = now
                         applier.finished_prepared = 0
-                        # (what is queued first: a record whose PREPARE TRANSACTION has not run yet looks finished)
                         target.pipeline.drain()
                         self.catalog.reconcile_prepared(sub.subid)
                 if not tables.all_ready or tables.two_phase_state == "p":
@@ -781,6 +801,19 @@ class ApplyWorker:
                     self.catalog.record_lag(self._subid, dataclasses.asdict(summary))
                 except Exception as exc:  # noqa: BLE001 - a live figure: never worth failing the apply for
                     self.log.debug("could not record the apply lag: %s", exc)
+
+    def _bulk_tables(self, oids: list[int]) -> set[int]:
+        """``Target.bulk_tables`` on the catalog's connection: the same committed catalog state, without draining
+        the apply session's pipeline (which, under a steady load, would stall it once a second)."""
+        with self.catalog.engine.connect() as c:
+            rows = c.execute(
+                sqlalchemy.text(
+                    "SELECT c.oid FROM pg_catalog.pg_class c WHERE c.oid = ANY(CAST(:oids AS pg_catalog.oid[]))"  # noqa: S608 - constant SQL of ours
+                    " AND " + BULK_OK_SQL
+                ),
+                {"oids": oids},
+            ).fetchall()
+        return {int(r[0]) for r in rows}
 
     def _ensure_lag_table(self) -> bool:
         """Whether ``applier.apply_lag`` exists, upgrading a version-1 catalog in place if needed (the upgrade
