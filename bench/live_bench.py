@@ -771,7 +771,7 @@ def plot(runs: Sequence[SideRun], path: Path, title: str) -> str:
                 ax.axis("off")
                 continue
             rate = mine[j][1]
-            for r in runs:
+            for r in sorted(runs, key=lambda r: r.side):  # native first: the same legend order in every panel
                 if (r.workload, r.rate) == (key, rate) and r.series:
                     xs, ys = zip(*r.series, strict=True)
                     ax.plot(xs, [y * 1000 for y in ys], lw=0.8, label=f"{r.side} (p99 {r.lag['p99'] * 1000:.0f} ms)",
