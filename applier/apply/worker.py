@@ -533,7 +533,7 @@ class ApplyWorker:
                 self.stats.converted_rows += applier.converted_rows
                 self.stats.bulk_transactions += applier.bulk_transactions
                 self.stats.folded_prepares += applier.folded_prepares
-                self._publish(applier)
+                self._publish(applier, record_lag=False)
                 self.metrics.session_ended()
                 if applier.transactions:
                     self._failures = 0
@@ -784,7 +784,9 @@ class ApplyWorker:
                 repl.send_status(pos.write, pos.flush, pos.apply)
                 last_status = now
 
-    def _publish(self, applier: Applier) -> None:
+    def _publish(self, applier: Applier, *, record_lag: bool = True) -> None:
+        """Counters and lag samples to the metrics; the lag summary to the catalog (not when a session ends: the
+        target may be what failed, and a connection attempt must not delay the reconnect)."""
         self.metrics.publish(applier.kinds, applier.rows, applier.conflicts, applier.bulk_transactions,
                              applier.folded_prepares)  # fmt: skip
         lag = self.lag
@@ -792,7 +794,12 @@ class ApplyWorker:
             return
         self.metrics.observe_lag(lag.take_new())
         now = time.monotonic()
-        if self._lag_table and self._subid is not None and now - self._lag_written_at >= LAG_WRITE_INTERVAL:
+        if (
+            record_lag
+            and self._lag_table
+            and self._subid is not None
+            and now - self._lag_written_at >= LAG_WRITE_INTERVAL
+        ):
             self._lag_written_at = now
             self._lag_written = lag.added
             summary = lag.summary(time.time())
