@@ -101,10 +101,13 @@ _NOT_STREAMED_CHANGE = re.compile(
 )
 #: How often the worker hands its counters to the Prometheus metrics (off the per-message path).
 METRICS_INTERVAL = 1.0
-#: Records of finished prepared transactions are removed (which drains the apply pipeline) when it holds at most
-#: RECONCILE_DRAIN_MAX statements, or after RECONCILE_MAX_DEFER seconds whatever it holds.
+#: Records of finished prepared transactions are removed (which drains the apply pipeline) when nothing arrived in
+#: the last round of reads, or the pipeline holds at most RECONCILE_DRAIN_MAX statements, or after
+#: RECONCILE_MAX_DEFER seconds whatever it holds.
 RECONCILE_DRAIN_MAX = 64
 RECONCILE_MAX_DEFER = 10.0
+#: A catalog-watch snapshot older than this is not trusted: the loop re-reads synchronously, as it did before.
+WATCH_STALE = 5.0
 #: How often, at most, the apply lag summary is written to the catalog for ``applier status`` (only when it changed).
 LAG_WRITE_INTERVAL = 2.0
 #: How often the sync-state pass re-reads the table states while the stream is busy (when idle: REREAD_INTERVAL).
@@ -134,6 +137,49 @@ def bulk_apply_default() -> bool:
     """Bulk apply (applier.apply.bulk) is on unless the environment says ``APPLIER_BULK_APPLY=0`` (or off/false/no);
     it needs group commit."""
     return _switch("APPLIER_BULK_APPLY")
+
+
+class _CatalogWatch(threading.Thread):
+    """Reads, every ``REREAD_INTERVAL``, what the idle housekeeping compares (the subscription row, the table
+    states, which mapped tables may still be applied in bulk) on the catalog's session, and writes the apply lag
+    summary, all off the apply loop: under a steady load three synchronous round trips a second made the loop stall
+    for tens to hundreds of milliseconds once a second (bench/live_bench.py, the chart's periodic spikes).
+
+    The loop only uses a snapshot to conclude that *nothing changed* (:meth:`ApplyWorker._unchanged`); anything
+    else, or no snapshot for ``WATCH_STALE`` seconds, falls back to the synchronous re-read it always did, so no
+    change is applied from a possibly stale snapshot."""
+
+    def __init__(self, catalog: Catalog, subname: str, bulk_tables: Any) -> None:
+        super().__init__(daemon=True, name=f"applier-catalog-watch {subname}")
+        self.catalog, self.subname, self._bulk_tables = catalog, subname, bulk_tables
+        self.oids: frozenset[int] = frozenset()  # set by the loop: the tables mapped for bulk apply
+        self.lag: tuple[int, dict[str, Any]] | None = None  # set by the loop: (subid, figures) to write
+        self.latest: SimpleNamespace | None = None
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(REREAD_INTERVAL):
+            try:
+                sub = self.catalog.get(self.subname)
+                states = (
+                    frozenset((r.relid, r.state, r.lsn) for r in self.catalog.table_states(sub.subid))
+                    if sub is not None
+                    else frozenset()
+                )
+                oids = self.oids
+                bulk_ok = frozenset(self._bulk_tables(sorted(oids))) if oids else frozenset()
+                self.latest = SimpleNamespace(
+                    at=time.monotonic(), sub=sub, states=states, oids=oids, bulk_ok=bulk_ok
+                )
+                lag, self.lag = self.lag, None
+                if lag is not None:
+                    self.catalog.record_lag(*lag)
+            except Exception as exc:  # noqa: BLE001 - the loop falls back to reading synchronously
+                log.debug("catalog watch: %s", exc)
+
+    def close(self) -> None:
+        self._stop_event.set()
+        self.join(5)
 
 
 class ApplyWorkerError(ApplierError):
@@ -321,6 +367,7 @@ class ApplyWorker:
         self._lag_written = 0  # LagWindow.added when the summary was last written
         self._lag_written_at = 0.0
         self._lag_table: bool | None = None  # whether the catalog has applier.apply_lag (version 2)
+        self._watch: _CatalogWatch | None = None  # the session's catalog watch, which writes the lag summary
         self._failures = 0
         self._subid: int | None = None
         #: tables added while streaming are copied and caught up live (tablesync.live)
@@ -521,7 +568,14 @@ class ApplyWorker:
             )  # fmt: skip
             self._grouped_session = self.group_commit
             self._grouped_after = self._ungrouped_until
-            outcome = self._stream(sub, repl, target, applier, tracker, tables, skip)
+            watch = _CatalogWatch(self.catalog, sub.subname, self._bulk_tables)
+            watch.start()
+            self._watch = watch
+            try:
+                outcome = self._stream(sub, repl, target, applier, tracker, tables, skip, watch)
+            finally:
+                self._watch = None
+                watch.close()
             clean = True
             return outcome
         finally:
@@ -595,7 +649,8 @@ class ApplyWorker:
         return repl
 
     def _stream(self, sub: Subscription, repl: ReplicationConnection, target: Target, applier: Applier,
-                tracker: FeedbackTracker, tables: _CatalogTables, skip: SkipState) -> _Outcome:  # fmt: skip
+                tracker: FeedbackTracker, tables: _CatalogTables, skip: SkipState,
+                watch: _CatalogWatch | None = None) -> _Outcome:  # fmt: skip
         decoder = MessageDecoder()
         last_status = 0.0
         last_published = 0.0
@@ -750,12 +805,20 @@ class ApplyWorker:
             if applier.idle:
                 if now - last_reread >= REREAD_INTERVAL:
                     last_reread = now
-                    self._reread(sub, skip, tables, target)
-                    if applier.bulk:
-                        # on a session of its own: a query on the apply session would wait for the whole pipeline
-                        applier.recheck_bulk(self._bulk_tables)
+                    if watch is not None:
+                        watch.oids = (
+                            frozenset(e.local.oid for e in applier.entries.values())
+                            if applier.bulk
+                            else frozenset()
+                        )
+                    if watch is None or not self._unchanged(watch, sub, skip, tables, applier, now):
+                        self._reread(sub, skip, tables, target)
+                        if applier.bulk:
+                            # on a session of its own: a query on the apply session would wait for the pipeline
+                            applier.recheck_bulk(self._bulk_tables)
                     if applier.finished_prepared and (
-                        target.pipeline.pending <= RECONCILE_DRAIN_MAX
+                        not n  # nothing arrived this round: waiting for the pipeline delays nothing
+                        or target.pipeline.pending <= RECONCILE_DRAIN_MAX
                         or now - last_reconcile >= RECONCILE_MAX_DEFER
                     ):
                         # Removing the records of finished prepared transactions needs the pipeline drained (what
@@ -803,11 +866,40 @@ class ApplyWorker:
             self._lag_written_at = now
             self._lag_written = lag.added
             summary = lag.summary(time.time())
-            if summary is not None:
+            if summary is not None and self._watch is not None:
+                self._watch.lag = (self._subid, dataclasses.asdict(summary))  # written off the apply loop
+            elif summary is not None:
                 try:
                     self.catalog.record_lag(self._subid, dataclasses.asdict(summary))
                 except Exception as exc:  # noqa: BLE001 - a live figure: never worth failing the apply for
                     self.log.debug("could not record the apply lag: %s", exc)
+
+    @staticmethod
+    def _unchanged(watch: _CatalogWatch, sub: Subscription, skip: SkipState, tables: _CatalogTables,
+                   applier: Applier, now: float) -> bool:  # fmt: skip
+        """True when the watch's latest snapshot (fresh enough) shows nothing the synchronous re-read would act on:
+        the same subscription options, skip-LSN and two-phase state, every table ready with the same state, and the
+        same bulk fitness for every mapped table. Then the loop needs no round trip of its own."""
+        snap = watch.latest
+        if snap is None or now - snap.at > WATCH_STALE or not tables.all_ready:
+            return False
+        fresh = snap.sub
+        if fresh is None or fresh.subid != sub.subid or not fresh.subenabled:
+            return False
+        for attr in ("subconninfo", "subslotname", "subbinary", "substream", "suborigin", "subpublications"):
+            if getattr(fresh, attr) != getattr(sub, attr):
+                return False
+        if (fresh.subskiplsn or 0) != skip.skip_lsn or fresh.subtwophasestate != tables.two_phase_state:
+            return False
+        if snap.states != frozenset((r.relid, r.state, r.lsn) for r in tables.by_oid.values()):
+            return False
+        if applier.bulk:
+            mapped = {e.local.oid: e.local.bulk for e in applier.entries.values()}
+            if not set(mapped) <= snap.oids:
+                return False
+            if any(bulk != (oid in snap.bulk_ok) for oid, bulk in mapped.items()):
+                return False
+        return True
 
     def _bulk_tables(self, oids: list[int]) -> set[int]:
         """``Target.bulk_tables`` on the catalog's connection: the same committed catalog state, without draining
