@@ -130,3 +130,48 @@ def test_histogram_and_status_show_the_apply_lag(pair) -> None:  # type: ignore[
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def test_the_catalog_watch_snapshot_only_ever_says_nothing_changed() -> None:
+    """``ApplyWorker._unchanged``: a fresh snapshot equal to what the loop holds spares the synchronous re-read;
+    any difference (or a stale snapshot, or tables not all ready) sends the loop to re-read as before."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from applier.apply.handlers import SkipState
+    from applier.apply.worker import WATCH_STALE, ApplyWorker
+    from state.catalog import RelState, Subscription
+
+    sub = Subscription(subid=7, subname="s", subenabled=True, subtwophasestate="e", substream="on", subbinary=False,
+                       subdisableonerr=False, subskiplsn=None, suborigin="any", subslotname="s",
+                       subpublications=["p"], subconninfo="host=x", subcopydata=False,
+                       subslotconsistentlsn=None)  # fmt: skip
+    rel = RelState(7, 16400, "public.t", "public.t", "r", None, 0, 0)
+    tables = SimpleNamespace(all_ready=True, two_phase_state="e", by_oid={16400: rel})
+    entry = SimpleNamespace(local=SimpleNamespace(oid=16400, bulk=True))
+    applier = SimpleNamespace(bulk=True, entries={1: entry})
+    skip = SkipState(0, "s")
+
+    def watch(**changes: object) -> SimpleNamespace:
+        snap = dict(at=100.0, sub=sub, states=frozenset({(16400, "r", None)}), oids=frozenset({16400}),
+                    bulk_ok=frozenset({16400}))  # fmt: skip
+        snap.update(changes)
+        return SimpleNamespace(latest=SimpleNamespace(**snap))
+
+    unchanged = ApplyWorker._unchanged
+    assert unchanged(watch(), sub, skip, tables, applier, 100.5)  # type: ignore[arg-type]
+    assert not unchanged(SimpleNamespace(latest=None), sub, skip, tables, applier, 100.5)  # type: ignore[arg-type]
+    assert not unchanged(watch(), sub, skip, tables, applier, 100.0 + WATCH_STALE + 1)  # type: ignore[arg-type]
+    for changed in (
+        watch(sub=None),
+        watch(sub=replace(sub, subenabled=False)),
+        watch(sub=replace(sub, subpublications=["p", "q"])),
+        watch(sub=replace(sub, subskiplsn=123)),
+        watch(sub=replace(sub, subtwophasestate="p")),
+        watch(states=frozenset({(16400, "s", 99)})),
+        watch(bulk_ok=frozenset()),  # a trigger enabled ALWAYS since the table was mapped
+        watch(oids=frozenset()),  # the snapshot did not cover the mapped table
+    ):
+        assert not unchanged(changed, sub, skip, tables, applier, 100.5)  # type: ignore[arg-type]
+    not_ready = SimpleNamespace(all_ready=False, two_phase_state="e", by_oid={16400: rel})
+    assert not unchanged(watch(), sub, skip, not_ready, applier, 100.5)  # type: ignore[arg-type]
