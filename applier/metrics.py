@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -64,6 +64,16 @@ FOLDED = Counter(
     ["subscription"],
 )
 
+APPLY_LAG = Histogram(
+    "applier_apply_lag_seconds",
+    "Apply lag: from the publisher's commit (or prepare) timestamp in the message to the local commit (or prepare) "
+    "being confirmed by the target, by kind (commit, prepare, commit_prepared, rollback_prepared); with group "
+    "commit, one observation per local commit, for its last remote transaction. Includes any clock difference "
+    "between the two hosts.",
+    ["subscription", "kind"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0),
+)
+
 
 class WorkerMetrics:
     """A worker's view of the counters: it hands over its running totals now and then (about once a second, off
@@ -98,6 +108,15 @@ class WorkerMetrics:
             if total > seen:
                 one.labels(self.subscription).inc(total - seen)
                 self._seen[(family, "")] = total
+
+    def observe_lag(self, samples: Sequence[tuple[str, float]]) -> None:
+        """Apply lag samples (kind, seconds) taken since the last call, into the histogram."""
+        children: dict[str, Any] = {}
+        for kind, seconds in samples:
+            child = children.get(kind)
+            if child is None:
+                child = children[kind] = APPLY_LAG.labels(self.subscription, kind)
+            child.observe(seconds)
 
     def session_ended(self) -> None:
         """The next session's totals start from zero again."""

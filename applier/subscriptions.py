@@ -1027,6 +1027,11 @@ def _status_of(catalog: Catalog, sub: Subscription, publisher_timeout: int) -> d
             "skip_command": _skip_command(sub.subname, error["finish_lsn"]),
         },
     }
+    lag = catalog.lag(sub.subid)
+    if lag is not None:
+        lag.pop("subid", None)
+        lag["updated_at"] = _when(lag["updated_at"])
+    result["apply_lag"] = lag
     result["replication"] = _publisher_view(sub, origin, publisher_timeout)
     return result
 
@@ -1087,6 +1092,10 @@ _TWO_PHASE_WORDS = {"d": "disabled", "p": "pending", "e": "enabled"}
 _STATE_WORDS = {s.value: s.name.lower() for s in SyncState}
 
 
+def _secs(value: float) -> str:
+    return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
 def format_status(entries: list[dict[str, Any]]) -> str:
     """The human-readable form of :func:`status`."""
     if not entries:
@@ -1119,6 +1128,13 @@ def format_status(entries: list[dict[str, Any]]) -> str:
         else:
             lines.append(
                 f"  LSN: origin {r['origin_lsn'] or '-'}; publisher unreachable: {r.get('publisher_error')}"
+            )
+        if s.get("apply_lag"):
+            a = s["apply_lag"]
+            lines.append(
+                f"  apply lag (publisher commit to local commit): last {_secs(a['last_s'])} ({a['last_kind']}); "
+                f"p50 {_secs(a['p50_s'])}, p99 {_secs(a['p99_s'])}, max {_secs(a['max_s'])} over {a['samples']} "
+                f"local commits in the {a['window_s']:.0f} s before {a['updated_at']}"
             )
         lines.append(f"  tables ({len(s['tables'])}):")
         for t in s["tables"]:

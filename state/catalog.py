@@ -37,7 +37,7 @@ from applier.lsn import format_lsn, parse_lsn
 
 SCHEMA = "applier"
 #: Bump with a migration in :data:`_MIGRATIONS` whenever a table or column changes.
-CATALOG_VERSION = 2
+CATALOG_VERSION = 3
 
 
 class CatalogError(ApplierError):
@@ -191,12 +191,38 @@ tablesync_partition = sa.Table(
 #: apply_error's columns added by catalog version 2
 _ERROR_COLUMNS_V2 = ("sqlstate", "gid", "retry_count", "next_retry_at")
 
+#: The apply lag the worker measured recently (applier.apply.lag), one row per subscription, rewritten about every
+#: two seconds while transactions are applied; read by ``status``. UNLOGGED: a live figure, not worth WAL or fsyncs
+#: (after a crash the table is empty until the worker applies again).
+apply_lag = sa.Table(
+    "apply_lag",
+    metadata,
+    sa.Column(
+        "subid", sa.BigInteger, sa.ForeignKey(subscription.c.subid, ondelete="CASCADE"), primary_key=True
+    ),
+    sa.Column("updated_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
+    sa.Column("last_s", sa.Float, nullable=False),
+    sa.Column("last_kind", sa.Text, nullable=False),
+    sa.Column("p50_s", sa.Float, nullable=False),
+    sa.Column("p99_s", sa.Float, nullable=False),
+    sa.Column("max_s", sa.Float, nullable=False),
+    sa.Column("samples", sa.Integer, nullable=False),
+    sa.Column("window_s", sa.Float, nullable=False),
+    prefixes=["UNLOGGED"],
+)
+
 # Migrations: version -> list of SQL statements that take the catalog from version-1 to version.
 _MIGRATIONS: dict[int, list[str]] = {
     2: [
         f"ALTER TABLE {SCHEMA}.apply_error ADD COLUMN IF NOT EXISTS sqlstate text,"
         " ADD COLUMN IF NOT EXISTS gid text, ADD COLUMN IF NOT EXISTS retry_count integer,"
         " ADD COLUMN IF NOT EXISTS next_retry_at timestamptz",
+    ],
+    3: [
+        "CREATE UNLOGGED TABLE IF NOT EXISTS applier.apply_lag (subid bigint PRIMARY KEY REFERENCES applier.subscription (subid)"
+        " ON DELETE CASCADE, updated_at timestamptz NOT NULL DEFAULT now(), last_s float8 NOT NULL, last_kind text"
+        " NOT NULL, p50_s float8 NOT NULL, p99_s float8 NOT NULL, max_s float8 NOT NULL, samples integer NOT NULL,"
+        " window_s float8 NOT NULL)"
     ],
 }
 
@@ -542,6 +568,29 @@ class Catalog:
                 ),
                 {"s": subid},
             )
+
+    # apply lag -------------------------------------------------------------------------------------------------
+    def record_lag(self, subid: int, figures: dict[str, Any]) -> None:
+        """Upsert the subscription's recent apply lag (``last_s``, ``last_kind``, ``p50_s``, ``p99_s``, ``max_s``,
+        ``samples``, ``window_s``): its own short transaction, not waited for on disk (an unlogged table)."""
+        stmt = pg.insert(apply_lag).values(subid=subid, updated_at=sa.func.now(), **figures)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[apply_lag.c.subid], set_={"updated_at": sa.func.now(), **figures}
+        )
+        with self.engine.begin() as c:
+            c.execute(stmt)
+
+    def lag(self, subid: int, conn: sa.Connection | None = None) -> dict[str, Any] | None:
+        """What :meth:`record_lag` stored last, with ``updated_at``; None when nothing was recorded."""
+        with self._conn(conn) as c:
+            if not self.has_lag_table(c):  # a catalog of version 1, not upgraded yet
+                return None
+            row = c.execute(sa.select(apply_lag).where(apply_lag.c.subid == subid)).mappings().first()
+            return dict(row) if row is not None else None
+
+    def has_lag_table(self, conn: sa.Connection | None = None) -> bool:
+        with self._conn(conn) as c:
+            return bool(c.execute(sa.text("SELECT to_regclass('applier.apply_lag') IS NOT NULL")).scalar())
 
     def last_error(self, subid: int, conn: sa.Connection | None = None) -> dict[str, Any] | None:
         """The newest error record of ``subid``. A catalog of version 1 (not upgraded yet: ``applier run`` and

@@ -16,7 +16,7 @@ from test_cli_common import APPLIER, create, make_tables, ok, status
 from applier.apply.testing import setup_subscription
 from applier.retry import RetrySettingError, parse_max_retry_interval, retry_delay
 from applier.testing import wait_for_catchup, wait_until
-from state.catalog import Catalog
+from state.catalog import CATALOG_VERSION, Catalog
 
 
 def _errors(target, subid: int) -> list[dict]:
@@ -103,6 +103,7 @@ def test_old_catalog_upgrades_itself_and_status_reads_it(pair) -> None:
         "ALTER TABLE applier.apply_error DROP COLUMN sqlstate, DROP COLUMN gid, DROP COLUMN retry_count,"
         " DROP COLUMN next_retry_at"
     )
+    pair.target.execute("DROP TABLE applier.apply_lag")  # added by version 3
     pair.target.execute("DELETE FROM applier.catalog_version WHERE version > 1")
     pair.target.execute(
         "INSERT INTO applier.apply_error (subid, message, remote_xid, finish_lsn) VALUES (%s, 'boom', 7, '0/10')",
@@ -114,7 +115,7 @@ def test_old_catalog_upgrades_itself_and_status_reads_it(pair) -> None:
         and e["sqlstate"] is None
         and e["skip_command"] == "applier alter s --skip-lsn 0/10"
     )
-    assert Catalog.connect(pair.target.dsn).ensure() == 2
+    assert Catalog.connect(pair.target.dsn).ensure() == CATALOG_VERSION
     assert (
         pair.target.scalar(
             "SELECT count(*) FROM information_schema.columns WHERE table_schema = 'applier'"

@@ -1014,14 +1014,14 @@ class Applier:
                 ctx.message_type, f"unexpected {MESSAGE_NAMES[msg.__class__]} in a bulk run"
             )
 
-    def recheck_bulk(self) -> None:
+    def recheck_bulk(self, lookup: Callable[[list[int]], set[int]] | None = None) -> None:
         """Forget the mapped tables whose fitness for bulk apply changed since they were loaded (a trigger enabled
         ALWAYS, say), so that their next change loads them again; the worker calls this about once a second while
         idle, standing in for the relcache invalidation that tells the native worker."""
         known = {e.local.oid for e in self.entries.values()}
         if not known:
             return
-        ok = self.target.bulk_tables(sorted(known))
+        ok = (lookup or self.target.bulk_tables)(sorted(known))
         for relid, entry in list(self.entries.items()):
             if entry.local.bulk != (entry.local.oid in ok):
                 self._flush_run_if(relid)

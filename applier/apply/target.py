@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import re
 import select
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,6 +34,7 @@ import psycopg
 from psycopg import pq, sql
 
 from applier.apply.context import ApplyError, ErrorContext
+from applier.apply.lag import LagWindow
 from applier.apply.relmap import LocalColumn, LocalTable, RelMapEntry
 from applier.lsn import format_lsn, now_pg_timestamp, parse_lsn
 from applier.messages import KIND_BINARY, KIND_UNCHANGED_TOAST, TupleData
@@ -79,6 +81,9 @@ _BULK_OK = sql.SQL(
     " AND NOT EXISTS (SELECT FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_collation l ON l.oid = a.attcollation"
     "   WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT l.collisdeterministic))"
 )  # fmt: skip
+
+#: the same, as plain SQL text (for a query on another session: applier.apply.worker)
+BULK_OK_SQL = _BULK_OK.as_string(None)
 
 #: A GID that is a valid SQL string literal once put in single quotes (see Target._gid_literal).
 _PLAIN_GID = re.compile(r"[A-Za-z0-9_]+")
@@ -323,6 +328,8 @@ class Target:
         self.origin = origin
         #: the origin progress that confirmed commits justify (see :meth:`abort`); set by the worker at start
         self.good_origin_lsn = 0
+        #: apply lag samples are added here when the worker attaches a window (applier.apply.lag)
+        self.lag: LagWindow | None = None
         self.binary = binary
         self.in_transaction = False
         self._stmt_seq = 0
@@ -496,12 +503,18 @@ class Target:
             ctx,
         )
 
-    def _confirming(self, lsn: int, on_ok: Callable[[Any], None] | None) -> Callable[[Any], None]:
-        """Wrap a commit's completion callback so that it also records the origin progress it justifies."""
+    def _confirming(
+        self, lsn: int, on_ok: Callable[[Any], None] | None, ts: int = 0, kind: str = ""
+    ) -> Callable[[Any], None]:
+        """Wrap a commit's completion callback so that it also records the origin progress it justifies and, with
+        a lag window attached, the apply lag of the remote transaction stamped ``ts`` (see applier.apply.lag)."""
+        lag = self.lag if kind else None
 
         def done(res: Any) -> None:
             if lsn > self.good_origin_lsn:
                 self.good_origin_lsn = lsn
+            if lag is not None:
+                lag.add(kind, ts, time.time())
             if on_ok is not None:
                 on_ok(res)
 
@@ -516,7 +529,9 @@ class Target:
         if self._copy is not None:
             self.end_copy()
         self._origin_setup(end_lsn, ts, ctx)
-        self.pipeline.send_prepared(b"applier_commit", (), None, ctx, self._confirming(end_lsn, on_ok))
+        self.pipeline.send_prepared(
+            b"applier_commit", (), None, ctx, self._confirming(end_lsn, on_ok, ts, "commit")
+        )
         self.in_transaction = False
 
     def prepare(
@@ -527,7 +542,7 @@ class Target:
         self.begin(ctx)
         self._origin_setup(end_lsn, ts, ctx)
         self.pipeline.send_query(b"PREPARE TRANSACTION " + self._gid_literal(gid), None, ctx,
-                                 self._confirming(end_lsn, on_ok))  # fmt: skip
+                                 self._confirming(end_lsn, on_ok, ts, "prepare"))  # fmt: skip
         self.in_transaction = False
 
     def finish_prepared(self, commit: bool, gid: str, end_lsn: int, ts: int, ctx: ErrorContext | None,
@@ -542,7 +557,10 @@ class Target:
         # error, if any, surfaces at the next sync point, as a plain COMMIT's does (see commit()).
         self.pipeline.sync()
         verb = b"COMMIT PREPARED " if commit else b"ROLLBACK PREPARED "
-        self.pipeline.send_query(verb + self._gid_literal(gid), None, ctx, self._confirming(end_lsn, on_ok))
+        kind = "commit_prepared" if commit else "rollback_prepared"
+        self.pipeline.send_query(
+            verb + self._gid_literal(gid), None, ctx, self._confirming(end_lsn, on_ok, ts, kind)
+        )
 
     def mark_ready(self, subid: int, tables: Sequence[tuple[int, str, int | None]], origin_lsn: int) -> None:
         """Set table states and advance the session's origin to ``origin_lsn`` in one local transaction, and wait

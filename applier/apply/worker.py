@@ -30,9 +30,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import psycopg
+import sqlalchemy
 import sqlalchemy.exc
 import tenacity
 
@@ -43,8 +45,9 @@ from applier.apply.copytext import InsertRun
 from applier.apply.feedback import FeedbackTracker
 from applier.apply.fold import decided_prepares
 from applier.apply.handlers import RAW_SPOOL_TYPES, VECTOR_MIN, Applier, SkipState, TableStates
+from applier.apply.lag import LagWindow
 from applier.apply.spool import Spool, default_spool_dir
-from applier.apply.target import Target, TargetConnectionError
+from applier.apply.target import BULK_OK_SQL, Target, TargetConnectionError
 from applier.decoder import MessageDecoder, decode_message
 from applier.errors import ApplierError, ProtocolError
 from applier.lsn import format_lsn
@@ -77,8 +80,12 @@ BURST = 5000
 #: while the socket is full and about 1.3 µs more per message while the reader keeps up (ReplicationConnection's
 #: receive buffer); the pause lets its output queue up again, so the worker reads large batches. The cost is at
 #: most this much latency, and only while a transaction is arriving or traffic is heavy. Measured on bulk inserts:
-#: bench/RESULTS.md.
+#: bench/RESULTS.md. The pause adapts to what the reads show: mid-transaction it is taken only after a read of at
+#: least READ_PAUSE_IN_TXN_AFTER messages (a large transaction arriving). A small transaction that a steady load's
+#: read caught half-sent (a few messages; the rest follows within microseconds) is read on at once: there the pause
+#: was pure latency (bench/live_bench.py).
 READ_PAUSE_AFTER = 200
+READ_PAUSE_IN_TXN_AFTER = 32
 READ_PAUSE = 0.002
 #: the pgoutput message type of an XLogData read undecoded (after its 25-byte envelope)
 _MESSAGE_TYPE = operator.itemgetter(25)
@@ -96,6 +103,15 @@ _NOT_STREAMED_CHANGE = re.compile(
 )
 #: How often the worker hands its counters to the Prometheus metrics (off the per-message path).
 METRICS_INTERVAL = 1.0
+#: Records of finished prepared transactions are removed (which drains the apply pipeline) when nothing arrived in
+#: the last round of reads, or the pipeline holds at most RECONCILE_DRAIN_MAX statements, or after
+#: RECONCILE_MAX_DEFER seconds whatever it holds.
+RECONCILE_DRAIN_MAX = 64
+RECONCILE_MAX_DEFER = 10.0
+#: A catalog-watch snapshot older than this is not trusted: the loop re-reads synchronously, as it did before.
+WATCH_STALE = 5.0
+#: How often, at most, the apply lag summary is written to the catalog for ``applier status`` (only when it changed).
+LAG_WRITE_INTERVAL = 2.0
 #: How often the sync-state pass re-reads the table states while the stream is busy (when idle: REREAD_INTERVAL).
 TABLES_REREAD_INTERVAL = 2.0
 #: After a failed live table sync, the next attempt waits this long (wal_retrieve_retry_interval is 5 s).
@@ -128,6 +144,49 @@ def bulk_apply_default() -> bool:
 def skip_command(subname: str, finish_lsn: int) -> str:
     """The command that skips the remote transaction finishing at ``finish_lsn`` (behaviours 97-100)."""
     return f"applier alter {shlex.quote(subname)} --skip-lsn {format_lsn(finish_lsn)}"
+
+
+class _CatalogWatch(threading.Thread):
+    """Reads, every ``REREAD_INTERVAL``, what the idle housekeeping compares (the subscription row, the table
+    states, which mapped tables may still be applied in bulk) on the catalog's session, and writes the apply lag
+    summary, all off the apply loop: under a steady load three synchronous round trips a second made the loop stall
+    for tens to hundreds of milliseconds once a second (bench/live_bench.py, the chart's periodic spikes).
+
+    The loop only uses a snapshot to conclude that *nothing changed* (:meth:`ApplyWorker._unchanged`); anything
+    else, or no snapshot for ``WATCH_STALE`` seconds, falls back to the synchronous re-read it always did, so no
+    change is applied from a possibly stale snapshot."""
+
+    def __init__(self, catalog: Catalog, subname: str, bulk_tables: Any) -> None:
+        super().__init__(daemon=True, name=f"applier-catalog-watch {subname}")
+        self.catalog, self.subname, self._bulk_tables = catalog, subname, bulk_tables
+        self.oids: frozenset[int] = frozenset()  # set by the loop: the tables mapped for bulk apply
+        self.lag: tuple[int, dict[str, Any]] | None = None  # set by the loop: (subid, figures) to write
+        self.latest: SimpleNamespace | None = None
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(REREAD_INTERVAL):
+            try:
+                sub = self.catalog.get(self.subname)
+                states = (
+                    frozenset((r.relid, r.state, r.lsn) for r in self.catalog.table_states(sub.subid))
+                    if sub is not None
+                    else frozenset()
+                )
+                oids = self.oids
+                bulk_ok = frozenset(self._bulk_tables(sorted(oids))) if oids else frozenset()
+                self.latest = SimpleNamespace(
+                    at=time.monotonic(), sub=sub, states=states, oids=oids, bulk_ok=bulk_ok
+                )
+                lag, self.lag = self.lag, None
+                if lag is not None:
+                    self.catalog.record_lag(*lag)
+            except Exception as exc:  # noqa: BLE001 - the loop falls back to reading synchronously
+                log.debug("catalog watch: %s", exc)
+
+    def close(self) -> None:
+        self._stop_event.set()
+        self.join(5)
 
 
 class ApplyWorkerError(ApplierError):
@@ -311,6 +370,12 @@ class ApplyWorker:
         self.catalog = Catalog.connect(target_conninfo)
         self.stats = WorkerStats()
         self.metrics = WorkerMetrics(subname)
+        #: apply lag samples (applier.apply.lag), kept across sessions; summarised into the catalog for status
+        self.lag = LagWindow()
+        self._lag_written = 0  # LagWindow.added when the summary was last written
+        self._lag_written_at = 0.0
+        self._lag_table: bool | None = None  # whether the catalog has applier.apply_lag (version 3)
+        self._watch: _CatalogWatch | None = None  # the session's catalog watch, which writes the lag summary
         self._failures = 0
         #: (xid, finish LSN) of the remote transaction that failed last, while it keeps failing: the backoff grows
         #: until a session commits past it (or another one fails)
@@ -526,7 +591,10 @@ class ApplyWorker:
         self._subid = sub.subid
         tables = _CatalogTables(self, sub)
         target = self._connect_target(sub)
+        target.lag = self.lag
         tables.target = target
+        if self._lag_table is None:
+            self._lag_table = self._ensure_lag_table()
         spool: Spool | None = None
         repl: ReplicationConnection | None = None
         applier: Applier | None = None
@@ -557,7 +625,14 @@ class ApplyWorker:
             )  # fmt: skip
             self._grouped_session = self.group_commit
             self._grouped_after = self._ungrouped_until
-            outcome = self._stream(sub, repl, target, applier, tracker, tables, skip)
+            watch = _CatalogWatch(self.catalog, sub.subname, self._bulk_tables)
+            watch.start()
+            self._watch = watch
+            try:
+                outcome = self._stream(sub, repl, target, applier, tracker, tables, skip, watch)
+            finally:
+                self._watch = None
+                watch.close()
             clean = True
             return outcome
         finally:
@@ -569,7 +644,7 @@ class ApplyWorker:
                 self.stats.converted_rows += applier.converted_rows
                 self.stats.bulk_transactions += applier.bulk_transactions
                 self.stats.folded_prepares += applier.folded_prepares
-                self._publish(applier)
+                self._publish(applier, record_lag=False)
                 self.metrics.session_ended()
                 if applier.transactions and (
                     self._failing is None or target.good_origin_lsn > self._failing[1]
@@ -636,12 +711,14 @@ class ApplyWorker:
         return repl
 
     def _stream(self, sub: Subscription, repl: ReplicationConnection, target: Target, applier: Applier,
-                tracker: FeedbackTracker, tables: _CatalogTables, skip: SkipState) -> _Outcome:  # fmt: skip
+                tracker: FeedbackTracker, tables: _CatalogTables, skip: SkipState,
+                watch: _CatalogWatch | None = None) -> _Outcome:  # fmt: skip
         decoder = MessageDecoder()
         last_status = 0.0
         last_published = 0.0
         last_flush_poll = 0.0
         last_reread = time.monotonic()
+        last_reconcile = last_reread
         read = repl.read
         handle = applier.handle
         spool_raw = applier.spool_raw
@@ -748,7 +825,10 @@ class ApplyWorker:
                     if (
                         item is None
                         and repl.ran_dry
-                        and (got >= READ_PAUSE_AFTER or applier.in_remote_transaction)
+                        and (
+                            got >= READ_PAUSE_AFTER
+                            or (got >= READ_PAUSE_IN_TXN_AFTER and applier.in_remote_transaction)
+                        )
                     ):
                         # more is on its way: let the walsender's output queue up (READ_PAUSE)
                         time.sleep(READ_PAUSE)
@@ -787,12 +867,27 @@ class ApplyWorker:
             if applier.idle:
                 if now - last_reread >= REREAD_INTERVAL:
                     last_reread = now
-                    self._reread(sub, skip, tables, target)
-                    if applier.bulk:
-                        applier.recheck_bulk()
-                    if applier.finished_prepared:
+                    if watch is not None:
+                        watch.oids = (
+                            frozenset(e.local.oid for e in applier.entries.values())
+                            if applier.bulk
+                            else frozenset()
+                        )
+                    if watch is None or not self._unchanged(watch, sub, skip, tables, applier, now):
+                        self._reread(sub, skip, tables, target)
+                        if applier.bulk:
+                            # on a session of its own: a query on the apply session would wait for the pipeline
+                            applier.recheck_bulk(self._bulk_tables)
+                    if applier.finished_prepared and (
+                        not n  # nothing arrived this round: waiting for the pipeline delays nothing
+                        or target.pipeline.pending <= RECONCILE_DRAIN_MAX
+                        or now - last_reconcile >= RECONCILE_MAX_DEFER
+                    ):
+                        # Removing the records of finished prepared transactions needs the pipeline drained (what
+                        # is queued first: a record whose PREPARE TRANSACTION has not run yet looks finished), so
+                        # it waits for a moment when little is in flight rather than stall a steady load.
+                        last_reconcile = now
                         applier.finished_prepared = 0
-                        # (what is queued first: a record whose PREPARE TRANSACTION has not run yet looks finished)
                         target.pipeline.drain()
                         self.catalog.reconcile_prepared(sub.subid)
                 if not tables.all_ready or tables.two_phase_state == "p":
@@ -814,9 +909,85 @@ class ApplyWorker:
                 repl.send_status(pos.write, pos.flush, pos.apply)
                 last_status = now
 
-    def _publish(self, applier: Applier) -> None:
+    def _publish(self, applier: Applier, *, record_lag: bool = True) -> None:
+        """Counters and lag samples to the metrics; the lag summary to the catalog (not when a session ends: the
+        target may be what failed, and a connection attempt must not delay the reconnect)."""
         self.metrics.publish(applier.kinds, applier.rows, applier.conflicts, applier.bulk_transactions,
                              applier.folded_prepares)  # fmt: skip
+        lag = self.lag
+        if lag.added == self._lag_written:
+            return
+        self.metrics.observe_lag(lag.take_new())
+        now = time.monotonic()
+        if (
+            record_lag
+            and self._lag_table
+            and self._subid is not None
+            and now - self._lag_written_at >= LAG_WRITE_INTERVAL
+        ):
+            self._lag_written_at = now
+            self._lag_written = lag.added
+            summary = lag.summary(time.time())
+            if summary is not None and self._watch is not None:
+                self._watch.lag = (self._subid, dataclasses.asdict(summary))  # written off the apply loop
+            elif summary is not None:
+                try:
+                    self.catalog.record_lag(self._subid, dataclasses.asdict(summary))
+                except Exception as exc:  # noqa: BLE001 - a live figure: never worth failing the apply for
+                    self.log.debug("could not record the apply lag: %s", exc)
+
+    @staticmethod
+    def _unchanged(watch: _CatalogWatch, sub: Subscription, skip: SkipState, tables: _CatalogTables,
+                   applier: Applier, now: float) -> bool:  # fmt: skip
+        """True when the watch's latest snapshot (fresh enough) shows nothing the synchronous re-read would act on:
+        the same subscription options, skip-LSN and two-phase state, every table ready with the same state, and the
+        same bulk fitness for every mapped table. Then the loop needs no round trip of its own."""
+        snap = watch.latest
+        if snap is None or now - snap.at > WATCH_STALE or not tables.all_ready:
+            return False
+        fresh = snap.sub
+        if fresh is None or fresh.subid != sub.subid or not fresh.subenabled:
+            return False
+        for attr in ("subconninfo", "subslotname", "subbinary", "substream", "suborigin", "subpublications"):
+            if getattr(fresh, attr) != getattr(sub, attr):
+                return False
+        if (fresh.subskiplsn or 0) != skip.skip_lsn or fresh.subtwophasestate != tables.two_phase_state:
+            return False
+        if snap.states != frozenset((r.relid, r.state, r.lsn) for r in tables.by_oid.values()):
+            return False
+        if applier.bulk:
+            mapped = {e.local.oid: e.local.bulk for e in applier.entries.values()}
+            if not set(mapped) <= snap.oids:
+                return False
+            if any(bulk != (oid in snap.bulk_ok) for oid, bulk in mapped.items()):
+                return False
+        return True
+
+    def _bulk_tables(self, oids: list[int]) -> set[int]:
+        """``Target.bulk_tables`` on the catalog's connection: the same committed catalog state, without draining
+        the apply session's pipeline (which, under a steady load, would stall it once a second)."""
+        with self.catalog.engine.connect() as c:
+            rows = c.execute(
+                sqlalchemy.text(
+                    "SELECT c.oid FROM pg_catalog.pg_class c WHERE c.oid = ANY(CAST(:oids AS pg_catalog.oid[]))"  # noqa: S608 - constant SQL of ours
+                    " AND " + BULK_OK_SQL
+                ),
+                {"oids": oids},
+            ).fetchall()
+        return {int(r[0]) for r in rows}
+
+    def _ensure_lag_table(self) -> bool:
+        """Whether ``applier.apply_lag`` exists, upgrading a version-1 catalog in place if needed (the upgrade
+        only adds that table); False, and no lag in ``applier status``, when the upgrade is refused."""
+        try:
+            if not self.catalog.has_lag_table():
+                self.catalog.ensure()
+            return self.catalog.has_lag_table()
+        except Exception as exc:  # noqa: BLE001
+            self.log.warning(
+                "apply lag will not show in applier status: cannot add applier.apply_lag: %s", exc
+            )
+            return False
 
     def _reread(self, sub: Subscription, skip: SkipState, tables: _CatalogTables, target: Target) -> None:
         """``maybe_reread_subscription`` (behaviour 52): stop when dropped/disabled, restart when an option the

@@ -1,0 +1,959 @@
+"""Live replication: lag and sustainable throughput under a steady application load, ours against native.
+
+Every other benchmark here replays a backlog. This one drives the publisher with ``pgbench -R RATE`` (a steady,
+throttled load, the regime a replication target lives in) while a subscriber follows it, and measures how far
+behind the target is.
+
+Method
+------
+* One publisher cluster (fsync off: it only makes the load generator cheaper) and one target cluster (``durable``,
+  fsync on, as in production), started from the same binaries; pgbench comes from the same bindir.
+* For each workload and rate, ``native`` and ``ours`` run *in turn* (alternating which goes first), each with a
+  fresh publisher database and a fresh target database initialised identically (``pgbench -i``), its own slot and
+  publication, and the same load for the same time. They never run at the same time: on 2 cores two subscribers
+  at once would compete for the CPU and whichever runs its hot loop more often would slow the other.
+* ``native`` is ``CREATE SUBSCRIPTION ... WITH (two_phase = on, streaming = on)``; ``ours`` is ``applier run`` as a
+  subprocess with its default settings (two-phase on, streaming on in the catalog).
+* The load starts once the subscriber's slot is active, plus one second.
+
+Lag (what the figures mean)
+---------------------------
+* **commit lag**: a marker thread commits ``INSERT INTO live_marker VALUES (n, clock_timestamp())`` on the
+  publisher every ``MARKER_S`` (75 ms), interleaved with the load, and notes the wall-clock time its COMMIT returned;
+  a poller on the target (every ``POLL_S``, 10 ms) notes when each marker id becomes visible. Lag = visible - commit.
+  Transactions apply in commit order, so a visible marker means every transaction committed before it is visible
+  too. Same machine, same clock; resolution about 10 ms.
+* **prepare lag** (two-phase workload): the publisher's ``pg_prepared_xacts.prepared`` of xid N against the moment
+  ``pg_gid_<subid>_N`` (both subscribers name prepared transactions so) shows in the target's
+  ``pg_prepared_xacts``. Both are polled every 10 ms, so a prepared transaction whose decision is applied within
+  10 ms of its PREPARE may be missed (``seen`` counts those measured); ours may also fold a PREPARE whose decision
+  arrived in the same read into one plain commit, which never shows as prepared (only when it is behind).
+* Not the LSN the worker reports about itself, nor ``pg_stat_replication``'s replay lag.
+
+Bounded lag and sustainable throughput
+--------------------------------------
+The lag is **bounded** at a rate when (:func:`lag_bounded`) every marker committed during the load became visible
+within the drain timeout after the load stopped, and the median lag of the markers committed in the last third of
+the load is at most ``max(BOUND_FLOOR_S, BOUND_FACTOR × median of the first third)`` = max(0.5 s, 2 × ...): a
+subscriber that keeps up has the same lag at the end as at the start; one that does not falls further behind the
+longer the load lasts. The **sustainable throughput** of a side is the highest rate tried at which its lag is
+bounded *and* pgbench delivered at least 90 % of the rate (else the publisher, not the subscriber, was the limit).
+Rates are stepped up per workload (``--rates``), then doubled further (unless ``--no-step-up``) until a side's lag is
+unbounded or the publisher cannot deliver the rate.
+
+Workloads
+---------
+* ``tpcb``: pgbench's builtin ``tpcb-like`` script.
+* ``2pc``: the same account update and history insert as a prepared transaction: ``PREPARE TRANSACTION``, a
+  think time of 20-100 ms like a coordinator collecting the other participants' votes, then ``COMMIT PREPARED`` or,
+  one time in ten, ``ROLLBACK PREPARED``. The teller and branch updates are left out: a prepared transaction holds
+  its row locks through the think time, and with them every transaction would queue on the one branch row.
+* ``mix``: ``tpcb-like`` plus, every ``BIG_EVERY_S`` (8 s), one ``BIG_ROWS``-row INSERT that the publisher
+  streams (its database's ``logical_decoding_work_mem`` is lowered to 2MB; ``stream_txns`` confirms it).
+
+Costs: CPU seconds over the load and drain of our ``applier run`` process tree (the parent and the worker it
+spawns) and of the target cluster's server processes (the postmaster and all its children: native's apply worker,
+our backend, walwriter, checkpointer, the poller's backend — the same extras on both sides); peak RSS (``VmHWM``) of
+our worker process and of the native apply worker.
+
+    .venv/bin/python bench/live_bench.py --quick          # ~3 minutes
+    .venv/bin/python bench/live_bench.py                  # ~15 minutes on 2 cores, writes bench/live-lag.svg
+    .venv/bin/python bench/live_bench.py --workloads 2pc --rates 2pc=50,100 --duration 30
+    .venv/bin/python bench/live_bench.py --render bench/out/live_bench.json   # report and chart of a saved run
+
+The chart needs matplotlib: ``pip install -e '.[bench]'`` (or ``pip install matplotlib``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import psycopg
+from psycopg import sql
+
+ROOT = Path(__file__).resolve().parent.parent
+CODE_ROOT = Path(os.environ.get("APPLY_BENCH_CODE_ROOT", ROOT))
+if __package__ in (None, ""):  # run as a script: make the project and the bench helpers importable
+    sys.path.insert(0, str(CODE_ROOT))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import cmdline, descendants, loadavg, proc_sample  # noqa: E402
+from _native import NativeSubscription  # noqa: E402
+
+from applier.apply.testing import setup_subscription  # noqa: E402
+from applier.testing.cluster import Database, PostgresCluster, find_binaries  # noqa: E402
+
+OUT_DIR = ROOT / "bench" / "out"
+CHART = ROOT / "bench" / "live-lag.svg"
+POLL_S = 0.01
+MARKER_S = 0.075
+SAMPLE_S = 0.5
+WARMUP_S = 1.0
+BOUND_FLOOR_S = 0.5
+BOUND_FACTOR = 2.0
+DELIVERED = 0.9  # pgbench must deliver this share of the rate for a rate to count as sustained
+BIG_EVERY_S = 8.0
+BIG_ROWS = 50_000
+SCALE = 1
+TABLES = (
+    "pgbench_accounts",
+    "pgbench_branches",
+    "pgbench_tellers",
+    "pgbench_history",
+    "live_marker",
+    "live_big",
+)
+
+TWO_PC_SCRIPT = """\
+\\set aid random(1, 100000 * :scale)
+\\set tid random(1, 10 * :scale)
+\\set delta random(-5000, 5000)
+\\set think random(20, 100)
+\\set decide random(1, 10)
+BEGIN;
+UPDATE pgbench_accounts SET abalance = abalance + :delta WHERE aid = :aid;
+SELECT abalance FROM pgbench_accounts WHERE aid = :aid;
+INSERT INTO pgbench_history (tid, bid, aid, delta, mtime) VALUES (:tid, 1, :aid, :delta, CURRENT_TIMESTAMP);
+SELECT txid_current() AS xid \\gset
+PREPARE TRANSACTION 'live_:xid';
+\\sleep :think ms
+\\if :decide = 1
+ROLLBACK PREPARED 'live_:xid';
+\\else
+COMMIT PREPARED 'live_:xid';
+\\endif
+"""
+
+
+@dataclass(frozen=True)
+class Workload:
+    key: str
+    label: str
+    two_phase_load: bool
+    big: bool  # a streamed large transaction now and then
+    rates: tuple[int, ...]
+    quick_rates: tuple[int, ...]
+
+
+WORKLOADS = {
+    w.key: w
+    for w in (
+        Workload("tpcb", "pgbench tpcb-like", False, False, (100, 400, 1600), (200,)),
+        Workload("2pc", "prepared txns, 20-100 ms think time, 10% rolled back", True, False, (50, 200), (100,)),
+        Workload("mix", f"tpcb-like + a streamed {BIG_ROWS:,}-row insert every {BIG_EVERY_S:.0f} s", False, True,
+                 (100, 400), (200,)),
+    )
+}  # fmt: skip
+
+
+# --- the pure parts: percentiles and the bounded-lag test ---------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) with linear interpolation between closest ranks (numpy's default);
+    NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def lag_bounded(samples: Sequence[tuple[float, float]], missing: int = 0) -> tuple[bool, str]:
+    """Whether a lag series stayed bounded, and why (see the module docstring).
+
+    ``samples`` are (commit time, lag) of the markers committed during the load, in commit order; ``missing`` counts
+    markers of that window that never became visible. Unbounded when any is missing, or when the median lag of the
+    last third exceeds ``max(BOUND_FLOOR_S, BOUND_FACTOR × median lag of the first third)``."""
+    if missing:
+        return False, f"{missing} marker(s) never became visible"
+    if len(samples) < 3:
+        return False, "too few markers to tell"
+    third = len(samples) // 3
+    first = statistics.median(lag for _, lag in samples[:third])
+    last = statistics.median(lag for _, lag in samples[-third:])
+    limit = max(BOUND_FLOOR_S, BOUND_FACTOR * first)
+    if last > limit:
+        return (
+            False,
+            f"median lag grew from {first:.3f} s (first third) to {last:.3f} s (last third) > {limit:.3f} s",
+        )
+    return True, f"median lag {first:.3f} s (first third), {last:.3f} s (last third) <= {limit:.3f} s"
+
+
+def lag_slope(samples: Sequence[tuple[float, float]]) -> float | None:
+    """Least-squares slope of lag over commit time (seconds of lag gained per second of load): informative only."""
+    if len(samples) < 2:
+        return None
+    xs = [t for t, _ in samples]
+    ys = [lag for _, lag in samples]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den if den else None
+
+
+def gid_xid(gid: str) -> int | None:
+    """``pg_gid_<subid>_<xid>`` -> xid (the publisher's); None for any other GID."""
+    m = re.fullmatch(r"pg_gid_\d+_(\d+)", gid)
+    return int(m.group(1)) if m else None
+
+
+def parse_pgbench(output: str) -> dict[str, float]:
+    """What pgbench printed at the end: transactions processed, failed, and tps."""
+    out: dict[str, float] = {}
+    if m := re.search(r"number of transactions actually processed: (\d+)", output):
+        out["processed"] = int(m.group(1))
+    if m := re.search(r"number of failed transactions: (\d+)", output):
+        out["failed"] = int(m.group(1))
+    if m := re.search(r"tps = ([\d.]+) \(without initial connection time\)", output):
+        out["tps"] = float(m.group(1))
+    return out
+
+
+# --- the measuring threads ------------------------------------------------------------------------------------------
+
+
+class MarkerWriter(threading.Thread):
+    """Commits marker ``n`` on the publisher every ``interval`` s and notes when each COMMIT returned."""
+
+    def __init__(self, db: Database, interval: float = MARKER_S) -> None:
+        super().__init__(daemon=True, name="marker-writer")
+        self.db, self.interval = db, interval
+        self.committed: dict[int, float] = {}
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with self.db.connect() as c:
+                n = 0
+                next_at = time.monotonic()
+                while not self.stop.is_set():
+                    n += 1
+                    c.execute("INSERT INTO live_marker VALUES (%s, clock_timestamp())", (n,))
+                    self.committed[n] = time.time()
+                    next_at += self.interval
+                    self.stop.wait(max(0.0, next_at - time.monotonic()))
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            self.error = exc
+
+
+class VisibilityPoller(threading.Thread):
+    """Polls the target every ``POLL_S``: the first moment each marker id is visible and, when asked, each
+    ``pg_gid_*`` prepared transaction of this database is."""
+
+    def __init__(self, db: Database, prepared: bool) -> None:
+        super().__init__(daemon=True, name="visibility-poller")
+        self.db, self.prepared = db, prepared
+        self.visible: dict[int, float] = {}
+        self.prepared_seen: dict[int, float] = {}
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with self.db.connect() as c:
+                last = 0
+                while not self.stop.is_set():
+                    rows = c.execute(
+                        "SELECT id FROM live_marker WHERE id > %s ORDER BY id", (last,)
+                    ).fetchall()
+                    now = time.time()
+                    for (mid,) in rows:
+                        self.visible[mid] = now
+                        last = mid
+                    if self.prepared:
+                        gids = c.execute(
+                            "SELECT gid FROM pg_catalog.pg_prepared_xacts WHERE database = current_database()"
+                        ).fetchall()
+                        now = time.time()
+                        for (gid,) in gids:
+                            xid = gid_xid(gid)
+                            if xid is not None and xid not in self.prepared_seen:
+                                self.prepared_seen[xid] = now
+                    self.stop.wait(POLL_S)
+        except BaseException as exc:  # noqa: BLE001
+            self.error = exc
+
+
+class PublisherPreparePoller(threading.Thread):
+    """The publisher's own PREPARE times (``pg_prepared_xacts.prepared``) by xid, polled every ``POLL_S``."""
+
+    def __init__(self, db: Database) -> None:
+        super().__init__(daemon=True, name="prepare-poller")
+        self.db = db
+        self.prepared_at: dict[int, float] = {}
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with self.db.connect() as c:
+                while not self.stop.is_set():
+                    for xid, at in c.execute(
+                        "SELECT transaction::text::bigint, extract(epoch FROM prepared)::float8"
+                        " FROM pg_catalog.pg_prepared_xacts WHERE database = current_database()"
+                    ).fetchall():
+                        self.prepared_at.setdefault(int(xid), float(at))
+                    self.stop.wait(POLL_S)
+        except BaseException as exc:  # noqa: BLE001
+            self.error = exc
+
+
+class BigWriter(threading.Thread):
+    """One ``BIG_ROWS``-row INSERT every ``BIG_EVERY_S`` on the publisher (the first after half of that)."""
+
+    def __init__(self, db: Database) -> None:
+        super().__init__(daemon=True, name="big-writer")
+        self.db = db
+        self.done = 0
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with self.db.connect() as c:
+                while not self.stop.wait(BIG_EVERY_S / 2 if self.done == 0 else BIG_EVERY_S):
+                    base = self.done * BIG_ROWS
+                    c.execute(
+                        "INSERT INTO live_big SELECT g, md5(g::text) FROM generate_series(%s::bigint, %s::bigint) g",
+                        (base + 1, base + BIG_ROWS),
+                    )
+                    self.done += 1
+        except BaseException as exc:  # noqa: BLE001
+            self.error = exc
+
+
+class CpuTracker:
+    """CPU seconds of process groups (``client``: the applier run tree; ``server``: the target cluster) from a
+    starting mark, and the peak ``VmHWM`` of each process. A process is counted in the group it was first seen
+    in, and with what it had used when last sampled, so one that exits mid-run still counts up to that sample."""
+
+    def __init__(self) -> None:
+        self.base: dict[int, float] = {}
+        self.last: dict[int, float] = {}
+        self.group: dict[int, str] = {}
+        self.hwm_kb: dict[int, int] = {}
+
+    def sample(self, groups: dict[str, Sequence[int]], *, base: bool = False) -> None:
+        for group, pids in groups.items():
+            for pid in pids:
+                s = proc_sample(pid)
+                if s is None:
+                    continue
+                if base:
+                    self.base[pid] = s.cpu_s
+                self.group.setdefault(pid, group)
+                self.last[pid] = s.cpu_s
+                self.hwm_kb[pid] = max(self.hwm_kb.get(pid, 0), s.vm_hwm_kb)
+
+    def cpu(self, group: str) -> float:
+        """Since the base mark; a process started later counts from zero."""
+        return sum(cpu - self.base.get(p, 0.0) for p, cpu in self.last.items() if self.group[p] == group)
+
+
+def _tree(pid: int | None) -> list[int]:
+    return [] if pid is None else [pid, *descendants(pid)]
+
+
+def _postmaster_pid(cluster: PostgresCluster) -> int:
+    assert cluster.datadir is not None
+    return int((cluster.datadir / "postmaster.pid").read_text().split()[0])
+
+
+# --- one side's run -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SideRun:
+    workload: str
+    rate: int
+    side: str
+    ok: bool = False
+    error: str | None = None
+    pgbench: dict[str, float] = field(default_factory=dict)
+    duration_s: float = 0.0
+    markers: int = 0
+    missing: int = 0
+    lag: dict[str, float] = field(default_factory=dict)  # p50, p99, max (s)
+    prepare_lag: dict[str, float] = field(default_factory=dict)
+    prepares_published: int = 0
+    prepares_seen: int = 0
+    bounded: bool = False
+    bound_reason: str = ""
+    slope: float | None = None
+    drain_s: float = float("nan")  # load end until the last marker was visible
+    client_cpu_s: float = 0.0  # ours: the applier run tree
+    server_cpu_s: float = 0.0  # the target cluster's processes
+    worker_hwm_mb: float | None = None
+    big_txns: int = 0
+    stream_txns: int | None = None
+    verified: bool | None = None
+    load1: float = float("nan")
+    series: list[tuple[float, float]] = field(default_factory=list)  # (s since load start, lag s)
+
+    @property
+    def delivered(self) -> bool:
+        return self.pgbench.get("tps", 0.0) >= DELIVERED * self.rate
+
+
+def _pgbench_init(bindir: Path, db: Database) -> None:
+    res = subprocess.run([str(bindir / "pgbench"), "-i", "-q", "-s", str(SCALE), "-n", db.dsn], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    if res.returncode != 0:
+        raise RuntimeError(f"pgbench -i failed: {res.stderr.strip()}")
+    with db.connect() as c:
+        c.execute("CREATE TABLE live_marker (id integer PRIMARY KEY, at timestamptz NOT NULL)")
+        c.execute("CREATE TABLE live_big (id bigint PRIMARY KEY, v text NOT NULL)")
+
+
+def _wait_slot_active(pub: Database, slot: str, timeout: float, proc: subprocess.Popen[bytes] | None) -> None:
+    deadline = time.monotonic() + timeout
+    with pub.connect() as c:
+        while True:
+            row = c.execute(
+                "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+            ).fetchone()
+            if row and row[0] is not None:
+                return
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"applier run exited with status {proc.returncode}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"slot {slot} not active within {timeout:.0f}s")
+            time.sleep(0.05)
+
+
+def _start_ours(
+    db: Database, name: str, log_path: Path, spool: Path, profile: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """``applier run NAME``; with ``profile``, under ``py-spy record --idle`` (wall time, raw collapsed stacks)."""
+    cmd = [sys.executable, "-m", "applier.cli", "--target", db.dsn, "run", name]
+    if profile is not None:
+        pyspy = Path(sys.executable).with_name("py-spy")
+        cmd = [str(pyspy), "record", "--subprocesses", "--idle", "--rate", "250", "--format", "raw", "-o",
+               str(profile), "--", *cmd]  # fmt: skip
+    env = dict(os.environ, APPLIER_LOG_LEVEL=os.environ.get("APPLIER_LOG_LEVEL", "WARNING"), TMPDIR=str(spool),
+               PYTHONPATH=str(CODE_ROOT))  # fmt: skip
+    with open(log_path, "wb") as log_file:
+        return subprocess.Popen(cmd, cwd=CODE_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+
+
+def _stop_ours(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to ``applier run`` (under py-spy: to the CLI below it, so that py-spy writes its profile)."""
+    if proc.poll() is not None:
+        return
+    cli = next(
+        (p for p in _tree(proc.pid) if "applier.cli" in cmdline(p) and "py-spy" not in cmdline(p)), proc.pid
+    )
+    os.kill(cli, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def _native_worker_pid(db: Database, name: str) -> int | None:
+    row = db.query(
+        "SELECT pid FROM pg_stat_subscription WHERE subname = %s AND relid IS NULL AND pid IS NOT NULL LIMIT 1",
+        (name,),
+    )
+    return int(row[0][0]) if row else None
+
+
+def _ours_worker_pid(root: int) -> int | None:
+    for pid in descendants(root):
+        if "spawn_main" in cmdline(pid):
+            return pid
+    return None
+
+
+@dataclass
+class Env:
+    pubc: PostgresCluster
+    tgtc: PostgresCluster
+    bindir: Path
+    duration: float
+    drain_timeout: float
+    spool: Path
+    profile_dir: Path | None = None
+
+
+def run_side(env: Env, wl: Workload, rate: int, side: str) -> SideRun:
+    run = SideRun(wl.key, rate, side)
+    tag = f"lv_{wl.key.replace('2', 'two')}_{rate}_{side}"
+    pub = env.pubc.create_database(tag)
+    tgt = env.tgtc.create_database(tag)
+    proc: subprocess.Popen[bytes] | None = None
+    native: NativeSubscription | None = None
+    subid: int | None = None
+    threads: list[threading.Thread] = []
+    try:
+        for db in (pub, tgt):
+            _pgbench_init(env.bindir, db)
+        if wl.big:
+            pub.execute(
+                sql.SQL("ALTER DATABASE {} SET logical_decoding_work_mem = '2MB'").format(sql.Identifier(tag))
+            )
+        tables = [f"public.{t}" for t in TABLES]
+        if side == "ours":
+            setup = setup_subscription(pub, tgt, tag, tables, two_phase_state="e", streaming="on")
+            subid = setup.sub.subid
+            setup.catalog.engine.dispose()
+            profile = env.profile_dir / f"{tag}.txt" if env.profile_dir else None
+            proc = _start_ours(tgt, tag, OUT_DIR / f"{tag}.log", env.spool, profile)
+        else:
+            pub.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
+                sql.Identifier(tag), sql.SQL(", ").join(sql.Identifier(*t.split(".")) for t in tables)))  # fmt: skip
+            pub.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput', false, true)", (tag,))
+            native = NativeSubscription(tgt.dsn, tag, tag, tag, pub.dsn, True, "on")
+            native.create()
+            native.enable()
+        _wait_slot_active(pub, tag, 120.0, proc)
+        time.sleep(WARMUP_S)
+        run.load1 = loadavg()[0]
+        run_load(env, wl, rate, run, pub, tgt, proc, tag, threads)
+        if wl.big:
+            run.stream_txns = _stream_txns(pub, tag, expect=True)
+        run.ok = run.error is None
+    except Exception as exc:  # noqa: BLE001 - reported in the table, the benchmark goes on
+        run.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        for t in threads:
+            t.stop.set()  # type: ignore[attr-defined]
+        if run.ok:
+            _verify(pub, tgt, run)
+        if proc is not None:
+            _stop_ours(proc)
+        if native is not None:
+            native.disable()
+            native.drop()
+        if subid is not None:
+            try:
+                tgt.execute("SELECT pg_replication_origin_drop(%s)", (f"applier_{subid}",))
+            except psycopg.Error:
+                pass
+        env.tgtc.drop_database(tag)
+        env.pubc.drop_database(tag)
+    return run
+
+
+def _stream_txns(pub: Database, slot: str, expect: bool) -> int | None:
+    deadline = time.monotonic() + 3.0
+    while True:
+        rows = pub.query("SELECT stream_txns FROM pg_stat_replication_slots WHERE slot_name = %s", (slot,))
+        value = int(rows[0][0]) if rows and rows[0][0] is not None else None
+        if value or not expect or time.monotonic() > deadline:
+            return value
+        time.sleep(0.1)
+
+
+def run_load(env: Env, wl: Workload, rate: int, run: SideRun, pub: Database, tgt: Database,
+             proc: subprocess.Popen[bytes] | None, tag: str, threads: list[threading.Thread]) -> None:  # fmt: skip
+    """The load, the lag measurement and the costs of one side at one rate; fills ``run``."""
+    writer = MarkerWriter(pub)
+    poller = VisibilityPoller(tgt, wl.two_phase_load)
+    pub_prep = PublisherPreparePoller(pub) if wl.two_phase_load else None
+    big = BigWriter(pub) if wl.big else None
+    threads += [t for t in (writer, poller, pub_prep, big) if t is not None]
+    tgt_root = _postmaster_pid(env.tgtc)
+    client_root = proc.pid if proc is not None else None
+    cpu = CpuTracker()
+    cpu.sample({"client": _tree(client_root), "server": _tree(tgt_root)}, base=True)
+    clients = max(4, math.ceil(rate * 0.15) + 4) if wl.two_phase_load else 4
+    cmd = [str(env.bindir / "pgbench"), "-n", "-R", str(rate), "-T", str(int(env.duration)), "-c", str(clients),
+           "-j", "2", "--max-tries", "10"]  # fmt: skip
+    script: Path | None = None
+    if wl.two_phase_load:
+        fd, name = tempfile.mkstemp(prefix="live-2pc-", suffix=".sql")
+        script = Path(name)
+        with os.fdopen(fd, "w") as f:
+            f.write(TWO_PC_SCRIPT)
+        cmd += ["-f", str(script)]
+    else:
+        cmd += ["-b", "tpcb-like"]
+    cmd.append(pub.dsn)
+    poller.start()
+    if pub_prep is not None:
+        pub_prep.start()
+    load_start = time.time()
+    writer.start()
+    if big is not None:
+        big.start()
+    bench = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    last_sample = 0.0
+    while bench.poll() is None:
+        if time.monotonic() - last_sample >= SAMPLE_S:
+            last_sample = time.monotonic()
+            cpu.sample({"client": _tree(client_root), "server": _tree(tgt_root)})
+            if proc is not None and proc.poll() is not None:
+                run.error = f"applier run exited with status {proc.returncode}"
+        time.sleep(0.05)
+    output = bench.stdout.read() if bench.stdout else ""
+    if script is not None:
+        script.unlink(missing_ok=True)
+    load_end = time.time()
+    if big is not None:  # before the last marker, so that the marker also waits for the last big insert
+        big.stop.set()
+        big.join()
+        run.big_txns = big.done
+    writer.stop.set()
+    writer.join()
+    run.pgbench = parse_pgbench(output)
+    if bench.returncode != 0:
+        run.error = f"pgbench exited with {bench.returncode}: {output.strip()[-500:]}"
+    run.duration_s = load_end - load_start
+    # drain: until the last marker is visible (and, two-phase, no prepared transaction is left on the target)
+    last_id = max(writer.committed, default=0)
+    deadline = time.monotonic() + env.drain_timeout
+    native_pid = None
+    while time.monotonic() < deadline:
+        if time.monotonic() - last_sample >= SAMPLE_S:
+            last_sample = time.monotonic()
+            cpu.sample({"client": _tree(client_root), "server": _tree(tgt_root)})
+        if last_id in poller.visible:
+            break
+        time.sleep(0.05)
+    if last_id in poller.visible:  # 0 when it was visible before pgbench's exit was noticed
+        run.drain_s = max(0.0, poller.visible[last_id] - load_end)
+    if proc is None:
+        native_pid = _native_worker_pid(tgt, tag)
+    cpu.sample({"client": _tree(client_root), "server": _tree(tgt_root)})
+    for t in (poller, pub_prep):
+        if t is not None:
+            t.stop.set()
+            t.join()
+    for t in (writer, poller, pub_prep, big):
+        if t is not None and t.error is not None:
+            run.error = f"{t.name}: {type(t.error).__name__}: {t.error}"
+    run.client_cpu_s = cpu.cpu("client")
+    run.server_cpu_s = cpu.cpu("server")
+    worker = _ours_worker_pid(proc.pid) if proc is not None else native_pid
+    if worker is not None and worker in cpu.hwm_kb:
+        run.worker_hwm_mb = cpu.hwm_kb[worker] / 1024
+    _fill_lags(run, writer.committed, poller.visible, load_start, pub_prep, poller.prepared_seen)
+
+
+def _fill_lags(run: SideRun, committed: dict[int, float], visible: dict[int, float], load_start: float,
+               pub_prep: PublisherPreparePoller | None, prepared_seen: dict[int, float]) -> None:  # fmt: skip
+    samples = [(committed[i], visible[i] - committed[i]) for i in sorted(committed) if i in visible]
+    run.markers = len(committed)
+    run.missing = len(committed) - len(samples)
+    lags = [lag for _, lag in samples]
+    run.lag = {
+        "p50": percentile(lags, 50),
+        "p99": percentile(lags, 99),
+        "max": max(lags, default=float("nan")),
+    }
+    run.bounded, run.bound_reason = lag_bounded(samples, run.missing)
+    run.slope = lag_slope(samples)
+    run.series = [(round(t - load_start, 3), round(lag, 4)) for t, lag in samples]
+    if pub_prep is not None:
+        run.prepares_published = len(pub_prep.prepared_at)
+        plags = [prepared_seen[x] - at for x, at in pub_prep.prepared_at.items() if x in prepared_seen]
+        run.prepares_seen = len(plags)
+        run.prepare_lag = {"p50": percentile(plags, 50), "p99": percentile(plags, 99),
+                           "max": max(plags, default=float("nan"))}  # fmt: skip
+
+
+def _verify(pub: Database, tgt: Database, run: SideRun) -> None:
+    """Same contents on both sides once drained: every table's row count and a server-side hash (the history
+    table has no key: count and the sum of its deltas), and no prepared transaction left on the target."""
+    checks = {
+        "pgbench_accounts": "SELECT count(*), md5(string_agg(aid || ':' || abalance, ',' ORDER BY aid)) FROM pgbench_accounts",
+        "pgbench_tellers": "SELECT count(*), md5(string_agg(tid || ':' || tbalance, ',' ORDER BY tid)) FROM pgbench_tellers",
+        "pgbench_branches": "SELECT count(*), md5(string_agg(bid || ':' || bbalance, ',' ORDER BY bid)) FROM pgbench_branches",
+        "pgbench_history": "SELECT count(*), coalesce(sum(delta), 0)::text FROM pgbench_history",
+        "live_marker": "SELECT count(*), max(id)::text FROM live_marker",
+        "live_big": "SELECT count(*), max(id)::text FROM live_big",
+    }  # fmt: skip
+    bad = []
+    deadline = time.monotonic() + 30
+    while True:
+        bad = []
+        for table, query in checks.items():
+            want, got = pub.query(query)[0], tgt.query(query)[0]
+            if want != got:
+                bad.append(f"{table}: {got} vs {want}")
+        left = tgt.scalar("SELECT count(*) FROM pg_prepared_xacts WHERE database = current_database()")
+        if left:
+            bad.append(f"{left} prepared transaction(s) left")
+        if not bad or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    run.verified = not bad
+    if bad:
+        run.error = "MISMATCH " + "; ".join(bad)
+
+
+# --- the report -----------------------------------------------------------------------------------------------------
+
+
+def _f(value: float | None, fmt: str = ".3f") -> str:
+    return "—" if value is None or value != value else format(value, fmt)
+
+
+def sustainable(runs: Sequence[SideRun], workload: str, side: str) -> str:
+    """The highest rate tried at which the side's lag stayed bounded and pgbench delivered the rate; ``≥`` when it
+    was bounded at the highest rate tried (a lower bound only)."""
+    mine = sorted((r for r in runs if r.workload == workload and r.side == side), key=lambda r: r.rate)
+    good = [r.rate for r in mine if r.ok and r.bounded and r.delivered]
+    if not good:
+        return "< " + str(mine[0].rate) if mine else "—"
+    top = mine[-1]
+    return (f"≥ {good[-1]}" if good[-1] == top.rate else str(good[-1])) + " tps"
+
+
+def render(runs: Sequence[SideRun]) -> str:
+    """Markdown: one row per workload, rate and side; then sustainable throughput per workload."""
+    head = ["workload", "rate (tps)", "side", "pgbench tps", "commit lag p50 / p99 / max (s)",
+            "prepare lag p50 / p99 (s) [seen/published]", "bounded", "drain s", "CPU s: applier + target server",
+            "peak RSS MB", "load"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted(runs, key=lambda r: (list(WORKLOADS).index(r.workload), r.rate, r.side)):
+        prep = (f"{_f(r.prepare_lag.get('p50'))} / {_f(r.prepare_lag.get('p99'))} [{r.prepares_seen}/"
+                f"{r.prepares_published}]") if r.prepares_published else "—"  # fmt: skip
+        bounded = "yes" if r.bounded else "NO"
+        if r.error:
+            bounded += f" (error: {r.error[:120]})"
+        extra = f", {r.big_txns} big, stream_txns {r.stream_txns}" if WORKLOADS[r.workload].big else ""
+        lines.append("| " + " | ".join([
+            r.workload, str(r.rate), r.side, _f(r.pgbench.get("tps"), ".0f"),
+            f"{_f(r.lag.get('p50'))} / {_f(r.lag.get('p99'))} / {_f(r.lag.get('max'))}", prep, bounded + extra,
+            _f(r.drain_s, ".2f"), f"{_f(r.client_cpu_s, '.1f')} + {_f(r.server_cpu_s, '.1f')}",
+            _f(r.worker_hwm_mb, ".0f"), _f(r.load1, ".1f"),
+        ]) + " |")  # fmt: skip
+    lines += ["", "| workload | sustainable: native | sustainable: ours |", "|---|---|---|"]
+    for key in WORKLOADS:
+        if any(r.workload == key for r in runs):
+            lines.append(f"| {key} | {sustainable(runs, key, 'native')} | {sustainable(runs, key, 'ours')} |")
+    return "\n".join(lines)
+
+
+def plot(runs: Sequence[SideRun], path: Path, title: str) -> str:
+    """Lag over time, ours and native, one panel per workload and rate; returns what was done."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no chart: matplotlib is missing; install it with  pip install -e '.[bench]'  (or pip install matplotlib)"
+    panels = sorted({(r.workload, r.rate) for r in runs}, key=lambda p: (list(WORKLOADS).index(p[0]), p[1]))
+    cols = max(len([p for p in panels if p[0] == k]) for k in WORKLOADS if any(p[0] == k for p in panels))
+    rows = [k for k in WORKLOADS if any(p[0] == k for p in panels)]
+    fig, axes = plt.subplots(len(rows), cols, figsize=(4.2 * cols, 2.9 * len(rows)), squeeze=False)
+    for i, key in enumerate(rows):
+        mine = [p for p in panels if p[0] == key]
+        for j in range(cols):
+            ax = axes[i][j]
+            if j >= len(mine):
+                ax.axis("off")
+                continue
+            rate = mine[j][1]
+            for r in sorted(runs, key=lambda r: r.side):  # native first: the same legend order in every panel
+                if (r.workload, r.rate) == (key, rate) and r.series:
+                    xs, ys = zip(*r.series, strict=True)
+                    ax.plot(xs, [y * 1000 for y in ys], lw=0.8, label=f"{r.side} (p99 {r.lag['p99'] * 1000:.0f} ms)",
+                            color="tab:blue" if r.side == "ours" else "tab:orange")  # fmt: skip
+            ax.set_title(f"{key} at {rate} tps", fontsize=9)
+            ax.set_xlabel("s since load start", fontsize=8)
+            ax.set_ylabel("commit → visible lag (ms)", fontsize=8)
+            ax.set_yscale("log")
+            ax.set_ylim(bottom=1.0)  # the poller's resolution is ~10 ms: lower readings are noise
+            ax.tick_params(labelsize=7)
+            ax.legend(fontsize=7)
+    fig.suptitle("\n".join(textwrap.wrap(title, 60 * cols)), fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, metadata={"Date": None})
+    plt.close(fig)
+    return f"chart: {path}"
+
+
+# --- main -----------------------------------------------------------------------------------------------------------
+
+
+def _commit() -> str:
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(
+                ["git", *a], cwd=ROOT, capture_output=True, text=True, check=True
+            ).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return "?"
+
+    frozen = os.environ.get("APPLY_BENCH_CODE_REV")
+    if frozen:
+        return git("rev-parse", "--short", frozen) + " (frozen with --code-rev)"
+    dirty = git("status", "--porcelain", "--", "applier", "state")
+    return git("rev-parse", "--short", "HEAD") + (
+        " + uncommitted changes in applier/ or state/" if dirty else ""
+    )
+
+
+def _freeze_code(rev: str) -> None:
+    """Re-run this script against ``git archive <rev>`` (as bench/apply_bench.py does), so that edits to
+    ``applier/`` made while the benchmark runs do not change the code under test."""
+    tmp = Path(tempfile.mkdtemp(prefix="live-bench-code-"))
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", rev], cwd=ROOT, capture_output=True, check=True
+    )
+    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
+    env = dict(os.environ, APPLY_BENCH_CODE_ROOT=str(tmp), APPLY_BENCH_CODE_REV=rev, PYTHONPATH=str(tmp))
+    try:
+        rc = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]], env=env
+        ).returncode
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    sys.exit(rc)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="one rate per workload, 8 s loads (about 3 minutes)")
+    ap.add_argument(
+        "--workloads", default=",".join(WORKLOADS), help="comma-separated subset of: " + ", ".join(WORKLOADS)
+    )
+    ap.add_argument("--rates", action="append", default=[], metavar="WORKLOAD=R1,R2",
+                    help="rates (transactions/s) for one workload, e.g. tpcb=100,400")  # fmt: skip
+    ap.add_argument("--no-step-up", action="store_true",
+                    help="only the given rates; by default (not with --quick) the rate is then doubled while a "
+                    "side's lag stays bounded and pgbench delivers it (at most --max-rate)")  # fmt: skip
+    ap.add_argument("--max-rate", type=int, default=6400)
+    ap.add_argument("--duration", type=float, help="seconds of load per run (default 20, --quick 8)")
+    ap.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to wait for the last marker")
+    ap.add_argument("--pg", default="18", help="server version (15, 16, 18) or a bindir")
+    ap.add_argument("--profile-dir", type=Path, help="run ours under py-spy (wall time, raw stacks); its lag is "
+                    "then not comparable")  # fmt: skip
+    ap.add_argument(
+        "--code-rev", metavar="REV", help="run the applier code of this commit (a frozen git archive)"
+    )
+    ap.add_argument("--json", type=Path, default=OUT_DIR / "live_bench.json")
+    ap.add_argument("--chart", type=Path, help=f"the lag chart (default {CHART.relative_to(ROOT)}, with --quick "
+                    "bench/out/live-lag.svg)")  # fmt: skip
+    ap.add_argument(
+        "--render", type=Path, metavar="JSON", help="only print the report (and chart) of a saved run"
+    )
+    args = ap.parse_args(argv)
+    args.keys = [k.strip() for k in args.workloads.split(",") if k.strip()]
+    if unknown := [k for k in args.keys if k not in WORKLOADS]:
+        ap.error(f"unknown workload(s): {', '.join(unknown)}")
+    args.rate_map = {k: (WORKLOADS[k].quick_rates if args.quick else WORKLOADS[k].rates) for k in args.keys}
+    for item in args.rates:
+        key, _, values = item.partition("=")
+        if key not in WORKLOADS:
+            ap.error(f"--rates: unknown workload {key!r}")
+        args.rate_map[key] = tuple(int(v) for v in values.split(",") if v)
+    args.step_up = not (args.no_step_up or args.quick)
+    args.duration = args.duration or (8.0 if args.quick else 20.0)
+    args.chart = (args.chart or (OUT_DIR / "live-lag.svg" if args.quick else CHART)).resolve()
+    args.json = args.json.resolve()
+    return args
+
+
+def _progress(r: SideRun) -> None:
+    print(f"  {r.workload:5} {r.rate:5} tps {r.side:6} pgbench {_f(r.pgbench.get('tps'), '.0f'):>6} tps, lag p50 "
+          f"{_f(r.lag.get('p50'))} p99 {_f(r.lag.get('p99'))} max {_f(r.lag.get('max'))} s, "
+          f"{'bounded' if r.bounded else 'UNBOUNDED'}, CPU {r.client_cpu_s:.1f}+{r.server_cpu_s:.1f} s, load "
+          f"{r.load1:.1f}" + (f"  ERROR {r.error}" if r.error else ""), file=sys.stderr, flush=True)  # fmt: skip
+
+
+def run_workload(env: Env, wl: Workload, rates: Sequence[int], step_up: bool, max_rate: int,
+                 first: list[int]) -> list[SideRun]:  # fmt: skip
+    """Every rate for both sides, alternating which goes first across all runs (``first`` carries the count)."""
+    out: list[SideRun] = []
+    todo = list(rates)
+    while todo:
+        rate = todo.pop(0)
+        order = ["native", "ours"] if first[0] % 2 == 0 else ["ours", "native"]
+        first[0] += 1
+        here = []
+        for side in order:
+            r = run_side(env, wl, rate, side)
+            _progress(r)
+            here.append(r)
+        out += here
+        if step_up and not todo and rate * 2 <= max_rate:
+            if any(r.ok and r.bounded for r in here) and all(r.delivered for r in here if r.ok):
+                todo.append(rate * 2)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.code_rev and "APPLY_BENCH_CODE_ROOT" not in os.environ:
+        _freeze_code(args.code_rev)
+    if args.render:
+        data = json.loads(args.render.read_text())
+        runs = [
+            SideRun(**{k: v for k, v in r.items() if k in SideRun.__dataclass_fields__}) for r in data["runs"]
+        ]
+        runs = [SideRun(**{**asdict(r), "series": [tuple(p) for p in r.series]}) for r in runs]
+        print(data["header"] + "\n\n" + render(runs))
+        print(plot(runs, args.chart, data["header"]))
+        return 0
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    started = datetime.now(UTC)
+    load_start = loadavg()
+    common = {"autovacuum": "off", "max_wal_size": "8GB", "checkpoint_timeout": "1h",
+              "max_prepared_transactions": "200", "max_connections": "200"}  # fmt: skip
+    binaries = find_binaries(args.pg)
+    pubc = PostgresCluster(binaries, name="live-pub", durable=True, settings={**common, "fsync": "off"})
+    tgtc = PostgresCluster(binaries, name="live-tgt", durable=True, settings=common)
+    spool = Path(tempfile.mkdtemp(prefix="live-bench-tmp-"))
+    runs: list[SideRun] = []
+    header = ""
+    try:
+        pubc.start()
+        tgtc.start()
+        version = str(pubc.scalar("SHOW server_version"))
+        header = (f"{started:%Y-%m-%d %H:%M} UTC; PostgreSQL {version}; Python {platform.python_version()}; commit "
+                  f"{_commit()}; {os.cpu_count()} CPUs; load at start {load_start[0]:.1f}; {args.duration:.0f} s of "
+                  f"load per run")  # fmt: skip
+        print("live_bench " + header, file=sys.stderr, flush=True)
+        if args.profile_dir:
+            args.profile_dir = args.profile_dir.resolve()
+            args.profile_dir.mkdir(parents=True, exist_ok=True)
+        env = Env(pubc, tgtc, binaries.bindir, args.duration, args.drain_timeout, spool, args.profile_dir)
+        first = [0]
+        for key in args.keys:
+            runs += run_workload(env, WORKLOADS[key], args.rate_map[key], args.step_up, args.max_rate, first)
+    finally:
+        tgtc.destroy()
+        pubc.destroy()
+        shutil.rmtree(spool, ignore_errors=True)
+    header += f"; load at end {loadavg()[0]:.1f}"
+    report = render(runs)
+    print("\n" + header + "\n\n" + report)
+    args.json.write_text(
+        json.dumps({"header": header, "argv": sys.argv, "runs": [asdict(r) for r in runs]}, indent=1)
+    )
+    (OUT_DIR / "live_bench.md").write_text(header + "\n\n" + report + "\n")
+    print(plot(runs, args.chart, header))
+    return 0 if all(r.ok for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
