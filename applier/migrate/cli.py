@@ -98,6 +98,22 @@ def _plan(args: argparse.Namespace, target: str) -> int:
     return 0 if result.ok else 1
 
 
+def _start(args: argparse.Namespace, target: str) -> int:
+    from applier.migrate.selection import Selection
+    from applier.migrate.start import StartOptions, start
+
+    if args.cutover:
+        raise ApplierError(
+            "applier migrate start --cutover is not implemented yet: run cutover from another shell"
+        )
+    opts = StartOptions(
+        name=args.name, source=args.source, target=target,
+        selection=Selection.of(args.schema, args.table, args.exclude_table),
+        table_jobs=args.table_jobs, index_jobs=args.index_jobs, cutover=args.cutover,
+    )  # fmt: skip
+    return start(opts, lambda line: print(line, flush=True))
+
+
 def main(argv: Sequence[str], default_target: str | None = None) -> int:
     """Parse and run one verb; ``default_target`` is a ``--target`` given before ``migrate``."""
     args = build_parser().parse_args(list(argv))
@@ -106,6 +122,8 @@ def main(argv: Sequence[str], default_target: str | None = None) -> int:
     try:
         if args.verb == "plan":
             return _plan(args, target)
+        if args.verb == "start":
+            return _start(args, target)
         print(f"ERROR: applier migrate {args.verb} is not implemented yet", file=sys.stderr)
         return 1
     except ApplierError as exc:
