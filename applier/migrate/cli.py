@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Sequence
 
@@ -18,6 +19,7 @@ from applier.errors import ApplierError
 
 __all__ = ["build_parser", "main"]
 
+_SLOT_NAME = re.compile(r"^[a-z0-9_]{1,63}$")
 _TARGET_HELP = "target database (libpq conninfo or URI); default: the PG* environment, as for psql"
 
 
@@ -98,10 +100,19 @@ def _plan(args: argparse.Namespace, target: str) -> int:
     return 0 if result.ok else 1
 
 
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
 def _start(args: argparse.Namespace, target: str) -> int:
     from applier.migrate.selection import Selection
     from applier.migrate.start import StartOptions, start
 
+    if not _SLOT_NAME.match(args.name):
+        raise ApplierError(
+            f'migration name "{args.name}" is not valid: it names the slot and publication too, so it must be 1-63 '
+            "lower case letters, digits and underscores"
+        )
     if args.cutover:
         raise ApplierError(
             "applier migrate start --cutover is not implemented yet: run cutover from another shell"
@@ -111,7 +122,7 @@ def _start(args: argparse.Namespace, target: str) -> int:
         selection=Selection.of(args.schema, args.table, args.exclude_table),
         table_jobs=args.table_jobs, index_jobs=args.index_jobs, cutover=args.cutover,
     )  # fmt: skip
-    return start(opts, lambda line: print(line, flush=True))
+    return start(opts, _say)
 
 
 def main(argv: Sequence[str], default_target: str | None = None) -> int:
@@ -124,8 +135,19 @@ def main(argv: Sequence[str], default_target: str | None = None) -> int:
             return _plan(args, target)
         if args.verb == "start":
             return _start(args, target)
-        print(f"ERROR: applier migrate {args.verb} is not implemented yet", file=sys.stderr)
-        return 1
+        from applier.migrate import cutover as co
+
+        say = _say
+        if args.verb == "status":
+            doc = co.status(target, args.name)
+            print(co.dumps(doc) if args.json else co.format_status(doc), flush=True)
+            return 0
+        if args.verb == "cutover":
+            if args.reverse:
+                raise ApplierError("applier migrate cutover --reverse is not implemented yet")
+            opts = co.CutoverOptions(args.name, target, args.timeout, args.verify, args.prepared)
+            return co.cutover(opts, say)
+        return co.abort(target, args.name, say)
     except ApplierError as exc:
         print(f"ERROR: {scrub(str(exc), *secrets)}", file=sys.stderr)
         return 1

@@ -108,6 +108,7 @@ class _Runner:
         self.slot_conn: ReplicationConnection | None = None
         self.snapshot: str | None = None
         self.snapshot_lsn: int | None = None
+        self.ended: str | None = None
 
     # --- bookkeeping ------------------------------------------------------------------------------------------
     def migration(self) -> mstate.Migration:
@@ -387,8 +388,7 @@ class _Runner:
             m = self.migration()
         if m.phase == "copy":
             if not self.copy_and_post_data(m):
-                self.say("stopped; applier migrate start again resumes")
-                return 0
+                return self.outcome(0)
             self.phase("following", **{k: v for k, v in self.times.items() if k != "schema"})
         self.summary()
         return self.follow(m)
@@ -418,25 +418,40 @@ class _Runner:
         finally:
             finished.set()
             forwarder.join()
-        if self.migration().phase == "done":
-            self.say(f'migration "{m.name}" done')
+        return self.outcome(status)
+
+    def outcome(self, status: int) -> int:
+        """What start says and returns once it stops."""
+        phase = self.migration().phase
+        if phase == "done":
+            self.say(f'migration "{self.opts.name}" done: the target has taken over')
             return 0
+        if phase == "failed":
+            self.say(f'migration "{self.opts.name}" was aborted')
+            return 1
+        if status == 0:
+            self.say("stopped; applier migrate start again resumes")
         return status
 
     def _forward_stop(self, ours: Any, finished: threading.Event) -> None:
-        """Stop the apply loop when a cutover has completed, or when a signal reached our own handler (it came
-        before ``runner.run`` installed its handlers): SIGTERM to ourselves once runner's handler is in place."""
-        while not finished.wait(0.5):
-            if not self.stop.is_set():
-                with contextlib.suppress(Exception), psycopg.connect(self.opts.target, autocommit=True) as c:
-                    row = c.execute(
-                        "SELECT phase FROM applier.migration WHERE name = %s", (self.opts.name,)
-                    ).fetchone()
-                    if row is not None and row[0] == "done":
-                        self.stop.set()
+        """Stop the apply loop when a signal reached our own handler (it came before ``runner.run`` installed its
+        handlers) or :meth:`watch` saw the migration end: SIGTERM to ourselves once runner's handler is in place."""
+        while not finished.wait(0.2):
             if self.stop.is_set() and signal.getsignal(signal.SIGTERM) is not ours:
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
+
+    def watch(self, finished: threading.Event) -> None:
+        """Stop when the migration is done (a cutover completed) or failed (aborted), as another shell decides."""
+        while not finished.wait(0.5):
+            with contextlib.suppress(Exception), psycopg.connect(self.opts.target, autocommit=True) as c:
+                row = c.execute(
+                    "SELECT phase FROM applier.migration WHERE name = %s", (self.opts.name,)
+                ).fetchone()
+                if row is not None and row[0] in ("done", "failed"):
+                    self.ended = row[0]
+                    self.stop.set()
+                    return
 
     def close(self) -> None:
         if self.slot_conn is not None:
@@ -453,9 +468,13 @@ def start(opts: StartOptions, say: Callable[[str], None]) -> int:
         runner.stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    finished = threading.Event()
+    watcher = threading.Thread(target=runner.watch, args=(finished,), name="migration-watch", daemon=True)
+    watcher.start()
     try:
         return runner.run()
     finally:
+        finished.set()
         for s, h in previous.items():
             signal.signal(s, h)
         runner.close()
