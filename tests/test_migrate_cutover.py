@@ -10,7 +10,9 @@ import threading
 
 import psycopg
 import pytest
+from psycopg import sql
 from test_cli_common import APPLIER
+from test_migrate_plan import pg15  # noqa: F401 - a fixture
 from test_migrate_start import phase, procs, start, wait_phase  # noqa: F401 - procs is a fixture
 
 from applier.testing import Database, wait_until
@@ -152,3 +154,29 @@ def test_a_failed_verification_unfences_and_keeps_following(pair, procs, tmp_pat
     assert pub.scalar("SELECT count(*) FROM pg_publication") == 0
     assert tgt.scalar("SELECT count(*) FROM applier.subscription") == 0
     assert phase(tgt, "mig") == "failed"
+
+
+def test_a_postgresql_15_source_into_this_target(pair, pg15, procs, tmp_path) -> None:  # noqa: F811
+    """The major-version upgrade: pg_dump of the target's version reads the old server; identity, generated
+    columns and sequences come across; a cutover completes."""
+    src = pg15.create_database(pair.name)
+    try:
+        src.execute(SCHEMA + "ALTER TABLE log ADD COLUMN n2 int GENERATED ALWAYS AS (length(note) * 2) STORED;"
+                    "CREATE INDEX log_note ON log (note)")  # fmt: skip
+        log = tmp_path / "start.log"
+        proc = start(pair, "mig", log=log, source=src)
+        procs.append(proc)
+        wait_phase(pair.target, "mig", "following", proc, log)
+        src.execute("INSERT INTO acc (v) VALUES (9); INSERT INTO log (acc, note) VALUES (501, 'late')")
+        res = migrate(pair.target, "cutover", "mig", "--timeout", "60", "--verify", "full")
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "every table equal" in res.stdout
+        assert proc.wait(timeout=120) == 0, log.read_text()
+        for q in ("SELECT * FROM acc ORDER BY id", "SELECT * FROM log ORDER BY id"):
+            assert pair.target.query(q) == src.query(q)
+        assert pair.target.scalar("SELECT nextval('free_seq')") == 43
+        assert pair.target.scalar("SELECT indexdef FROM pg_indexes WHERE indexname = 'log_note'") is not None
+        assert pair.target.scalar("SELECT nextval('acc_id_seq')") == 502
+    finally:
+        with pg15.connect() as c:
+            c.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(pair.name)))

@@ -68,13 +68,13 @@ INSERT INTO public.tags SELECT g, 't' || g FROM generate_series(1, 100) g;
 TABLES = ("app.customers", "app.orders", "public.rooms", "public.events", "public.tags")
 
 
-def start(
-    pair, name: str, *extra: str, env: dict[str, str] | None = None, log: Path
-) -> subprocess.Popen[bytes]:
+def start(pair, name: str, *extra: str, env: dict[str, str] | None = None, log: Path,
+          source: Database | None = None) -> subprocess.Popen[bytes]:  # fmt: skip
     """``applier migrate start NAME`` in the background (its own process group, so a kill takes all of it)."""
     out = open(log, "ab")  # noqa: SIM115 - the child writes it; closed with the test's tmp_path
+    src = (source or pair.publisher).dsn
     return subprocess.Popen(
-        [*APPLIER, "migrate", "start", name, "--source", pair.publisher.dsn, "--target", pair.target.dsn, *extra],
+        [*APPLIER, "migrate", "start", name, "--source", src, "--target", pair.target.dsn, *extra],
         stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})},
     )  # fmt: skip
 

@@ -219,6 +219,11 @@ def _blockers(
                                "DELETE on it fail on the source", f"add a primary key, or ALTER TABLE "
                                f"{tf.qualified} REPLICA IDENTITY FULL (or USING INDEX a unique index), or exclude it "
                                "with --exclude-table"))  # fmt: skip
+    for tf in s.tables:
+        if tf.kind == "p":
+            out.append(Finding("partitioned", f"table {tf.qualified} is partitioned: migrating partitioned tables "
+                               "is not supported yet", "exclude it and its partitions with --exclude-table, and "
+                               "move them another way"))  # fmt: skip
     for name, version in sorted(s.extensions.items()):
         if name == "plpgsql":
             continue
@@ -251,8 +256,8 @@ def _warnings(s: SourceFacts, t: TargetFacts) -> list[Finding]:
         out.append(Finding("no_tables", "the selection covers no table"))
     for tf in s.tables:
         if tf.persistence == "u":
-            out.append(Finding("unlogged", f"table {tf.qualified} is unlogged: its rows are copied once at the "
-                               "snapshot; later changes are not in the change stream and are lost"))  # fmt: skip
+            out.append(Finding("unlogged", f"table {tf.qualified} is unlogged: it cannot be published, so it is "
+                               "not migrated (neither its definition nor its rows)"))  # fmt: skip
         elif tf.kind == "r" and not tf.identity_usable:
             out.append(Finding("no_identity_yet", f"table {tf.qualified} has no primary key or usable replica "
                                "identity; no UPDATE/DELETE seen so far, but one would fail on the source while it "
