@@ -180,3 +180,18 @@ def test_a_postgresql_15_source_into_this_target(pair, pg15, procs, tmp_path) ->
     finally:
         with pg15.connect() as c:
             c.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(pair.name)))
+
+
+def test_start_with_cutover_does_the_whole_job_in_one_command(pair) -> None:
+    pub, tgt = pair.publisher, pair.target
+    pub.execute(SCHEMA)
+    res = subprocess.run([*APPLIER, "migrate", "start", "mig", "--source", pub.dsn, "--target", tgt.dsn, "--cutover"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "cutting over" in res.stdout and "cutover done: write downtime" in res.stdout
+    assert 'migration "mig" done' in res.stdout
+    for q in ("SELECT * FROM acc ORDER BY id", "SELECT * FROM log ORDER BY id"):
+        assert tgt.query(q) == pub.query(q)
+    assert tgt.scalar("SELECT nextval('free_seq')") == 43
+    assert phase(tgt, "mig") == "done"
+    assert pub.scalar("SELECT count(*) FROM pg_replication_slots") == 0

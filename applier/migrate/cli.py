@@ -113,10 +113,6 @@ def _start(args: argparse.Namespace, target: str) -> int:
             f'migration name "{args.name}" is not valid: it names the slot and publication too, so it must be 1-63 '
             "lower case letters, digits and underscores"
         )
-    if args.cutover:
-        raise ApplierError(
-            "applier migrate start --cutover is not implemented yet: run cutover from another shell"
-        )
     opts = StartOptions(
         name=args.name, source=args.source, target=target,
         selection=Selection.of(args.schema, args.table, args.exclude_table),

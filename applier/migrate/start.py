@@ -41,7 +41,10 @@ from applier.migrate.state import MigrationError
 from applier.migrate.tools import find_dump_tools
 from applier.replication import ReplicationConnection, ReplicationConnectionError
 
-__all__ = ["StartOptions", "start"]
+__all__ = ["CAUGHT_UP_BYTES", "StartOptions", "start"]
+
+#: ``start --cutover`` cuts over once every table is ready and the apply is this close to the source's position.
+CAUGHT_UP_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,7 @@ class _Runner:
         self.snapshot: str | None = None
         self.snapshot_lsn: int | None = None
         self.ended: str | None = None
+        self.auto_error: str | None = None
 
     # --- bookkeeping ------------------------------------------------------------------------------------------
     def migration(self) -> mstate.Migration:
@@ -413,11 +417,22 @@ class _Runner:
         finished = threading.Event()
         forwarder = threading.Thread(target=self._forward_stop, args=(ours, finished), daemon=True)
         forwarder.start()
+        auto = None
+        if self.opts.cutover:
+            auto = threading.Thread(
+                target=self._auto_cutover, args=(finished,), name="auto-cutover", daemon=True
+            )
+            auto.start()
         try:
             status = runner.run(self.opts.target, [m.subname], wait_target=runner.WAIT_TARGET)
         finally:
             finished.set()
             forwarder.join()
+            if auto is not None:
+                auto.join()
+        if self.auto_error is not None:
+            self.say(f"ERROR: the cutover failed: {self.auto_error}")
+            return 1
         return self.outcome(status)
 
     def outcome(self, status: int) -> int:
@@ -432,6 +447,30 @@ class _Runner:
         if status == 0:
             self.say("stopped; applier migrate start again resumes")
         return status
+
+    def _auto_cutover(self, finished: threading.Event) -> None:
+        """``start --cutover``: once every table is ready and the lag is under :data:`CAUGHT_UP_BYTES`, cut over
+        (as ``applier migrate cutover`` would); a failure stops start with its reason (the source is unfenced)."""
+        from applier.migrate import cutover as co
+
+        while not finished.wait(1.0):
+            try:
+                doc = co.status(self.opts.target, self.opts.name)
+            except Exception:  # noqa: BLE001 - the target may be restarting: try again
+                continue
+            if doc["phase"] != "following" or not doc["tables"]:
+                continue
+            if any(t["state"] != "r" for t in doc["tables"]) or doc["lag_bytes"] is None:
+                continue
+            if doc["lag_bytes"] > CAUGHT_UP_BYTES:
+                continue
+            self.say(f"caught up (lag {doc['lag_bytes']} bytes): cutting over")
+            try:
+                co.cutover(co.CutoverOptions(self.opts.name, self.opts.target), self.say)
+            except Exception as exc:  # noqa: BLE001 - reported by follow(), start exits 1
+                self.auto_error = str(exc)
+                self.stop.set()
+            return
 
     def _forward_stop(self, ours: Any, finished: threading.Event) -> None:
         """Stop the apply loop when a signal reached our own handler (it came before ``runner.run`` installed its
