@@ -193,6 +193,7 @@ def test_a_kill_during_the_copy_resumes_without_copying_a_finished_table_twice(p
     wait_until(
         lambda: proc.poll() is not None or some_done(), timeout=240, interval=0.01, what="a table copied"
     )
+    assert proc.poll() is None, log.read_text()
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     before = dict(tgt.query("SELECT srrelid::regclass::text, srsublsn::text FROM applier.subscription_rel"

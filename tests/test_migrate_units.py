@@ -235,5 +235,9 @@ def test_the_script_loses_psql_meta_commands_and_creates_schemas_only_if_missing
         '\nCREATE SCHEMA IF NOT EXISTS public;\nCREATE SCHEMA IF NOT EXISTS "My S";\n'
         "CREATE TABLE t (x text DEFAULT '\\restrict x');\n\n"
     )
+    assert (
+        edit_script("SET a = 0;\nSET transaction_timeout = 0;\nSET b = 'x';\n", ["a", "b"])
+        == "SET a = 0;\n\nSET b = 'x';\n"
+    )
     assert pattern("public", "t") == '"public"."t"'
     assert pattern('we"ird', "T*") == '"we""ird"."T*"'

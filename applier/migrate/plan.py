@@ -269,8 +269,8 @@ def _warnings(s: SourceFacts, t: TargetFacts) -> list[Finding]:
         out.append(Finding("materialized_view", f"materialized view {mv} is not replicated: REFRESH it on the "
                            "target after the cutover"))  # fmt: skip
     if s.large_objects:
-        out.append(Finding("large_objects", f"{s.large_objects} large object(s): changes to large objects after the "
-                           "snapshot are not replicated"))  # fmt: skip
+        out.append(Finding("large_objects", f"{s.large_objects} large object(s): large objects are not migrated "
+                           "yet (and changes to them are never replicated)"))  # fmt: skip
     for name, version in sorted(s.extensions.items()):
         avail = t.available_extensions.get(name)
         if avail is not None and version not in avail:

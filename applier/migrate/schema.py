@@ -5,7 +5,8 @@ The dump runs with the source's password in ``PGPASSWORD`` (never on the command
 plain SQL is executed by us, not by psql, so that it commits in the same target transaction as the migration's
 record of it (a kill leaves either everything or nothing). Two edits make it apply to a fresh database: psql's
 ``\\restrict``/``\\unrestrict`` lines (meta-commands, which only psql understands and which guard psql itself) are
-dropped, and ``CREATE SCHEMA x;`` becomes ``CREATE SCHEMA IF NOT EXISTS x;`` (``public`` exists already).
+dropped, so is a ``SET`` of a parameter the target does not have (a newer pg_dump's, into an older target), and
+``CREATE SCHEMA x;`` becomes ``CREATE SCHEMA IF NOT EXISTS x;`` (``public`` exists already).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from psycopg.conninfo import make_conninfo
 
@@ -25,6 +26,7 @@ __all__ = ["dump_pre_data", "edit_script", "pattern"]
 
 _RESTRICT = re.compile(r"^\\(?:un)?restrict [A-Za-z0-9]+$", re.M)
 _CREATE_SCHEMA = re.compile(r"^CREATE SCHEMA (.+);$", re.M)
+_SET = re.compile(r"^SET ([a-z_]+) = [^;\n]*;$", re.M)
 
 
 def pattern(*parts: str) -> str:
@@ -32,9 +34,13 @@ def pattern(*parts: str) -> str:
     return ".".join('"' + p.replace('"', '""') + '"' for p in parts)
 
 
-def edit_script(script: str) -> str:
-    """The dump as our own session can run it (see the module docstring)."""
+def edit_script(script: str, settings: Collection[str] | None = None) -> str:
+    """The dump as our own session can run it (see the module docstring). ``settings``: the target's parameter
+    names; a ``SET`` of one it lacks is dropped (a newer pg_dump sets ``transaction_timeout``, unknown before 17)."""
     script = _RESTRICT.sub("", script)
+    if settings is not None:
+        known = set(settings)
+        script = _SET.sub(lambda m: m.group(0) if m.group(1) in known else "", script)
     return _CREATE_SCHEMA.sub(r"CREATE SCHEMA IF NOT EXISTS \1;", script)
 
 
@@ -44,6 +50,7 @@ def dump_pre_data(
     snapshot: str | None,
     schemas: Sequence[str],
     exclude: Sequence[tuple[str, str]],
+    settings: Collection[str] | None = None,
 ) -> str:
     """The pre-data SQL of ``schemas`` without the tables in ``exclude`` (``(schema, table)``), plus extensions."""
     params = parse(source, "source")
@@ -62,4 +69,4 @@ def dump_pre_data(
     res = subprocess.run(argv, capture_output=True, text=True, env=env)
     if res.returncode != 0:
         raise MigrationError(f"pg_dump of the source's schema failed: {res.stderr.strip()}")
-    return edit_script(res.stdout)
+    return edit_script(res.stdout, settings)

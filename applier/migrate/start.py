@@ -219,7 +219,10 @@ class _Runner:
         tools, found = find_dump_tools(self._source_major())
         if tools is None:
             raise MigrationError("no pg_dump new enough for the source (see applier migrate plan)")
-        script = schema.dump_pre_data(tools, self.opts.source, self.snapshot, tables.schemas, tables.exclude)
+        settings = [r[0] for r in self.target.execute("SELECT name FROM pg_settings")]
+        script = schema.dump_pre_data(
+            tools, self.opts.source, self.snapshot, tables.schemas, tables.exclude, settings
+        )
         with self.target.transaction():
             self.target.execute(script)
             self.target.execute("SET search_path TO DEFAULT")
