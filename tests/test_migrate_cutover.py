@@ -58,6 +58,10 @@ class Writer(threading.Thread):
 def test_cutover_under_writes_loses_and_duplicates_nothing(pair, procs, tmp_path) -> None:  # noqa: F811
     pub, tgt = pair.publisher, pair.target
     pub.execute(SCHEMA)
+    # writes all along: before the slot and its snapshot, during the schema, the copy and post-data, while following
+    writer = Writer(pub)
+    writer.start()
+    wait_until(lambda: len(writer.committed) >= 20, timeout=60, what="some writes")
     log = tmp_path / "start.log"
     proc = start(pair, "mig", log=log)
     procs.append(proc)
@@ -72,9 +76,6 @@ def test_cutover_under_writes_loses_and_duplicates_nothing(pair, procs, tmp_path
         c.execute("BEGIN")
         c.execute("INSERT INTO acc (v) VALUES (777)")
         c.execute("PREPARE TRANSACTION 'app_tx_1'")
-    writer = Writer(pub)
-    writer.start()
-    wait_until(lambda: len(writer.committed) >= 50, timeout=60, what="some writes")
     wait_until(lambda: pub.scalar("SELECT count(*) FROM pg_prepared_xacts") == 1, what="prepared")
 
     def decide() -> None:
@@ -94,7 +95,7 @@ def test_cutover_under_writes_loses_and_duplicates_nothing(pair, procs, tmp_path
         cut_out["text"] = "".join(lines)
     assert cut.wait() == 0, cut_out["text"]
     writer.join(timeout=30)
-    assert writer.error is not None and "read-only" in writer.error or "terminat" in (writer.error or "")
+    assert writer.error is not None and ("read-only" in writer.error or "terminat" in writer.error)
     assert proc.wait(timeout=120) == 0, log.read_text()
     out = cut_out["text"]
     assert "cutover done: write downtime" in out and "sequences: 3 set from the source" in out

@@ -216,3 +216,39 @@ def test_a_kill_during_the_copy_resumes_without_copying_a_finished_table_twice(p
         assert after[t] == lsn
     assert {t for t, lsn in after.items() if lsn != first_lsn} == set(tables) - set(before)
     assert tgt.scalar("SELECT bool_and(done) FROM applier.migration_step WHERE name = 'mig'")
+
+
+def test_a_kill_during_post_data_builds_nothing_twice(pair, procs, tmp_path) -> None:
+    """An index whose build takes seconds (its expression sleeps per row): killed while it builds, the next start
+    builds it again (its transaction rolled back) and only it; the steps done before stay done."""
+    pub, tgt = pair.publisher, pair.target
+    pub.execute(
+        "CREATE FUNCTION slow(int) RETURNS int IMMUTABLE LANGUAGE sql AS 'SELECT $1 FROM pg_sleep(0.02)';"
+        "CREATE TABLE a (id int PRIMARY KEY, v int); INSERT INTO a SELECT g, g FROM generate_series(1, 400) g;"
+        "CREATE INDEX a_slow ON a (slow(v)); CREATE INDEX a_v ON a (v)"
+    )
+    log = tmp_path / "start.log"
+    proc = start(pair, "mig", "--index-jobs", "1", log=log)
+    procs.append(proc)
+    wait_until(lambda: proc.poll() is not None or "post-data: index public.a_slow started" in log.read_text(),
+               timeout=180, what="the slow index build")  # fmt: skip
+    assert proc.poll() is None, log.read_text()
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_before = dict(tgt.query("SELECT step, finished FROM applier.migration_step WHERE done"))
+    assert "index public.a_slow" not in done_before and "key public.a.a_pkey" in done_before
+    assert tgt.scalar("SELECT to_regclass('a_slow')") is None  # rolled back with its transaction
+
+    first = log.read_text()
+    proc = start(pair, "mig", log=log)
+    procs.append(proc)
+    wait_phase(tgt, "mig", "following", proc, log)
+    again = stop(proc, log)[len(first) :]
+    assert again.count("post-data: index public.a_slow started") == 1
+    for step in done_before:
+        assert f"{step.split(' ', 1)[1]} started" not in again
+    assert dict(tgt.query("SELECT step, finished FROM applier.migration_step WHERE step = ANY(%s)",
+                          (list(done_before),))) == done_before  # fmt: skip
+    assert tgt.scalar("SELECT bool_and(done) FROM applier.migration_step WHERE kind NOT LIKE 'cutover%'")
+    assert schema_dump(tgt) == schema_dump(pub)
+    assert_tables_equal(pub, tgt, "public.a")
