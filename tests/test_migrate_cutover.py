@@ -13,7 +13,7 @@ import pytest
 from psycopg import sql
 from test_cli_common import APPLIER
 from test_migrate_plan import pg15  # noqa: F401 - a fixture
-from test_migrate_start import phase, procs, start, wait_phase  # noqa: F401 - procs is a fixture
+from test_migrate_start import exit_status, phase, procs, start, wait_phase  # noqa: F401 - procs is a fixture
 
 from applier.testing import Database, wait_until
 
@@ -96,7 +96,7 @@ def test_cutover_under_writes_loses_and_duplicates_nothing(pair, procs, tmp_path
     assert cut.wait() == 0, cut_out["text"]
     writer.join(timeout=30)
     assert writer.error is not None and ("read-only" in writer.error or "terminat" in writer.error)
-    assert proc.wait(timeout=120) == 0, log.read_text()
+    assert exit_status(proc, log) == 0, log.read_text()
     out = cut_out["text"]
     assert "cutover done: write downtime" in out and "sequences: 3 set from the source" in out
 
@@ -150,7 +150,7 @@ def test_a_failed_verification_unfences_and_keeps_following(pair, procs, tmp_pat
 
     res = migrate(tgt, "abort", "mig")
     assert res.returncode == 0, res.stderr
-    assert proc.wait(timeout=120) == 1 and "aborted" in log.read_text()
+    assert exit_status(proc, log) == 1 and "aborted" in log.read_text()
     assert pub.scalar("SELECT count(*) FROM pg_replication_slots") == 0
     assert pub.scalar("SELECT count(*) FROM pg_publication") == 0
     assert tgt.scalar("SELECT count(*) FROM applier.subscription") == 0
@@ -172,7 +172,7 @@ def test_a_postgresql_15_source_into_this_target(pair, pg15, procs, tmp_path) ->
         res = migrate(pair.target, "cutover", "mig", "--timeout", "60", "--verify", "full")
         assert res.returncode == 0, res.stdout + res.stderr
         assert "every table equal" in res.stdout
-        assert proc.wait(timeout=120) == 0, log.read_text()
+        assert exit_status(proc, log) == 0, log.read_text()
         for q in ("SELECT * FROM acc ORDER BY id", "SELECT * FROM log ORDER BY id"):
             assert pair.target.query(q) == src.query(q)
         assert pair.target.scalar("SELECT nextval('free_seq')") == 43

@@ -102,10 +102,18 @@ def wait_phase(target: Database, name: str, want: str, proc: subprocess.Popen[by
     assert proc.poll() is None, log.read_text()
 
 
+def exit_status(proc: subprocess.Popen[bytes], log: Path, timeout: float = 120) -> int:
+    """``proc``'s exit status; its log in the failure when it does not end in time."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"start did not end within {timeout:.0f}s:\n{log.read_text()}")
+
+
 def stop(proc: subprocess.Popen[bytes], log: Path) -> str:
     """SIGTERM: start stops cleanly with status 0."""
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 0, log.read_text()
+    assert exit_status(proc, log) == 0, log.read_text()
     return log.read_text()
 
 

@@ -133,7 +133,6 @@ def main(argv: Sequence[str], default_target: str | None = None) -> int:
             return _start(args, target)
         from applier.migrate import cutover as co
 
-        say = _say
         if args.verb == "status":
             doc = co.status(target, args.name)
             print(co.dumps(doc) if args.json else co.format_status(doc), flush=True)
@@ -142,8 +141,8 @@ def main(argv: Sequence[str], default_target: str | None = None) -> int:
             if args.reverse:
                 raise ApplierError("applier migrate cutover --reverse is not implemented yet")
             opts = co.CutoverOptions(args.name, target, args.timeout, args.verify, args.prepared)
-            return co.cutover(opts, say)
-        return co.abort(target, args.name, say)
+            return co.cutover(opts, _say)
+        return co.abort(target, args.name, _say)
     except ApplierError as exc:
         print(f"ERROR: {scrub(str(exc), *secrets)}", file=sys.stderr)
         return 1

@@ -75,6 +75,10 @@ ORDER BY 1, 2
 
 
 def source_tables(conn: psycopg.Connection[Any], selection: Selection) -> SourceTables:
+    """What the selection covers on the source: the tables to migrate, the schemas to dump, the tables of those
+    schemas to leave out of the dump. Unlogged tables cannot be published, so they are left out (with a note);
+    partitioned ones are refused for now (their partitions could move as tables, but the parent's indexes and keys
+    need ``ATTACH PARTITION`` steps that post-data does not make yet)."""
     schemas = [
         r[0]
         for r in conn.execute("SELECT nspname FROM pg_namespace ORDER BY 1")
@@ -88,8 +92,7 @@ def source_tables(conn: psycopg.Connection[Any], selection: Selection) -> Source
             exclude.append((nsp, rel))
         elif kind == "p":
             raise MigrationError(
-                f"table {nsp}.{rel} is partitioned: migrating partitioned tables is not supported yet",
-                # the partitions could be migrated as tables; the parent's indexes need ATTACH PARTITION steps
+                f"table {nsp}.{rel} is partitioned: migrating partitioned tables is not supported yet"
             )
         elif persistence == "u":
             exclude.append((nsp, rel))
@@ -111,7 +114,6 @@ class _Runner:
         self.slot_conn: ReplicationConnection | None = None
         self.snapshot: str | None = None
         self.snapshot_lsn: int | None = None
-        self.ended: str | None = None
         self.auto_error: str | None = None
 
     # --- bookkeeping ------------------------------------------------------------------------------------------
@@ -145,8 +147,7 @@ class _Runner:
         if m.source != source or m.selection != selection:
             raise MigrationError(
                 f'migration "{self.opts.name}" exists on this target with another source or selection '
-                f"({describe(m.source)}, {m.selection})",
-                # not str(): keep the message one line
+                f"({describe(m.source)}, {m.selection})"
             )
         return m
 
@@ -491,7 +492,6 @@ class _Runner:
                     "SELECT phase FROM applier.migration WHERE name = %s", (self.opts.name,)
                 ).fetchone()
                 if row is not None and row[0] in ("done", "failed"):
-                    self.ended = row[0]
                     self.stop.set()
                     return
 
