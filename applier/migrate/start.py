@@ -45,6 +45,8 @@ __all__ = ["CAUGHT_UP_BYTES", "StartOptions", "start"]
 
 #: ``start --cutover`` cuts over once every table is ready and the apply is this close to the source's position.
 CAUGHT_UP_BYTES = 1 << 20
+#: How long the apply loop may take to stop once asked, before its worker is terminated.
+STOP_PATIENCE = 30.0
 
 
 @dataclass(frozen=True)
@@ -478,11 +480,20 @@ class _Runner:
 
     def _forward_stop(self, ours: Any, finished: threading.Event) -> None:
         """Stop the apply loop when a signal reached our own handler (it came before ``runner.run`` installed its
-        handlers) or :meth:`watch` saw the migration end: SIGTERM to ourselves once runner's handler is in place."""
+        handlers) or :meth:`watch` saw the migration end: SIGTERM to ourselves once runner's handler is in place.
+        If the workers have not stopped :data:`STOP_PATIENCE` seconds later, a second SIGTERM makes ``runner.run``
+        terminate them (what a second Ctrl-C does), so start always ends."""
+        sent = None
         while not finished.wait(0.2):
-            if self.stop.is_set() and signal.getsignal(signal.SIGTERM) is not ours:
+            if not self.stop.is_set() or signal.getsignal(signal.SIGTERM) is ours:
+                continue
+            if sent is None or time.monotonic() - sent >= STOP_PATIENCE:
+                if sent is not None:
+                    self.say(f"the apply loop has not stopped after {STOP_PATIENCE:.0f}s: terminating it")
                 os.kill(os.getpid(), signal.SIGTERM)
-                return
+                if sent is not None:
+                    return
+                sent = time.monotonic()
 
     def watch(self, finished: threading.Event) -> None:
         """Stop when the migration is done (a cutover completed) or failed (aborted), as another shell decides."""
