@@ -45,8 +45,6 @@ __all__ = ["CAUGHT_UP_BYTES", "StartOptions", "start"]
 
 #: ``start --cutover`` cuts over once every table is ready and the apply is this close to the source's position.
 CAUGHT_UP_BYTES = 1 << 20
-#: How long the apply loop may take to stop once asked, before its worker is terminated.
-STOP_PATIENCE = 30.0
 
 
 @dataclass(frozen=True)
@@ -117,6 +115,7 @@ class _Runner:
         self.snapshot: str | None = None
         self.snapshot_lsn: int | None = None
         self.auto_error: str | None = None
+        self.signalled = False  # SIGTERM/SIGINT reached our handler
 
     # --- bookkeeping ------------------------------------------------------------------------------------------
     def migration(self) -> mstate.Migration:
@@ -475,25 +474,22 @@ class _Runner:
                 co.cutover(co.CutoverOptions(self.opts.name, self.opts.target), self.say)
             except Exception as exc:  # noqa: BLE001 - reported by follow(), start exits 1
                 self.auto_error = str(exc)
+                self.signalled = True  # the worker is still running: stop it as a signal would
                 self.stop.set()
             return
 
     def _forward_stop(self, ours: Any, finished: threading.Event) -> None:
-        """Stop the apply loop when a signal reached our own handler (it came before ``runner.run`` installed its
-        handlers) or :meth:`watch` saw the migration end: SIGTERM to ourselves once runner's handler is in place.
-        If the workers have not stopped :data:`STOP_PATIENCE` seconds later, a second SIGTERM makes ``runner.run``
-        terminate them (what a second Ctrl-C does), so start always ends."""
-        sent = None
+        """Pass on a signal that reached our own handler before ``runner.run`` installed its handlers: SIGTERM to
+        ourselves once runner's handler is in place.
+
+        A migration that ends (cutover done, abort) is *not* passed on as a signal: both disable the subscription,
+        so its worker stops by itself and ``runner.run`` returns. Signalling then would race with that worker's
+        exit, and ``runner.run``'s handler (``multiprocessing.Event.set``) can hang for ever when a process that was
+        waiting on that event has just died."""
         while not finished.wait(0.2):
-            if not self.stop.is_set() or signal.getsignal(signal.SIGTERM) is ours:
-                continue
-            if sent is None or time.monotonic() - sent >= STOP_PATIENCE:
-                if sent is not None:
-                    self.say(f"the apply loop has not stopped after {STOP_PATIENCE:.0f}s: terminating it")
+            if self.signalled and signal.getsignal(signal.SIGTERM) is not ours:
                 os.kill(os.getpid(), signal.SIGTERM)
-                if sent is not None:
-                    return
-                sent = time.monotonic()
+                return
 
     def watch(self, finished: threading.Event) -> None:
         """Stop when the migration is done (a cutover completed) or failed (aborted), as another shell decides."""
@@ -518,6 +514,7 @@ def start(opts: StartOptions, say: Callable[[str], None]) -> int:
 
     def on_signal(signum: int, _frame: Any) -> None:
         say(f"{signal.Signals(signum).name} received: stopping")
+        runner.signalled = True
         runner.stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
