@@ -11,11 +11,11 @@ statements fail on the source), ``wal_level`` not ``logical``, too few free repl
 extension or role the target lacks, a selected table that already exists on the target, too little disk on the
 target (only when it can be told: the target's data directory is visible from here), no ``pg_dump`` new enough.
 
-**Warnings** are what the migration will not carry by itself: unlogged tables and materialized views (not in the
-change stream), large objects (copied at the snapshot, later changes are not replicated), DDL (never replicated).
+**Warnings** are what the migration will not carry by itself: unlogged tables (cannot be published: not migrated),
+materialized views (created unpopulated), large objects (not migrated yet), DDL (never replicated).
 
 The time estimate is deliberately rough: heap bytes / :data:`COPY_BYTES_PER_SECOND` for the copy and index bytes /
-:data:`INDEX_BYTES_PER_SECOND` for the index builds, both per job, divided by the jobs that can run at once.
+:data:`INDEX_BYTES_PER_SECOND` for the index builds, whole-run rates with the default jobs on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -45,10 +45,12 @@ __all__ = [
     "gather_target",
 ]
 
-#: Our tablesync measured 40-52 MB/s per job on a 2-core machine (bench/RESULTS.md, "tablesync"); take the low end.
-COPY_BYTES_PER_SECOND = 40e6
-#: A guess, not a measurement: B-tree builds write their output at roughly this rate per job; GIN is slower.
-INDEX_BYTES_PER_SECOND = 30e6
+#: Whole copy, default jobs, 2 cores: our tablesync measured 40-52 MB/s on an idle machine (bench/RESULTS.md) and
+#: a migration of pgbench -s 10 copied 114 MB in 7.1 s (16 MB/s) on a loaded one: take a middle.
+COPY_BYTES_PER_SECOND = 30e6
+#: Index bytes built per second in that migration's post-data, roughly (21.5 MB of B-tree in a few seconds, under
+#: load and overlapping the copy); GIN builds are slower.
+INDEX_BYTES_PER_SECOND = 15e6
 #: The migration's slot plus the temporary slot of the initial copy, each with its WAL sender.
 SLOTS_NEEDED = 2
 WAL_SENDERS_NEEDED = 2
@@ -179,8 +181,8 @@ class Plan:
             "estimate": {
                 "copy_seconds": round(self.copy_seconds, 1),
                 "index_seconds": round(self.index_seconds, 1),
-                "how": f"heap bytes / {COPY_BYTES_PER_SECOND / 1e6:.0f} MB/s per job and index bytes / "
-                f"{INDEX_BYTES_PER_SECOND / 1e6:.0f} MB/s per job, over the jobs; rough constants, not measured "
+                "how": f"heap bytes / {COPY_BYTES_PER_SECOND / 1e6:.0f} MB/s and index bytes / "
+                f"{INDEX_BYTES_PER_SECOND / 1e6:.0f} MB/s (default jobs, 2 cores); rough constants, not measured "
                 "on these servers",
             },
         }
@@ -290,16 +292,13 @@ def assess(
     selection: Selection,
     tools: DumpTools | None,
     found: Sequence[DumpTools] = (),
-    *,
-    jobs: int = 2,
 ) -> Plan:
-    """The plan: blockers, warnings and the rough time estimate (``jobs`` copies/builds run at once)."""
+    """The plan: blockers, warnings and the rough time estimate."""
     plan = Plan(source, target, selection, tools)
     plan.blockers = _blockers(source, target, tools, found)
     plan.warnings = _warnings(source, target)
-    jobs = max(1, jobs)
-    plan.copy_seconds = sum(tf.heap_bytes for tf in source.tables) / COPY_BYTES_PER_SECOND / jobs
-    plan.index_seconds = sum(tf.index_bytes for tf in source.tables) / INDEX_BYTES_PER_SECOND / jobs
+    plan.copy_seconds = sum(tf.heap_bytes for tf in source.tables) / COPY_BYTES_PER_SECOND
+    plan.index_seconds = sum(tf.index_bytes for tf in source.tables) / INDEX_BYTES_PER_SECOND
     return plan
 
 
@@ -529,7 +528,7 @@ def format_plan(plan: Plan) -> str:
         "publications: " + (", ".join(s.publications) or "(none)"),
         "materialized views: " + (", ".join(s.materialized_views) or "(none)"),
         f"estimate: copy ~{plan.copy_seconds:.0f} s, indexes ~{plan.index_seconds:.0f} s (heap bytes / "
-        f"{COPY_BYTES_PER_SECOND / 1e6:.0f} MB/s and index bytes / {INDEX_BYTES_PER_SECOND / 1e6:.0f} MB/s per job; "
+        f"{COPY_BYTES_PER_SECOND / 1e6:.0f} MB/s and index bytes / {INDEX_BYTES_PER_SECOND / 1e6:.0f} MB/s; "
         "rough constants)",
     ]
     for w in plan.warnings:
