@@ -231,7 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long to wait for the target to apply past the publisher's read position (default 30)",
     )
 
-    # the demo parses its own options (applier demo --help)
+    # these parse their own options (applier demo --help, applier migrate --help)
+    sub.add_parser(
+        "migrate", add_help=False, help="move a live database to another server (plan, start, ...)"
+    )
     sub.add_parser("demo", add_help=False, help="the whole product on two embedded PostgreSQL 18 servers")
     return parser
 
@@ -241,6 +244,10 @@ def _dispatch(args: argparse.Namespace, extra: list[str], parser: argparse.Argum
         from applier.demo import main as demo
 
         return demo(extra)
+    if args.command == "migrate":
+        from applier.migrate.cli import main as migrate
+
+        return migrate(extra, default_target=args.target)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from applier import subscriptions as subs

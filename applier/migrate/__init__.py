@@ -1,0 +1,10 @@
+"""``applier migrate``: move a live database to another server (DESIGN.md, "Migration"; issue 17).
+
+Small modules, pure logic apart from the I/O at their edges:
+
+- :mod:`applier.migrate.selection` — which schemas and tables a migration covers (pure);
+- :mod:`applier.migrate.plan` — the read-only dry run: facts gathered from both servers, then pure blocker and
+  warning rules over them;
+- :mod:`applier.migrate.tools` — finding a ``pg_dump``/``pg_restore`` new enough for the source;
+- :mod:`applier.migrate.cli` — the ``applier migrate`` verbs.
+"""

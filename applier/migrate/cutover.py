@@ -1,0 +1,376 @@
+"""``applier migrate status``, ``cutover`` and ``abort``.
+
+Cutover, in order: fence the source (:mod:`applier.migrate.fence`), wait for its prepared transactions to be
+decided (``--prepared wait``), take the source's current WAL position as the end position and wait until the target
+has applied it, set every sequence from the source (checking each is past the largest value of the column it
+belongs to), put the ``GENERATED ALWAYS`` identity columns back, verify (row counts, or ``full``: ``applier verify``),
+then mark the migration ``done`` and the subscription disabled in one target transaction. ``start`` sees that and
+exits 0; then the slot and publication are dropped from the source, which stays fenced: it is the old server now.
+Any failure before ``done`` unfences the source, puts the migration back to ``following`` and exits 1 with the
+reason: nothing is half switched. The write downtime reported is from the fence to ``done``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from applier.lsn import parse_lsn
+from applier.migrate import fence as fencing
+from applier.migrate import state as mstate
+from applier.migrate.state import MigrationError
+
+__all__ = ["CutoverOptions", "abort", "cutover", "drop_slot", "dumps", "format_status", "status"]
+
+
+def _require(target: psycopg.Connection[Any], name: str) -> mstate.Migration:
+    m = mstate.load(target, name)
+    if m is None:
+        raise MigrationError(f'migration "{name}" does not exist on this target (see: applier migrate start)')
+    return m
+
+
+def _subscription(target: psycopg.Connection[Any], m: mstate.Migration) -> tuple[int, str] | None:
+    row = target.execute(
+        "SELECT subid, subslotname FROM applier.subscription WHERE subname = %s", (m.subname,)
+    ).fetchone()
+    return None if row is None else (int(row[0]), str(row[1]))
+
+
+# --- status ------------------------------------------------------------------------------------------------------
+
+
+def status(target_conninfo: str, name: str) -> dict[str, Any]:
+    """Phase, tables, post-data progress, lag (``lag_bytes``/``lag_seconds``: None when they cannot be told)."""
+    with psycopg.connect(target_conninfo, autocommit=True) as target:
+        m = _require(target, name)
+        tables = [
+            {"name": r[0], "state": r[1], "rows": r[2], "bytes": r[3]}
+            for r in target.execute(
+                "SELECT format('%%I.%%I', n.nspname, c.relname), r.srsubstate, r.srrows, r.srbytes"
+                " FROM applier.subscription_rel r JOIN applier.subscription s USING (subid)"
+                " JOIN pg_class c ON c.oid = r.srrelid JOIN pg_namespace n ON n.oid = c.relnamespace"
+                " WHERE s.subname = %s ORDER BY 1",
+                (m.subname,),
+            )
+        ]
+        done, total = target.execute(
+            "SELECT count(*) FILTER (WHERE done), count(*) FROM applier.migration_step"
+            " WHERE name = %s AND kind NOT LIKE 'cutover%%'",
+            (name,),
+        ).fetchone()  # type: ignore[misc]
+        sub = _subscription(target, m)
+        origin = None
+        if sub is not None:
+            row = target.execute(
+                "SELECT pg_replication_origin_progress(roname, false)::text FROM pg_replication_origin"
+                " WHERE roname = %s",
+                (f"applier_{sub[0]}",),
+            ).fetchone()
+            origin = row[0] if row else None
+    doc: dict[str, Any] = {
+        "name": name, "phase": m.phase, "source": m.source, "selection": m.selection, "tables": tables,
+        "post_data": {"done": done, "total": total}, "times": m.times, "error": m.error,
+        "lag_bytes": None, "lag_seconds": None,
+    }  # fmt: skip
+    if sub is None or m.phase in ("done", "schema"):
+        return doc
+    try:
+        with psycopg.connect(m.source, autocommit=True, connect_timeout=5) as src:
+            current = src.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]  # type: ignore[index]
+            row = src.execute(
+                "SELECT (pg_current_wal_lsn() - coalesce(r.replay_lsn, s.confirmed_flush_lsn))::bigint,"
+                " extract(epoch FROM r.replay_lag)::float8"
+                " FROM pg_replication_slots s LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid"
+                " WHERE s.slot_name = %s",
+                (sub[1],),
+            ).fetchone()
+    except psycopg.Error as exc:
+        doc["source_error"] = str(exc).strip()
+        return doc
+    applied = max(parse_lsn(origin) if origin else 0, 0)
+    lag = row[0] if row and row[0] is not None else parse_lsn(current) - applied
+    doc["lag_bytes"] = max(int(lag), 0)
+    if row and row[1] is not None:
+        doc["lag_seconds"] = row[1]
+    elif doc["lag_bytes"] == 0:
+        doc["lag_seconds"] = 0.0
+    return doc
+
+
+def format_status(doc: dict[str, Any]) -> str:
+    lag = "?" if doc["lag_bytes"] is None else f"{doc['lag_bytes']} bytes"
+    if doc["lag_seconds"] is not None:
+        lag += f", {doc['lag_seconds']:.1f} s"
+    lines = [
+        f"migration {doc['name']}: phase {doc['phase']}, lag {lag}",
+        f"post-data: {doc['post_data']['done']}/{doc['post_data']['total']} step(s) done",
+        "times: " + (", ".join(f"{k} {v:.1f}s" for k, v in doc["times"].items()) or "-"),
+    ]
+    if doc.get("error"):
+        lines.append(f"error: {doc['error']}")
+    lines += [f"  {t['name']}: {t['state']}" for t in doc["tables"]]
+    return "\n".join(lines)
+
+
+# --- cutover -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CutoverOptions:
+    name: str
+    target: str
+    timeout: float = 60.0
+    verify: str = "counts"  # counts | full | none
+    prepared: str = "wait"
+
+
+_OWNED_SEQUENCES = """
+SELECT format('%I.%I', sn.nspname, s.relname), format('%I.%I', tn.nspname, t.relname), a.attname
+FROM pg_depend d
+JOIN pg_class s ON s.oid = d.objid AND s.relkind = 'S' JOIN pg_namespace sn ON sn.oid = s.relnamespace
+JOIN pg_class t ON t.oid = d.refobjid JOIN pg_namespace tn ON tn.oid = t.relnamespace
+JOIN pg_attribute a ON a.attrelid = t.oid AND a.attnum = d.refobjsubid
+WHERE d.classid = 'pg_class'::regclass AND d.refclassid = 'pg_class'::regclass AND d.deptype IN ('a', 'i')
+"""
+
+
+class _Cutover:
+    def __init__(self, opts: CutoverOptions, say: Callable[[str], None]) -> None:
+        self.opts = opts
+        self.say = say
+        self.deadline = time.monotonic() + opts.timeout
+
+    def left(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def wait_applied(self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], origin: str, slot: str,
+                     endpos: str) -> None:  # fmt: skip
+        while True:
+            row = target.execute(
+                "SELECT coalesce(pg_replication_origin_progress(%s, false) >= %s::pg_lsn, false)",
+                (origin, endpos),
+            ).fetchone()
+            if row and row[0]:
+                return
+            row = src.execute(
+                "SELECT coalesce(confirmed_flush_lsn >= %s::pg_lsn, false) FROM pg_replication_slots"
+                " WHERE slot_name = %s",
+                (endpos, slot),
+            ).fetchone()
+            if row and row[0]:
+                return
+            if not self.left():
+                raise MigrationError(f"the target did not apply the source's changes up to {endpos} in time "
+                                     "(is applier migrate start running?)")  # fmt: skip
+            time.sleep(0.05)
+
+    def sequences(
+        self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], m: mstate.Migration
+    ) -> int:
+        """Every sequence of the migrated schemas, from the source; each must be past its column's largest value."""
+        from applier.migrate.selection import Selection
+
+        sel = Selection.of(m.selection["schemas"], m.selection["tables"], m.selection["exclude_tables"])
+        seqs = [r[0] for r in src.execute(
+            "SELECT format('%I.%I', schemaname, sequencename), schemaname FROM pg_sequences ORDER BY 1")
+            if sel.covers_schema(r[1])]  # fmt: skip
+        owned = {r[0]: (r[1], r[2]) for r in src.execute(_OWNED_SEQUENCES)}
+        with target.transaction():
+            for seq in seqs:
+                last, called, inc = src.execute(
+                    sql.SQL(
+                        "SELECT last_value, is_called, (SELECT seqincrement FROM pg_sequence WHERE seqrelid = "
+                        "{}::regclass) FROM {}"
+                    ).format(sql.Literal(seq), sql.SQL(seq))  # fmt: skip
+                ).fetchone()  # type: ignore[misc]
+                if target.execute("SELECT to_regclass(%s)", (seq,)).fetchone()[0] is None:  # type: ignore[index]
+                    continue  # a sequence of a table not migrated
+                target.execute("SELECT setval(%s::regclass, %s, %s)", (seq, last, called))
+                if seq in owned:
+                    table, column = owned[seq]
+                    if target.execute("SELECT to_regclass(%s)", (table,)).fetchone()[0] is None:  # type: ignore[index]
+                        continue
+                    top = target.execute(
+                        sql.SQL("SELECT {} FROM {}").format(
+                            sql.SQL("max({})" if inc > 0 else "min({})").format(sql.Identifier(column)),
+                            sql.SQL(table),
+                        )
+                    ).fetchone()[0]  # type: ignore[index]
+                    following = last + inc if called else last
+                    if top is not None and (following <= top if inc > 0 else following >= top):
+                        raise MigrationError(f"sequence {seq} would next give {following}, but {table}.{column} "
+                                             f"already holds {top}")  # fmt: skip
+        return len(seqs)
+
+    def counts(self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], subname: str) -> None:
+        tables = [r[0] for r in target.execute(
+            "SELECT format('%%I.%%I', n.nspname, c.relname) FROM applier.subscription_rel r"
+            " JOIN applier.subscription s USING (subid) JOIN pg_class c ON c.oid = r.srrelid"
+            " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE s.subname = %s ORDER BY 1", (subname,))]  # fmt: skip
+        wrong = []
+        for t in tables:
+            q = sql.SQL("SELECT count(*) FROM {}").format(sql.SQL(t))
+            a = src.execute(q).fetchone()[0]  # type: ignore[index]
+            b = target.execute(q).fetchone()[0]  # type: ignore[index]
+            if a != b:
+                wrong.append(f"{t}: {a} rows on the source, {b} on the target")
+        if wrong:
+            raise MigrationError("verification failed: " + "; ".join(wrong))
+        self.say(f"verify: row counts of {len(tables)} table(s) equal")
+
+    def full(self, m: mstate.Migration) -> None:
+        from applier import verify
+
+        report = verify.verify(self.opts.target, m.subname, settle_timeout=max(self.left(), 1.0))
+        if not report.equal:
+            raise MigrationError("verification failed: " + verify.format_report(report).replace("\n", "; "))
+        self.say("verify: every table equal (checksums)")
+
+    def run(self) -> int:
+        opts = self.opts
+        if opts.prepared != "wait":
+            raise MigrationError("--prepared carry is not implemented yet; use --prepared wait")
+        with psycopg.connect(opts.target, autocommit=True) as target:
+            m = _require(target, opts.name)
+            if m.phase != "following":
+                raise MigrationError(f'migration "{m.name}" is in phase {m.phase}: a cutover needs phase following '
+                                     "(post-data complete, the apply loop running)")  # fmt: skip
+            sub = _subscription(target, m)
+            assert sub is not None
+            origin = f"applier_{sub[0]}"
+            mstate.set_phase(target, m.name, "cutover")
+            src = fencing.open_source(m.source)
+            fenced_at = 0.0
+            try:
+                fencing.fence(src)
+                fenced_at = time.monotonic()
+                self.say("fence: the source's new transactions are read-only")
+                fencing.end_sessions(src, self.deadline, self.say)
+                open_gids = fencing.wait_prepared(src, self.deadline, self.say)
+                if open_gids:
+                    raise MigrationError(f"{len(open_gids)} prepared transaction(s) on the source were not decided "
+                                         f"within the timeout: {', '.join(open_gids[:5])}")  # fmt: skip
+                endpos = src.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]  # type: ignore[index]
+                self.say(f"end position {endpos}: waiting for the target to apply it")
+                self.wait_applied(target, src, origin, sub[1], endpos)
+                n = self.sequences(target, src, m)
+                self.say(f"sequences: {n} set from the source")
+                if opts.verify == "counts":
+                    self.counts(target, src, m.subname)
+                elif opts.verify == "full":
+                    self.full(m)
+                with target.transaction():
+                    for step, statements in target.execute(
+                        "SELECT step, statements FROM applier.migration_step WHERE name = %s AND NOT done"
+                        " AND kind = 'cutover_identity'",
+                        (m.name,),
+                    ).fetchall():
+                        for s in statements:
+                            target.execute(s)
+                        target.execute("UPDATE applier.migration_step SET done = true, finished = now()"
+                                       " WHERE name = %s AND step = %s", (m.name, step))  # fmt: skip
+                    downtime = time.monotonic() - fenced_at
+                    target.execute(
+                        "UPDATE applier.subscription SET subenabled = false WHERE subid = %s", (sub[0],)
+                    )
+                    mstate.set_phase(target, m.name, "done", seconds={"cutover downtime": downtime})
+            except BaseException as exc:
+                with contextlib.suppress(Exception):
+                    fencing.unfence(src)
+                with contextlib.suppress(Exception):
+                    mstate.set_phase(target, m.name, "following", error=str(exc))
+                src.close()
+                if isinstance(exc, MigrationError):
+                    raise MigrationError(
+                        f"{exc}; the source is unfenced, the migration goes on following"
+                    ) from None
+                raise
+            self.say(
+                f"cutover done: write downtime {downtime:.2f}s (from the fence); the source stays read-only"
+            )
+            self._drop_on_source(src, m, sub[1])
+            src.close()
+        return 0
+
+    def _drop_on_source(self, src: psycopg.Connection[Any], m: mstate.Migration, slot: str) -> None:
+        """The slot (once start has let go of it) and the publication: the old server keeps no WAL for us."""
+        drop_slot(src, slot, patience=max(self.left(), 10.0), say=self.say)
+        if m.pub_created:
+            src.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(m.publication)))
+            self.say(f"publication {m.publication} dropped from the source")
+
+
+def drop_slot(
+    src: psycopg.Connection[Any], slot: str, *, patience: float, say: Callable[[str], None]
+) -> None:
+    deadline = time.monotonic() + patience
+    while True:
+        row = src.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
+        if row is None:
+            return
+        if not row[0]:
+            with contextlib.suppress(psycopg.errors.ObjectInUse):
+                src.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+                say(f"slot {slot} dropped from the source")
+                return
+        if time.monotonic() >= deadline:
+            say(f"WARNING: slot {slot} is still in use on the source; drop it once start has stopped: "
+                f"SELECT pg_drop_replication_slot('{slot}')")  # fmt: skip
+            return
+        time.sleep(0.1)
+
+
+def cutover(opts: CutoverOptions, say: Callable[[str], None]) -> int:
+    return _Cutover(opts, say).run()
+
+
+# --- abort ---------------------------------------------------------------------------------------------------
+
+
+def abort(target_conninfo: str, name: str, say: Callable[[str], None], *, patience: float = 30.0) -> int:
+    """Stop the migration (start sees phase ``failed`` and stops), unfence the source, drop the slot and the
+    publication the migration created there, and the subscription's catalog rows and origin on the target. The
+    target's tables and rows stay."""
+    with psycopg.connect(target_conninfo, autocommit=True) as target:
+        m = _require(target, name)
+        if m.phase == "done":
+            raise MigrationError(f'migration "{name}" is done; nothing to abort')
+        with target.transaction():
+            target.execute(
+                "UPDATE applier.migration SET phase = 'failed', error = 'aborted', updated = now() WHERE name = %s",
+                (name,),
+            )
+            sub = _subscription(target, m)
+            if sub is not None:
+                target.execute(
+                    "UPDATE applier.subscription SET subenabled = false WHERE subid = %s", (sub[0],)
+                )
+        say(f'migration "{name}" aborted; stopping start')
+        with fencing.open_source(m.source) as src:
+            fencing.unfence(src)
+            say("source unfenced")
+            if m.slot_created:
+                drop_slot(src, m.slot, patience=patience, say=say)
+            if m.pub_created:
+                src.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(m.publication)))
+                say(f"publication {m.publication} dropped from the source")
+        if sub is not None:
+            with target.transaction():
+                target.execute("DELETE FROM applier.subscription WHERE subid = %s", (sub[0],))
+                target.execute(
+                    "SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin WHERE roname = %s",
+                    (f"applier_{sub[0]}",),
+                )
+    return 0
+
+
+def dumps(doc: dict[str, Any]) -> str:
+    return json.dumps(doc, indent=2, default=str)

@@ -1,0 +1,539 @@
+"""``applier migrate plan``: what a migration would move, how long it would roughly take, and what stops it.
+
+Two halves. The edges (:func:`gather_source`, :func:`gather_target`) read both servers' catalogs inside
+``READ ONLY`` transactions, so a plan provably changes nothing (no slot, no publication, no catalog row). The core
+(:func:`assess`) is pure: facts in, blockers and warnings out, so every rule is unit-tested without a server.
+
+**Blockers** (exit status 1) are conditions under which ``start`` would fail or would break the *source*:
+a published table without a usable key or replica identity that receives UPDATE/DELETE (publishing it makes those
+statements fail on the source), ``wal_level`` not ``logical``, too few free replication slots or WAL senders,
+``max_prepared_transactions = 0`` on the target (the migration applies prepared transactions as prepared), an
+extension or role the target lacks, a selected table that already exists on the target, too little disk on the
+target (only when it can be told: the target's data directory is visible from here), no ``pg_dump`` new enough.
+
+**Warnings** are what the migration will not carry by itself: unlogged tables (cannot be published: not migrated),
+materialized views (created unpopulated), large objects (not migrated yet), DDL (never replicated).
+
+The time estimate is deliberately rough: heap bytes / :data:`COPY_BYTES_PER_SECOND` for the copy and index bytes /
+:data:`INDEX_BYTES_PER_SECOND` for the index builds, whole-run rates with the default jobs on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import psycopg
+
+from applier.conninfo import parse
+from applier.migrate.selection import Selection
+from applier.migrate.tools import DumpTools
+
+__all__ = [
+    "COPY_BYTES_PER_SECOND",
+    "INDEX_BYTES_PER_SECOND",
+    "Finding",
+    "Plan",
+    "SourceFacts",
+    "TableFacts",
+    "TargetFacts",
+    "assess",
+    "format_plan",
+    "gather_source",
+    "gather_target",
+]
+
+#: Whole copy, default jobs, 2 cores: our tablesync measured 40-52 MB/s on an idle machine (bench/RESULTS.md) and
+#: a migration of pgbench -s 10 copied 114 MB in 7.1 s (16 MB/s) on a loaded one: take a middle.
+COPY_BYTES_PER_SECOND = 30e6
+#: Index bytes built per second in that migration's post-data, roughly (21.5 MB of B-tree in a few seconds, under
+#: load and overlapping the copy); GIN builds are slower.
+INDEX_BYTES_PER_SECOND = 15e6
+#: The migration's slot plus the temporary slot of the initial copy, each with its WAL sender.
+SLOTS_NEEDED = 2
+WAL_SENDERS_NEEDED = 2
+
+
+@dataclass(frozen=True)
+class TableFacts:
+    schema: str
+    name: str
+    kind: str  # r (table) or p (partitioned)
+    persistence: str  # p (permanent) or u (unlogged)
+    heap_bytes: int
+    total_bytes: int  # heap + TOAST + indexes
+    index_bytes: int
+    rows_estimate: int | None  # pg_class.reltuples; None: never analyzed
+    has_pk: bool
+    replica_identity: str  # d, n, f, i
+    identity_usable: (
+        bool  # UPDATE/DELETE can be published: a PK (default), FULL, or an existing identity index
+    )
+    updates_deletes: int  # pg_stat_user_tables.n_tup_upd + n_tup_del since the statistics were last reset
+    indexes: int
+    owner: str
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.schema}.{self.name}"
+
+
+@dataclass(frozen=True)
+class SourceFacts:
+    version_num: int
+    wal_level: str
+    max_replication_slots: int
+    slots_used: int
+    max_wal_senders: int
+    wal_senders_used: int
+    schemas: list[str]
+    tables: list[TableFacts]
+    indexes: list[dict[str, Any]]
+    constraints: dict[str, int]  # by kind: primary key, unique, foreign key, check, exclusion
+    sequences: list[str]
+    large_objects: int
+    extensions: dict[str, str]  # name -> installed version
+    publications: list[str]
+    materialized_views: list[str]
+    roles: list[str]  # owners and grantees of the selected objects
+
+    @property
+    def major(self) -> int:
+        return self.version_num // 10000
+
+
+@dataclass(frozen=True)
+class TargetFacts:
+    version_num: int
+    max_prepared_transactions: int
+    available_extensions: dict[str, list[str]]  # name -> available versions
+    roles: list[str]
+    existing_tables: list[str]  # selected tables (schema.name) that the target already has
+    free_bytes: int | None  # None: cannot be told from here
+
+    @property
+    def major(self) -> int:
+        return self.version_num // 10000
+
+
+@dataclass(frozen=True)
+class Finding:
+    code: str  # stable, for scripts: wal_level, slots, no_identity, ...
+    message: str
+    hint: str = ""
+
+
+@dataclass
+class Plan:
+    source: SourceFacts
+    target: TargetFacts
+    selection: Selection
+    tools: DumpTools | None
+    blockers: list[Finding] = field(default_factory=list)
+    warnings: list[Finding] = field(default_factory=list)
+    copy_seconds: float = 0.0
+    index_seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.blockers
+
+    def to_json(self) -> dict[str, Any]:
+        s, t = self.source, self.target
+        return {
+            "ok": self.ok,
+            "blockers": [asdict(f) for f in self.blockers],
+            "warnings": [asdict(f) for f in self.warnings],
+            "selection": self.selection.to_json(),
+            "source": {
+                "server_version_num": s.version_num,
+                "wal_level": s.wal_level,
+                "replication_slots": {"max": s.max_replication_slots, "used": s.slots_used},
+                "wal_senders": {"max": s.max_wal_senders, "used": s.wal_senders_used},
+            },
+            "target": {
+                "server_version_num": t.version_num,
+                "max_prepared_transactions": t.max_prepared_transactions,
+                "free_bytes": t.free_bytes,
+            },
+            "pg_dump": None
+            if self.tools is None
+            else {"bindir": str(self.tools.bindir), "major": self.tools.major},
+            "schemas": s.schemas,
+            "tables": [asdict(tf) for tf in s.tables],
+            "indexes": s.indexes,
+            "constraints": s.constraints,
+            "sequences": s.sequences,
+            "large_objects": s.large_objects,
+            "extensions": s.extensions,
+            "publications": s.publications,
+            "materialized_views": s.materialized_views,
+            "roles": s.roles,
+            "totals": {
+                "tables": len(s.tables),
+                "heap_bytes": sum(tf.heap_bytes for tf in s.tables),
+                "total_bytes": sum(tf.total_bytes for tf in s.tables),
+                "index_bytes": sum(tf.index_bytes for tf in s.tables),
+                "rows_estimate": sum(tf.rows_estimate or 0 for tf in s.tables),
+            },
+            "estimate": {
+                "copy_seconds": round(self.copy_seconds, 1),
+                "index_seconds": round(self.index_seconds, 1),
+                "how": f"heap bytes / {COPY_BYTES_PER_SECOND / 1e6:.0f} MB/s and index bytes / "
+                f"{INDEX_BYTES_PER_SECOND / 1e6:.0f} MB/s (default jobs, 2 cores); rough constants, not measured "
+                "on these servers",
+            },
+        }
+
+
+# --- the pure rules ---------------------------------------------------------------------------------------------
+
+
+def _blockers(
+    s: SourceFacts, t: TargetFacts, tools: DumpTools | None, found: Sequence[DumpTools]
+) -> list[Finding]:
+    out: list[Finding] = []
+    if s.wal_level != "logical":
+        out.append(Finding("wal_level", f'wal_level on the source is "{s.wal_level}"; a migration needs "logical"',
+                           "ALTER SYSTEM SET wal_level = logical; then restart the source"))  # fmt: skip
+    free_slots = s.max_replication_slots - s.slots_used
+    if free_slots < SLOTS_NEEDED:
+        out.append(Finding("replication_slots", f"the source has {free_slots} free replication slot(s) "
+                           f"({s.slots_used} of max_replication_slots = {s.max_replication_slots} in use); the "
+                           f"migration needs {SLOTS_NEEDED}", "raise max_replication_slots (restart) or drop unused "
+                           "slots"))  # fmt: skip
+    free_senders = s.max_wal_senders - s.wal_senders_used
+    if free_senders < WAL_SENDERS_NEEDED:
+        out.append(Finding("wal_senders", f"the source has {free_senders} free WAL sender(s) ({s.wal_senders_used} "
+                           f"of max_wal_senders = {s.max_wal_senders} in use); the migration needs "
+                           f"{WAL_SENDERS_NEEDED}", "raise max_wal_senders (restart)"))  # fmt: skip
+    if t.max_prepared_transactions == 0:
+        out.append(Finding("max_prepared_transactions", "max_prepared_transactions is 0 on the target; the migration "
+                           "applies the source's prepared transactions as prepared transactions",
+                           "ALTER SYSTEM SET max_prepared_transactions = 100 (at least the source's); then restart "
+                           "the target"))  # fmt: skip
+    for tf in s.tables:
+        if tf.kind == "r" and not tf.identity_usable and tf.updates_deletes > 0:
+            out.append(Finding("no_identity", f"table {tf.qualified} has no primary key or usable replica identity "
+                               f"and has received {tf.updates_deletes} UPDATE/DELETE(s): once published, UPDATE and "
+                               "DELETE on it fail on the source", f"add a primary key, or ALTER TABLE "
+                               f"{tf.qualified} REPLICA IDENTITY FULL (or USING INDEX a unique index), or exclude it "
+                               "with --exclude-table"))  # fmt: skip
+    for tf in s.tables:
+        if tf.kind == "p":
+            out.append(Finding("partitioned", f"table {tf.qualified} is partitioned: migrating partitioned tables "
+                               "is not supported yet", "exclude it and its partitions with --exclude-table, and "
+                               "move them another way"))  # fmt: skip
+    for name, version in sorted(s.extensions.items()):
+        if name == "plpgsql":
+            continue
+        if name not in t.available_extensions:
+            out.append(Finding("extension", f"extension {name} ({version}) is installed on the source but not "
+                               "available on the target", f"install the {name} extension's files on the target "
+                               "server"))  # fmt: skip
+    target_roles = set(t.roles)
+    for role in s.roles:
+        if role not in target_roles:
+            out.append(Finding("role", f"role {role} owns or has privileges on selected objects and does not exist "
+                               "on the target", "CREATE ROLE on the target (pg_dumpall --roles-only helps)"))  # fmt: skip
+    for name in t.existing_tables:
+        out.append(Finding("target_table", f"table {name} already exists on the target", "migrate into an empty "
+                           "database, or drop it there, or exclude it with --exclude-table"))  # fmt: skip
+    need = sum(tf.total_bytes for tf in s.tables)
+    if t.free_bytes is not None and need > t.free_bytes:
+        out.append(Finding("disk", f"the selected tables take {_size(need)} on the source, the target's disk has "
+                           f"{_size(t.free_bytes)} free", "free disk space on the target"))  # fmt: skip
+    if tools is None:
+        have = ", ".join(f"{d.bindir} ({d.major})" for d in found) or "none"
+        out.append(Finding("pg_dump", f"no pg_dump of major version {s.major} or newer was found (found: {have})",
+                           "set APPLIER_PG_BINDIR to the bin directory of a newer PostgreSQL client"))  # fmt: skip
+    return out
+
+
+def _warnings(s: SourceFacts, t: TargetFacts) -> list[Finding]:
+    out: list[Finding] = []
+    if not s.tables:
+        out.append(Finding("no_tables", "the selection covers no table"))
+    for tf in s.tables:
+        if tf.persistence == "u":
+            out.append(Finding("unlogged", f"table {tf.qualified} is unlogged: it cannot be published, so it is "
+                               "not migrated (neither its definition nor its rows)"))  # fmt: skip
+        elif tf.kind == "r" and not tf.identity_usable:
+            out.append(Finding("no_identity_yet", f"table {tf.qualified} has no primary key or usable replica "
+                               "identity; no UPDATE/DELETE seen so far, but one would fail on the source while it "
+                               "is published"))  # fmt: skip
+        elif tf.kind == "r" and tf.replica_identity == "f" and not tf.has_pk:
+            out.append(Finding("identity_full", f"table {tf.qualified} replicates with REPLICA IDENTITY FULL and no "
+                               "key: every UPDATE/DELETE scans it on the target"))  # fmt: skip
+    for mv in s.materialized_views:
+        out.append(Finding("materialized_view", f"materialized view {mv} is not replicated: REFRESH it on the "
+                           "target after the cutover"))  # fmt: skip
+    if s.large_objects:
+        out.append(Finding("large_objects", f"{s.large_objects} large object(s): large objects are not migrated "
+                           "yet (and changes to them are never replicated)"))  # fmt: skip
+    for name, version in sorted(s.extensions.items()):
+        avail = t.available_extensions.get(name)
+        if avail is not None and version not in avail:
+            out.append(Finding("extension_version", f"extension {name} is {version} on the source; the target "
+                               f"offers {', '.join(sorted(avail))}: the target's default version is created"))  # fmt: skip
+    if t.major < s.major:
+        out.append(Finding("downgrade", f"the target (PostgreSQL {t.major}) is older than the source ({s.major}): "
+                           "the source's schema may use what the target cannot restore"))  # fmt: skip
+    out.append(Finding("ddl", "DDL is not replicated: do not change the schema of selected tables on the source "
+                       "until the cutover"))  # fmt: skip
+    return out
+
+
+def assess(
+    source: SourceFacts,
+    target: TargetFacts,
+    selection: Selection,
+    tools: DumpTools | None,
+    found: Sequence[DumpTools] = (),
+) -> Plan:
+    """The plan: blockers, warnings and the rough time estimate."""
+    plan = Plan(source, target, selection, tools)
+    plan.blockers = _blockers(source, target, tools, found)
+    plan.warnings = _warnings(source, target)
+    plan.copy_seconds = sum(tf.heap_bytes for tf in source.tables) / COPY_BYTES_PER_SECOND
+    plan.index_seconds = sum(tf.index_bytes for tf in source.tables) / INDEX_BYTES_PER_SECOND
+    return plan
+
+
+# --- the edges: reading both servers ------------------------------------------------------------------------------
+
+_TABLES = """
+SELECT n.nspname, c.relname, c.relkind, c.relpersistence,
+       pg_relation_size(c.oid), pg_total_relation_size(c.oid), pg_indexes_size(c.oid),
+       CASE WHEN c.reltuples < 0 THEN NULL ELSE c.reltuples::bigint END,
+       EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary),
+       c.relreplident,
+       CASE c.relreplident
+         WHEN 'f' THEN true
+         WHEN 'd' THEN EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary)
+         WHEN 'i' THEN EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisreplident)
+         ELSE false END,
+       coalesce(s.n_tup_upd + s.n_tup_del, 0),
+       (SELECT count(*) FROM pg_index i WHERE i.indrelid = c.oid),
+       pg_get_userbyid(c.relowner)
+FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
+WHERE c.relkind IN ('r', 'p')
+ORDER BY 1, 2
+"""
+
+_INDEXES = """
+SELECT n.nspname, t.relname, i.relname, am.amname, x.indisprimary, x.indisunique, pg_relation_size(i.oid),
+       EXISTS (SELECT 1 FROM pg_constraint k WHERE k.conindid = i.oid AND k.conrelid = t.oid)
+FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid JOIN pg_class t ON t.oid = x.indrelid
+JOIN pg_namespace n ON n.oid = t.relnamespace JOIN pg_am am ON am.oid = i.relam
+WHERE t.relkind IN ('r', 'p')
+ORDER BY 1, 2, 3
+"""
+
+_CONSTRAINTS = """
+SELECT n.nspname, t.relname, k.contype
+FROM pg_constraint k JOIN pg_class t ON t.oid = k.conrelid JOIN pg_namespace n ON n.oid = t.relnamespace
+WHERE k.contype IN ('p', 'u', 'f', 'c', 'x') AND t.relkind IN ('r', 'p')
+"""
+
+# owners and grantees of selected schemas' relations, plus the schemas' own owners
+_ROLES = """
+SELECT n.nspname, c.relname, c.relkind, pg_get_userbyid(c.relowner) FROM pg_class c
+JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.relkind IN ('r', 'p', 'S', 'v', 'm', 'f')
+UNION ALL
+SELECT n.nspname, c.relname, c.relkind, pg_get_userbyid(a.grantee) FROM pg_class c
+JOIN pg_namespace n ON n.oid = c.relnamespace, aclexplode(c.relacl) a
+WHERE c.relkind IN ('r', 'p', 'S', 'v', 'm', 'f') AND a.grantee <> 0
+UNION ALL
+SELECT n.nspname, NULL, NULL, pg_get_userbyid(n.nspowner) FROM pg_namespace n
+"""
+
+_KINDS = {"p": "primary_key", "u": "unique", "f": "foreign_key", "c": "check", "x": "exclusion"}
+
+
+def _read_only(conninfo: str, what: str) -> psycopg.Connection[Any]:
+    conn = psycopg.connect(conninfo, autocommit=False, connect_timeout=int(parse(conninfo, what).get(
+        "connect_timeout", "10")))  # fmt: skip
+    conn.execute("SET TRANSACTION READ ONLY")
+    return conn
+
+
+def _setting(conn: psycopg.Connection[Any], name: str) -> str:
+    return str(conn.execute("SELECT current_setting(%s)", (name,)).fetchone()[0])  # type: ignore[index]
+
+
+def gather_source(conninfo: str, selection: Selection) -> SourceFacts:
+    """Everything the plan needs from the source, read in one read-only transaction."""
+    with _read_only(conninfo, "source") as conn:
+        q = conn.execute
+        schemas = [
+            r[0] for r in q("SELECT nspname FROM pg_namespace ORDER BY 1") if selection.covers_schema(r[0])
+        ]
+        tables = [
+            TableFacts(
+                r[0],
+                r[1],
+                r[2],
+                r[3],
+                int(r[4]),
+                int(r[5]),
+                int(r[6]),
+                r[7],
+                r[8],
+                r[9],
+                r[10],
+                int(r[11]),
+                int(r[12]),
+                r[13],
+            )  # fmt: skip
+            for r in q(_TABLES)
+            if selection.covers(r[0], r[1])
+        ]
+        indexes = [
+            {
+                "schema": r[0],
+                "table": r[1],
+                "name": r[2],
+                "method": r[3],
+                "primary": r[4],
+                "unique": r[5],
+                "bytes": int(r[6]),
+                "constraint": r[7],
+            }  # fmt: skip
+            for r in q(_INDEXES)
+            if selection.covers(r[0], r[1])
+        ]
+        constraints = dict.fromkeys(_KINDS.values(), 0)
+        for nsp, rel, kind in q(_CONSTRAINTS):
+            if selection.covers(nsp, rel):
+                constraints[_KINDS[kind]] += 1
+        sequences = [f"{r[0]}.{r[1]}" for r in q("SELECT schemaname, sequencename FROM pg_sequences ORDER BY 1, 2")
+                     if selection.covers_schema(r[0])]  # fmt: skip
+        matviews = [f"{r[0]}.{r[1]}" for r in q("SELECT schemaname, matviewname FROM pg_matviews ORDER BY 1, 2")
+                    if selection.covers_schema(r[0])]  # fmt: skip
+        roles = set()
+        for nsp, rel, kind, role in q(_ROLES):
+            if not selection.covers_schema(nsp):
+                continue
+            if rel is not None and kind in ("r", "p") and not selection.covers(nsp, rel):
+                continue
+            roles.add(role)
+        facts = SourceFacts(
+            version_num=int(_setting(conn, "server_version_num")),
+            wal_level=_setting(conn, "wal_level"),
+            max_replication_slots=int(_setting(conn, "max_replication_slots")),
+            slots_used=int(q("SELECT count(*) FROM pg_replication_slots").fetchone()[0]),  # type: ignore[index]
+            max_wal_senders=int(_setting(conn, "max_wal_senders")),
+            wal_senders_used=int(
+                q("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'walsender'").fetchone()[0]
+            ),  # type: ignore[index]  # fmt: skip
+            schemas=schemas,
+            tables=tables,
+            indexes=indexes,
+            constraints=constraints,
+            sequences=sequences,
+            large_objects=int(q("SELECT count(*) FROM pg_largeobject_metadata").fetchone()[0]),  # type: ignore[index]
+            extensions={r[0]: r[1] for r in q("SELECT extname, extversion FROM pg_extension ORDER BY 1")},
+            publications=[r[0] for r in q("SELECT pubname FROM pg_publication ORDER BY 1")],
+            materialized_views=matviews,
+            roles=sorted(roles),
+        )
+        conn.rollback()
+    return facts
+
+
+def _local_free_bytes(conninfo: str, conn: psycopg.Connection[Any]) -> int | None:
+    """Free bytes on the target's data directory's file system, when that directory is visible from here: the
+    target is on this machine (a Unix socket or a loopback address) and we may read ``data_directory``."""
+    host = conn.info.host or ""
+    if not (host.startswith("/") or host in ("localhost", "127.0.0.1", "::1")):
+        return None
+    try:
+        datadir = conn.execute("SELECT current_setting('data_directory')").fetchone()[0]  # type: ignore[index]
+    except psycopg.Error:
+        conn.rollback()
+        conn.execute("SET TRANSACTION READ ONLY")
+        return None
+    try:
+        return shutil.disk_usage(datadir).free
+    except OSError:
+        return None
+
+
+def gather_target(conninfo: str, tables: Sequence[TableFacts]) -> TargetFacts:
+    """Everything the plan needs from the target, read in one read-only transaction."""
+    with _read_only(conninfo, "target") as conn:
+        q = conn.execute
+        avail: dict[str, list[str]] = {}
+        for name, version in q("SELECT name, version FROM pg_available_extension_versions"):
+            avail.setdefault(name, []).append(version)
+        existing = {f"{r[0]}.{r[1]}" for r in q(
+            "SELECT n.nspname, c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " WHERE c.relkind IN ('r', 'p')")}  # fmt: skip
+        facts = TargetFacts(
+            version_num=int(_setting(conn, "server_version_num")),
+            max_prepared_transactions=int(_setting(conn, "max_prepared_transactions")),
+            available_extensions=avail,
+            roles=[r[0] for r in q("SELECT rolname FROM pg_roles ORDER BY 1")],
+            existing_tables=[tf.qualified for tf in tables if tf.qualified in existing],
+            free_bytes=_local_free_bytes(conninfo, conn),
+        )
+        conn.rollback()
+    return facts
+
+
+# --- text output ----------------------------------------------------------------------------------------------
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"  # pragma: no cover
+
+
+def format_plan(plan: Plan) -> str:
+    s, t = plan.source, plan.target
+    lines = [
+        f"source: PostgreSQL {s.version_num // 10000}, wal_level {s.wal_level}, slots "
+        f"{s.slots_used}/{s.max_replication_slots} used, WAL senders {s.wal_senders_used}/{s.max_wal_senders} used",
+        f"target: PostgreSQL {t.version_num // 10000}, max_prepared_transactions {t.max_prepared_transactions}, "
+        f"free disk {'unknown' if t.free_bytes is None else _size(t.free_bytes)}",
+        f"pg_dump: {'none new enough' if plan.tools is None else f'{plan.tools.bindir} ({plan.tools.major})'}",
+        f"schemas: {', '.join(s.schemas) or '(none)'}",
+        f"tables: {len(s.tables)}",
+    ]
+    for tf in s.tables:
+        rows = "?" if tf.rows_estimate is None else f"~{tf.rows_estimate}"
+        key = (
+            "pk"
+            if tf.has_pk
+            else {"f": "identity full", "i": "identity index"}.get(tf.replica_identity, "no key")
+        )
+        extra = ", unlogged" if tf.persistence == "u" else ", partitioned" if tf.kind == "p" else ""
+        lines.append(
+            f"  {tf.qualified}: {_size(tf.total_bytes)}, {rows} rows, {tf.indexes} index(es), {key}{extra}"
+        )
+    c = s.constraints
+    lines += [
+        f"indexes: {len(s.indexes)} ({_size(sum(i['bytes'] for i in s.indexes))})",
+        "constraints: " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in c.items()),
+        f"sequences: {len(s.sequences)}",
+        f"large objects: {s.large_objects}",
+        "extensions: " + (", ".join(f"{k} {v}" for k, v in s.extensions.items()) or "(none)"),
+        "publications: " + (", ".join(s.publications) or "(none)"),
+        "materialized views: " + (", ".join(s.materialized_views) or "(none)"),
+        f"estimate: copy ~{plan.copy_seconds:.0f} s, indexes ~{plan.index_seconds:.0f} s (heap bytes / "
+        f"{COPY_BYTES_PER_SECOND / 1e6:.0f} MB/s and index bytes / {INDEX_BYTES_PER_SECOND / 1e6:.0f} MB/s; "
+        "rough constants)",
+    ]
+    for w in plan.warnings:
+        lines.append(f"WARNING: {w.message}")
+    for b in plan.blockers:
+        lines.append(f"BLOCKER: {b.message}" + (f"\n  HINT: {b.hint}" if b.hint else ""))
+    lines.append(f"{len(plan.blockers)} blocker(s), {len(plan.warnings)} warning(s)")
+    return "\n".join(lines)

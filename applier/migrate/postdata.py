@@ -1,0 +1,261 @@
+"""Post-data: indexes, keys, constraints and triggers, built on the target as each table's copy finishes.
+
+The definitions are read from the source *inside the migration's snapshot* (``pg_get_indexdef`` and friends, with an
+empty ``search_path`` so every name comes qualified) and stored as steps in ``applier.migration_step``. Each step
+names the tables whose copy it waits for and the steps it must follow:
+
+- ``index``: a secondary index, ``CREATE INDEX`` as defined on the source;
+- ``key``: the ``CREATE UNIQUE INDEX`` of a primary key or unique constraint, then ``attach``: its
+  ``ADD CONSTRAINT … USING INDEX`` (instant). Two transactions: one that held the build's SHARE lock while asking
+  for the attach's ACCESS EXCLUSIVE one would deadlock with a second build on the same table;
+- ``constraint``: an exclusion constraint or a ``NOT VALID`` check, as on the source;
+- ``fk``: a foreign key ``NOT VALID`` (instant, no scan), once both tables are in and the referenced key is built;
+- ``validate``: ``VALIDATE CONSTRAINT`` of a foreign key that is valid on the source (a scan under a lock that
+  lets writes through);
+- ``replica_identity``: ``REPLICA IDENTITY USING INDEX`` once that index exists;
+- ``trigger``: the table's triggers (after the copy, so they never fire on copied rows).
+
+:func:`ready` is the pure scheduling rule; :func:`run_steps` runs ready steps ``jobs`` at a time, each in one
+target transaction together with its ``done`` mark (exactly once across kills). Steps on the same tables may still
+deadlock (two foreign keys between two tables in opposite directions lock them in opposite orders): PostgreSQL
+then cancels one, which is retried.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+__all__ = ["Step", "definitions", "load_steps", "ready", "run_steps", "save_steps"]
+
+
+@dataclass(frozen=True)
+class Step:
+    step: str  # unique within the migration, e.g. "index public.a_v_idx"
+    kind: str
+    relnames: tuple[str, ...]  # tables (quoted, qualified) whose copy must be finished
+    after: tuple[str, ...]  # steps that must be done first
+    statements: tuple[str, ...]
+    ord: int = 0
+    done: bool = False
+
+
+def ready(
+    steps: Sequence[Step], copied: Collection[str], done: Collection[str], running: Collection[str]
+) -> list[Step]:
+    """Steps that may start now: not done or running, their tables copied, the steps they follow done. Keys come
+    first (foreign keys wait for them), then the biggest work first is not known here: source order."""
+    out = [
+        s
+        for s in steps
+        if s.step not in done
+        and s.step not in running
+        and all(r in copied for r in s.relnames)
+        and all(a in done for a in s.after)
+    ]
+    return sorted(out, key=lambda s: (s.kind not in ("key", "attach"), s.ord))
+
+
+# --- reading the definitions at the snapshot ----------------------------------------------------------------
+
+_INDEXES = """
+SELECT i.relname, x.indrelid::regclass::text, quote_ident(n.nspname) || '.' || quote_ident(i.relname),
+       pg_get_indexdef(x.indexrelid), k.oid, k.contype, k.conname, k.condeferrable, k.condeferred, x.indisreplident
+FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid JOIN pg_namespace n ON n.oid = i.relnamespace
+LEFT JOIN pg_constraint k ON k.conindid = x.indexrelid AND k.conrelid = x.indrelid AND k.contype IN ('p', 'u', 'x')
+WHERE x.indrelid = ANY(%s::regclass[])
+ORDER BY x.indrelid, x.indexrelid
+"""
+
+_CONSTRAINTS = """
+SELECT k.conrelid::regclass::text, k.confrelid::regclass::text, k.conname, k.contype, k.convalidated,
+       pg_get_constraintdef(k.oid)
+FROM pg_constraint k
+WHERE k.conrelid = ANY(%s::regclass[])
+  AND (k.contype IN ('f', 'x') OR (k.contype = 'c' AND NOT k.convalidated))
+  AND k.conparentid = 0
+ORDER BY k.conrelid, k.oid
+"""
+
+_TRIGGERS = """
+SELECT t.tgrelid::regclass::text, t.tgname, pg_get_triggerdef(t.oid)
+FROM pg_trigger t WHERE t.tgrelid = ANY(%s::regclass[]) AND NOT t.tgisinternal AND t.tgparentid = 0
+ORDER BY t.tgrelid, t.oid
+"""
+
+
+def _alter(table: str) -> sql.Composable:
+    return sql.SQL("ALTER TABLE ONLY {} ").format(sql.SQL(table))  # already quoted by regclass::text
+
+
+def definitions(conn: psycopg.Connection[Any], tables: Sequence[str]) -> tuple[list[Step], list[str]]:
+    """The post-data steps of ``tables`` (quoted, qualified names) and notes on what is left out. ``conn`` is a
+    source connection inside the migration's snapshot with ``search_path = ''``."""
+    steps: list[Step] = []
+    notes: list[str] = []
+    selected = set(tables)
+    keys: dict[str, list[str]] = {}  # table -> its key steps (what foreign keys to it wait for)
+    replident: list[tuple[str, str, str]] = []  # (table, index name, the step that makes the index)
+    for (
+        index_name,
+        table,
+        index,
+        indexdef,
+        con_oid,
+        contype,
+        conname,
+        deferrable,
+        deferred,
+        is_replident,
+    ) in conn.execute(_INDEXES, (list(tables),)):
+        if con_oid is not None and contype == "x":
+            continue  # built by its ADD CONSTRAINT below
+        if con_oid is None:
+            steps.append(Step(f"index {index}", "index", (table,), (), (indexdef,), len(steps)))
+            if is_replident:
+                replident.append((table, index_name, f"index {index}"))
+            continue
+        if is_replident:
+            replident.append((table, conname, f"attach {table}.{conname}"))
+        kind = "PRIMARY KEY" if contype == "p" else "UNIQUE"
+        attach = _alter(table) + sql.SQL("ADD CONSTRAINT {} {} USING INDEX {}").format(
+            sql.Identifier(conname), sql.SQL(kind), sql.Identifier(index_name)
+        )
+        text = attach.as_string(conn)
+        if deferrable:
+            text += " DEFERRABLE" + (" INITIALLY DEFERRED" if deferred else "")
+        build = f"key {table}.{conname}"
+        name = f"attach {table}.{conname}"
+        keys.setdefault(table, []).append(name)
+        steps.append(Step(build, "key", (table,), (), (indexdef,), len(steps)))
+        steps.append(Step(name, "attach", (table,), (build,), (text,), len(steps)))
+    for table, reftable, conname, contype, validated, condef in conn.execute(_CONSTRAINTS, (list(tables),)):
+        add = (_alter(table) + sql.SQL("ADD CONSTRAINT {} ").format(sql.Identifier(conname))).as_string(conn)
+        if contype != "f":
+            steps.append(Step(f"constraint {table}.{conname}", "constraint", (table,), (), (add + condef,),
+                              len(steps)))  # fmt: skip
+            continue
+        if reftable not in selected:
+            notes.append(
+                f"foreign key {conname} of {table} references {reftable}, which is not migrated: left out"
+            )
+            continue
+        name = f"fk {table}.{conname}"
+        not_valid = condef if condef.endswith("NOT VALID") else condef + " NOT VALID"
+        steps.append(Step(name, "fk", (table, reftable), tuple(keys.get(reftable, ())), (add + not_valid,),
+                          len(steps)))  # fmt: skip
+        if validated:
+            validate = (
+                _alter(table) + sql.SQL("VALIDATE CONSTRAINT {}").format(sql.Identifier(conname))
+            ).as_string(conn)
+            steps.append(Step(f"validate {table}.{conname}", "validate", (table, reftable), (name,), (validate,),
+                              len(steps)))  # fmt: skip
+    for table, index_name, after in replident:
+        text = (
+            _alter(table) + sql.SQL("REPLICA IDENTITY USING INDEX {}").format(sql.Identifier(index_name))
+        ).as_string(conn)
+        steps.append(
+            Step(f"replica_identity {table}", "replica_identity", (table,), (after,), (text,), len(steps))
+        )
+    for table, tgname, tgdef in conn.execute(_TRIGGERS, (list(tables),)):
+        steps.append(Step(f"trigger {table}.{tgname}", "trigger", (table,), (), (tgdef,), len(steps)))
+    return steps, notes
+
+
+# --- the catalog ---------------------------------------------------------------------------------------------
+
+
+def save_steps(conn: psycopg.Connection[Any], name: str, steps: Sequence[Step]) -> None:
+    """Store the steps (inside the caller's transaction)."""
+    with conn.cursor() as cur:
+        cur.executemany(
+            "INSERT INTO applier.migration_step (name, step, ord, kind, relnames, after, statements)"
+            " VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
+            [
+                (name, s.step, s.ord, s.kind, list(s.relnames), list(s.after), list(s.statements))
+                for s in steps
+            ],
+        )
+
+
+def load_steps(conn: psycopg.Connection[Any], name: str) -> list[Step]:
+    rows = conn.execute(
+        "SELECT step, kind, relnames, after, statements, ord, done FROM applier.migration_step"
+        " WHERE name = %s ORDER BY ord",
+        (name,),
+    ).fetchall()
+    return [Step(r[0], r[1], tuple(r[2]), tuple(r[3]), tuple(r[4]), r[5], r[6]) for r in rows]
+
+
+#: A step cancelled by PostgreSQL's deadlock detector is run again (after the other transaction went on).
+DEADLOCK_RETRIES = 5
+
+
+def _build(target: str, name: str, step: Step) -> float:
+    """One step and its done mark in one transaction; returns its seconds."""
+    started = time.monotonic()
+    with psycopg.connect(target, autocommit=True) as conn:
+        conn.execute("SET search_path = ''")
+        for attempt in range(DEADLOCK_RETRIES + 1):
+            try:
+                with conn.transaction():
+                    for statement in step.statements:
+                        conn.execute(statement)
+                    seconds = time.monotonic() - started
+                    conn.execute(
+                        "UPDATE applier.migration_step SET done = true, seconds = %s, finished = now()"
+                        " WHERE name = %s AND step = %s",
+                        (seconds, name, step.step),
+                    )
+                return seconds
+            except psycopg.errors.DeadlockDetected:
+                if attempt == DEADLOCK_RETRIES:
+                    raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def run_steps(
+    target: str,
+    name: str,
+    steps: Sequence[Step],
+    copied: Callable[[], set[str]],
+    *,
+    jobs: int,
+    copy_running: Callable[[], bool],
+    stop: threading.Event,
+    say: Callable[[str], None],
+    poll: float = 0.3,
+) -> bool:
+    """Run every step as soon as it is ready, ``jobs`` at a time, until all are done (True) or ``stop`` is set
+    or no step can ever become ready (False). ``copied()`` reads which tables are copied; ``copy_running()`` says
+    whether more may come."""
+    done = {s.step for s in steps if s.done}
+    running: dict[Future[float], Step] = {}
+    with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="postdata") as pool:
+        while len(done) < len(steps) and not stop.is_set():
+            in_flight = {s.step for s in running.values()}
+            have = copied()
+            for step in ready(steps, have, done, in_flight)[: max(0, jobs - len(running))]:
+                say(f"post-data: {step.kind} {step.step.split(' ', 1)[1]} started")
+                running[pool.submit(_build, target, name, step)] = step
+            if not running:
+                if not copy_running() and not ready(steps, copied(), done, ()):
+                    return False  # nothing runs, nothing can start, no table will arrive
+                stop.wait(poll)
+                continue
+            finished, _ = wait(list(running), timeout=poll, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                step = running.pop(fut)
+                seconds = fut.result()  # an error ends the run: the step stays pending for the next start
+                done.add(step.step)
+                say(f"post-data: {step.kind} {step.step.split(' ', 1)[1]} done in {seconds:.1f}s")
+        for fut in list(running):
+            fut.result()
+    return len(done) == len(steps)

@@ -1,0 +1,530 @@
+"""``applier migrate start``: publication and slot on the source, pre-data at the slot's exported snapshot, the
+data copy at that same snapshot (the existing tablesync), post-data as each table lands, then the apply loop in
+the foreground until a cutover completes.
+
+One snapshot: the subscription's slot is created with ``SNAPSHOT 'export'`` at point X, the pre-data dump and
+the post-data definitions are read in snapshot S, and the copy imports S too (its tables become ``s`` at X); the
+stream then starts at X, so nothing between the schema, the rows and the stream can differ.
+
+Resumable at every step (state in ``applier.migration``/``migration_step``):
+
+- killed before the pre-data committed: the slot made for it is dropped and everything starts again (the
+  pre-data commits in one target transaction with the post-data steps, so it is all there or not at all);
+- killed after, before the subscription existed: a new slot and snapshot; the copy runs at the new snapshot (the
+  schema is the one dumped before; DDL on the source in between is not supported, as always);
+- killed during the copy: finished tables stay (``f`` settles to ``s``), unfinished ones are emptied and copied
+  again at a new snapshot by the tablesync's own resume; post-data steps already built stay built;
+- killed while following: the apply loop resumes from its replication origin, exactly once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from applier.conninfo import describe, without_password
+from applier.lsn import format_lsn
+from applier.migrate import postdata, schema
+from applier.migrate import state as mstate
+from applier.migrate.selection import Selection
+from applier.migrate.state import MigrationError
+from applier.migrate.tools import find_dump_tools
+from applier.replication import ReplicationConnection, ReplicationConnectionError
+
+__all__ = ["CAUGHT_UP_BYTES", "StartOptions", "start"]
+
+#: ``start --cutover`` cuts over once every table is ready and the apply is this close to the source's position.
+CAUGHT_UP_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class StartOptions:
+    name: str
+    source: str
+    target: str
+    selection: Selection
+    table_jobs: int = 2
+    index_jobs: int = 2
+    cutover: bool = False
+
+
+@dataclass(frozen=True)
+class SourceTables:
+    tables: list[tuple[str, str]]  # (schema, table) migrated
+    schemas: list[str]  # schemas dumped
+    exclude: list[tuple[str, str]]  # tables of those schemas that are not migrated
+    skipped: list[str]  # notes
+
+
+_TABLES = """
+SELECT n.nspname, c.relname, c.relkind, c.relpersistence
+FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE c.relkind IN ('r', 'p') AND c.relpersistence <> 't'
+ORDER BY 1, 2
+"""
+
+
+def source_tables(conn: psycopg.Connection[Any], selection: Selection) -> SourceTables:
+    """What the selection covers on the source: the tables to migrate, the schemas to dump, the tables of those
+    schemas to leave out of the dump. Unlogged tables cannot be published, so they are left out (with a note);
+    partitioned ones are refused for now (their partitions could move as tables, but the parent's indexes and keys
+    need ``ATTACH PARTITION`` steps that post-data does not make yet)."""
+    schemas = [
+        r[0]
+        for r in conn.execute("SELECT nspname FROM pg_namespace ORDER BY 1")
+        if selection.covers_schema(r[0])
+    ]
+    tables, exclude, skipped = [], [], []
+    for nsp, rel, kind, persistence in conn.execute(_TABLES):
+        if not selection.covers_schema(nsp):
+            continue
+        if not selection.covers(nsp, rel):
+            exclude.append((nsp, rel))
+        elif kind == "p":
+            raise MigrationError(
+                f"table {nsp}.{rel} is partitioned: migrating partitioned tables is not supported yet"
+            )
+        elif persistence == "u":
+            exclude.append((nsp, rel))
+            skipped.append(f"{nsp}.{rel} is unlogged (it cannot be published): not migrated")
+        else:
+            tables.append((nsp, rel))
+    return SourceTables(tables, schemas, exclude, skipped)
+
+
+class _Runner:
+    """One ``start``: the steps as methods, sharing connections and the stop event."""
+
+    def __init__(self, opts: StartOptions, say: Callable[[str], None]) -> None:
+        self.opts = opts
+        self.say = say
+        self.stop = threading.Event()
+        self.times: dict[str, float] = {}
+        self.target = psycopg.connect(opts.target, autocommit=True)
+        self.slot_conn: ReplicationConnection | None = None
+        self.snapshot: str | None = None
+        self.snapshot_lsn: int | None = None
+        self.auto_error: str | None = None
+        self.signalled = False  # SIGTERM/SIGINT reached our handler
+
+    # --- bookkeeping ------------------------------------------------------------------------------------------
+    def migration(self) -> mstate.Migration:
+        m = mstate.load(self.target, self.opts.name)
+        assert m is not None
+        return m
+
+    def phase(self, phase: str, **seconds: float) -> None:
+        mstate.set_phase(self.target, self.opts.name, phase, seconds=seconds)
+        self.say(f"phase {phase}")
+
+    def register(self, tables: SourceTables) -> mstate.Migration:
+        """The migration's row: new, or the same migration again (same source and selection)."""
+        from state.catalog import Catalog
+
+        catalog = Catalog.connect(self.opts.target)
+        try:
+            catalog.ensure()
+        finally:
+            catalog.engine.dispose()
+        mstate.ensure(self.target)
+        source = without_password(self.opts.source, "source")
+        selection = self.opts.selection.to_json()
+        self.target.execute(
+            "INSERT INTO applier.migration (name, subname, source, selection, publication, slot, phase)"
+            " VALUES (%s, %s, %s, %s, %s, %s, 'schema') ON CONFLICT (name) DO NOTHING",
+            (self.opts.name, self.opts.name, source, json.dumps(selection), self.opts.name, self.opts.name),
+        )
+        m = self.migration()
+        if m.source != source or m.selection != selection:
+            raise MigrationError(
+                f'migration "{self.opts.name}" exists on this target with another source or selection '
+                f"({describe(m.source)}, {m.selection})"
+            )
+        return m
+
+    # --- the source -------------------------------------------------------------------------------------------
+    def publication(self, m: mstate.Migration, tables: SourceTables) -> None:
+        """Create the publication of the selected tables (once; the same table list when started again)."""
+        with psycopg.connect(self.opts.source, autocommit=True) as src:
+            exists = src.execute(
+                "SELECT 1 FROM pg_publication WHERE pubname = %s", (m.publication,)
+            ).fetchone()
+            names = sql.SQL(", ").join(sql.Identifier(s, t) for s, t in tables.tables)
+            if exists and not m.pub_created:
+                raise MigrationError(
+                    f'a publication "{m.publication}" already exists on the source and was not made by this '
+                    "migration: choose another migration name"
+                )
+            self.target.execute("UPDATE applier.migration SET pub_created = true WHERE name = %s", (m.name,))
+            if exists:
+                src.execute(
+                    sql.SQL("ALTER PUBLICATION {} SET TABLE {}").format(sql.Identifier(m.publication), names)
+                )
+            else:
+                src.execute(
+                    sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(sql.Identifier(m.publication), names)
+                )
+        self.say(f"publication {m.publication}: {len(tables.tables)} table(s)")
+
+    def fresh_slot(self, m: mstate.Migration) -> None:
+        """(Re)create the slot with an exported snapshot; keep its connection idle while the snapshot is used."""
+        try:
+            conn = ReplicationConnection.open(self.opts.source, application_name=f"{m.name}_migrate")
+        except ReplicationConnectionError as exc:
+            raise MigrationError(f"cannot open a replication connection to the source: {exc}") from exc
+        try:
+            if m.slot_created:
+                with psycopg.ClientCursor(conn.connection) as cur:  # walsenders: simple protocol only
+                    cur.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (m.slot,))
+                    rows = cur.fetchall()
+                if rows:
+                    conn.drop_slot(m.slot)
+                    self.say(f"slot {m.slot} of an interrupted start dropped")
+            self.target.execute("UPDATE applier.migration SET slot_created = true WHERE name = %s", (m.name,))
+            info = conn.create_slot(m.slot, snapshot="export")
+        except BaseException:
+            conn.close()
+            raise
+        self.slot_conn = conn
+        self.snapshot = info.snapshot_name
+        self.snapshot_lsn = info.consistent_point
+        self.say(
+            f"slot {m.slot} created at {format_lsn(info.consistent_point)}, snapshot {info.snapshot_name}"
+        )
+
+    # --- schema -----------------------------------------------------------------------------------------------
+    def pre_data(self, m: mstate.Migration, tables: SourceTables) -> None:
+        """Pre-data and the post-data steps, read at the snapshot; applied in one target transaction."""
+        started = time.monotonic()
+        src = psycopg.connect(self.opts.source, autocommit=False)
+        try:
+            src.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            src.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(self.snapshot)))
+            src.execute("SET LOCAL search_path = ''")
+            quoted = [r[0] for r in src.execute(
+                "SELECT format('%%I.%%I', s, t) FROM unnest(%s::text[], %s::text[]) AS x(s, t)",
+                ([s for s, _ in tables.tables], [t for _, t in tables.tables]),
+            )]  # fmt: skip
+            steps, notes = postdata.definitions(src, quoted)
+        finally:
+            src.close()
+        tools, found = find_dump_tools(self._source_major())
+        if tools is None:
+            raise MigrationError("no pg_dump new enough for the source (see applier migrate plan)")
+        settings = [r[0] for r in self.target.execute("SELECT name FROM pg_settings")]
+        script = schema.dump_pre_data(
+            tools, self.opts.source, self.snapshot, tables.schemas, tables.exclude, settings
+        )
+        with self.target.transaction():
+            self.target.execute(script)
+            self.target.execute("SET search_path TO DEFAULT")
+            postdata.save_steps(self.target, m.name, [*steps, *self.identity_always(quoted)])
+            self.target.execute(
+                "UPDATE applier.migration SET snapshot_lsn = %s::pg_lsn WHERE name = %s",
+                (format_lsn(self.snapshot_lsn or 0), m.name),
+            )
+        for note in [*tables.skipped, *notes]:
+            self.say(f"note: {note}")
+        self.times["schema"] = time.monotonic() - started
+        self.say(f"pre-data restored with {tools.pg_dump} ({tools.major}); {len(steps)} post-data step(s) planned "
+                 f"({self.times['schema']:.1f}s)")  # fmt: skip
+
+    def identity_always(self, tables: list[str]) -> list[postdata.Step]:
+        """Make the target's ``GENERATED ALWAYS`` identity columns ``BY DEFAULT`` until the cutover, which puts them
+        back (steps of kind ``cutover_identity``): the apply loop writes the source's values with plain INSERT and
+        UPDATE, which PostgreSQL refuses for an ALWAYS column (the native apply worker bypasses that check)."""
+        rows = self.target.execute(
+            "SELECT format('%%I.%%I', n.nspname, c.relname), a.attname FROM pg_attribute a"
+            " JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " WHERE a.attidentity = 'a' AND NOT a.attisdropped AND format('%%I.%%I', n.nspname, c.relname) = ANY(%s)"
+            " ORDER BY 1, 2",
+            (tables,),
+        ).fetchall()
+        steps = []
+        for table, column in rows:
+            alter = sql.SQL("ALTER TABLE {} ALTER COLUMN {} SET GENERATED ").format(
+                sql.SQL(table), sql.Identifier(column)
+            )
+            self.target.execute(alter + sql.SQL("BY DEFAULT"))
+            always = (alter + sql.SQL("ALWAYS")).as_string(self.target)
+            steps.append(postdata.Step(f"identity {table}.{column}", "cutover_identity", (table,), (), (always,),
+                                       10_000 + len(steps)))  # fmt: skip
+        return steps
+
+    def _source_major(self) -> int:
+        with psycopg.connect(self.opts.source, autocommit=True) as src:
+            return int(src.execute("SHOW server_version_num").fetchone()[0]) // 10000  # type: ignore[index]
+
+    def subscription(self, m: mstate.Migration, tables: list[str]) -> None:
+        """The subscription's catalog rows (every table ``i``, two-phase pending until all are ready), using the
+        slot made above; one left by an interrupted start is replaced."""
+        from state.catalog import Catalog
+        from state.tables import initial_sync_state
+        from state.twophase import initial_two_phase
+
+        catalog = Catalog.connect(self.opts.target)
+        try:
+            old = catalog.get(m.subname)
+            if old is not None:
+                catalog.delete_subscription(old.subid)
+            two_phase, _ = initial_two_phase(True, True, False, has_tables=bool(tables))
+            sub = catalog.create_subscription(
+                subname=m.subname, conninfo=m.source, publications=[m.publication], two_phase_state=two_phase.value,
+                streaming="on", binary=False, disable_on_error=False, origin="any", slot_name=m.slot, enabled=True,
+                copy_data=True,
+            )  # fmt: skip
+            with catalog.engine.begin() as c:
+                for name in tables:
+                    relid = c.exec_driver_sql("SELECT %(n)s::regclass::oid::int8", {"n": name}).scalar_one()
+                    catalog.add_table(sub.subid, relid, name, initial_sync_state(True).value, conn=c)
+            catalog.update_subscription(sub.subid, subslotconsistentlsn=self.snapshot_lsn)
+        finally:
+            catalog.engine.dispose()
+
+    # --- copy and post-data ------------------------------------------------------------------------------------
+    def copied(self) -> set[str]:
+        with psycopg.connect(self.opts.target, autocommit=True) as conn:
+            return {
+                r[0]
+                for r in conn.execute(
+                    "SELECT format('%%I.%%I', n.nspname, c.relname) FROM applier.subscription_rel r"
+                    " JOIN applier.subscription s USING (subid) JOIN pg_class c ON c.oid = r.srrelid"
+                    " JOIN pg_namespace n ON n.oid = c.relnamespace"
+                    " WHERE s.subname = %s AND r.srsubstate IN ('f', 's', 'r')",
+                    (self.opts.name,),
+                )
+            }
+
+    def copy_and_post_data(self, m: mstate.Migration) -> bool:
+        """The copy (this thread) and post-data (a thread, as tables land); True when both completed."""
+        from tablesync.initial import InitialCopy, _SnapshotSlot
+        from tablesync.progress import CopyProgress
+
+        steps = [s for s in postdata.load_steps(self.target, m.name) if not s.kind.startswith("cutover")]
+        copying = threading.Event()
+        copying.set()
+        outcome: dict[str, Any] = {}
+
+        def post() -> None:
+            started = time.monotonic()
+            try:
+                outcome["ok"] = postdata.run_steps(
+                    self.opts.target, m.name, steps, self.copied, jobs=self.opts.index_jobs,
+                    copy_running=copying.is_set, stop=self.stop, say=self.say,
+                )  # fmt: skip
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+                outcome["error"] = exc
+                self.stop.set()
+            outcome["seconds"] = time.monotonic() - started
+
+        held = None
+        if self.slot_conn is not None and self.snapshot is not None:
+            held = _SnapshotSlot(self.slot_conn, m.slot, self.snapshot_lsn or 0, self.snapshot)
+
+        class SnapshotCopy(InitialCopy):
+            def open_snapshot(inner) -> _SnapshotSlot:  # noqa: N805
+                if held is None:
+                    return super().open_snapshot()
+                inner.slot = held
+                inner.reporter.note(
+                    f"copying at the migration's snapshot {held.snapshot} ({format_lsn(held.lsn)})"
+                )
+                return held
+
+        thread = threading.Thread(target=post, name="postdata", daemon=True)
+        thread.start()
+        started = time.monotonic()
+        os.environ.setdefault("APPLIER_TABLESYNC_HEAD_START", str(max(1, self.opts.table_jobs)))
+        partition = int(os.environ.get("APPLIER_MIGRATE_PARTITION_BYTES", "0") or 0)
+        kwargs: dict[str, Any] = {"partition_bytes": partition} if partition else {}
+        copier = SnapshotCopy(self.opts.target, m.subname, stop=self.stop, reporter=CopyProgress.for_setting(None),
+                              **kwargs)  # fmt: skip
+        master = None if os.environ.get("SPARK_REMOTE") else f"local[{max(1, self.opts.table_jobs)},4]"
+        try:
+            result = copier.run(spark_master=master)
+        finally:
+            self.slot_conn = None  # closed by the copy: the snapshot is over
+            copying.clear()
+        self.times["copy"] = time.monotonic() - started
+        self.say(f"copy: {result} ({self.times['copy']:.1f}s)")
+        thread.join()
+        if "error" in outcome:
+            raise MigrationError(f"post-data failed: {outcome['error']}") from outcome["error"]
+        self.times["post-data"] = outcome.get("seconds", 0.0)
+        if result.stopped or self.stop.is_set():
+            return False
+        if not outcome.get("ok"):
+            raise MigrationError("post-data could not finish: a step waits for a table that was not copied")
+        return True
+
+    # --- all --------------------------------------------------------------------------------------------------
+    def run(self) -> int:
+        with psycopg.connect(self.opts.source, autocommit=True) as src:
+            tables = source_tables(src, self.opts.selection)
+        if not tables.tables:
+            raise MigrationError("the selection covers no table on the source (see applier migrate plan)")
+        m = self.register(tables)
+        if m.phase == "done":
+            self.say(f'migration "{m.name}" is done')
+            return 0
+        if m.phase == "failed":
+            raise MigrationError(f'migration "{m.name}" failed: {m.error}; abort it (applier migrate abort)')
+        self.publication(m, tables)
+        if m.phase == "schema":
+            started = time.monotonic()
+            self.fresh_slot(self.migration())
+            m = self.migration()
+            if m.snapshot_lsn is None:
+                self.pre_data(m, tables)
+            else:
+                self.say("pre-data restored by an interrupted start; copying at a new snapshot")
+            quoted = [r[0] for r in self.target.execute(
+                "SELECT format('%%I.%%I', s, t) FROM unnest(%s::text[], %s::text[]) AS x(s, t)",
+                ([s for s, _ in tables.tables], [t for _, t in tables.tables]),
+            )]  # fmt: skip
+            self.subscription(m, quoted)
+            self.phase("copy", schema=time.monotonic() - started)
+            m = self.migration()
+        if m.phase == "copy":
+            if not self.copy_and_post_data(m):
+                return self.outcome(0)
+            self.phase("following", **{k: v for k, v in self.times.items() if k != "schema"})
+        self.summary()
+        return self.follow(m)
+
+    def summary(self) -> None:
+        times = self.migration().times
+        order = ["schema", "copy", "post-data"]
+        keys = sorted(times, key=lambda k: order.index(k) if k in order else len(order))
+        self.say("summary: " + ", ".join(f"{k} {times[k]:.1f}s" for k in keys))
+
+    def follow(self, m: mstate.Migration) -> int:
+        """The apply loop (``applier run``'s) in the foreground until a cutover completes or a signal stops it."""
+        from applier import runner
+
+        if self.stop.is_set():
+            return 0
+        self.say(
+            f'following the source (subscription "{m.subname}") until a cutover; Ctrl-C stops, start resumes'
+        )
+        runner.configure_logging(self.opts.target)
+        ours = signal.getsignal(signal.SIGTERM)
+        finished = threading.Event()
+        forwarder = threading.Thread(target=self._forward_stop, args=(ours, finished), daemon=True)
+        forwarder.start()
+        auto = None
+        if self.opts.cutover:
+            auto = threading.Thread(
+                target=self._auto_cutover, args=(finished,), name="auto-cutover", daemon=True
+            )
+            auto.start()
+        try:
+            status = runner.run(self.opts.target, [m.subname], wait_target=runner.WAIT_TARGET)
+        finally:
+            finished.set()
+            forwarder.join()
+            if auto is not None:
+                auto.join()
+        if self.auto_error is not None:
+            self.say(f"ERROR: the cutover failed: {self.auto_error}")
+            return 1
+        return self.outcome(status)
+
+    def outcome(self, status: int) -> int:
+        """What start says and returns once it stops."""
+        phase = self.migration().phase
+        if phase == "done":
+            self.say(f'migration "{self.opts.name}" done: the target has taken over')
+            return 0
+        if phase == "failed":
+            self.say(f'migration "{self.opts.name}" was aborted')
+            return 1
+        if status == 0:
+            self.say("stopped; applier migrate start again resumes")
+        return status
+
+    def _auto_cutover(self, finished: threading.Event) -> None:
+        """``start --cutover``: once every table is ready and the lag is under :data:`CAUGHT_UP_BYTES`, cut over
+        (as ``applier migrate cutover`` would); a failure stops start with its reason (the source is unfenced)."""
+        from applier.migrate import cutover as co
+
+        while not finished.wait(1.0):
+            try:
+                doc = co.status(self.opts.target, self.opts.name)
+            except Exception:  # noqa: BLE001 - the target may be restarting: try again
+                continue
+            if doc["phase"] != "following" or not doc["tables"]:
+                continue
+            if any(t["state"] != "r" for t in doc["tables"]) or doc["lag_bytes"] is None:
+                continue
+            if doc["lag_bytes"] > CAUGHT_UP_BYTES:
+                continue
+            self.say(f"caught up (lag {doc['lag_bytes']} bytes): cutting over")
+            try:
+                co.cutover(co.CutoverOptions(self.opts.name, self.opts.target), self.say)
+            except Exception as exc:  # noqa: BLE001 - reported by follow(), start exits 1
+                self.auto_error = str(exc)
+                self.signalled = True  # the worker is still running: stop it as a signal would
+                self.stop.set()
+            return
+
+    def _forward_stop(self, ours: Any, finished: threading.Event) -> None:
+        """Pass on a signal that reached our own handler before ``runner.run`` installed its handlers: SIGTERM to
+        ourselves once runner's handler is in place.
+
+        A migration that ends (cutover done, abort) is *not* passed on as a signal: both disable the subscription,
+        so its worker stops by itself and ``runner.run`` returns. Signalling then would race with that worker's
+        exit, and ``runner.run``'s handler (``multiprocessing.Event.set``) can hang for ever when a process that was
+        waiting on that event has just died."""
+        while not finished.wait(0.2):
+            if self.signalled and signal.getsignal(signal.SIGTERM) is not ours:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    def watch(self, finished: threading.Event) -> None:
+        """Stop when the migration is done (a cutover completed) or failed (aborted), as another shell decides."""
+        while not finished.wait(0.5):
+            with contextlib.suppress(Exception), psycopg.connect(self.opts.target, autocommit=True) as c:
+                row = c.execute(
+                    "SELECT phase FROM applier.migration WHERE name = %s", (self.opts.name,)
+                ).fetchone()
+                if row is not None and row[0] in ("done", "failed"):
+                    self.stop.set()
+                    return
+
+    def close(self) -> None:
+        if self.slot_conn is not None:
+            with contextlib.suppress(Exception):
+                self.slot_conn.close()
+        self.target.close()
+
+
+def start(opts: StartOptions, say: Callable[[str], None]) -> int:
+    runner = _Runner(opts, say)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        say(f"{signal.Signals(signum).name} received: stopping")
+        runner.signalled = True
+        runner.stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    finished = threading.Event()
+    watcher = threading.Thread(target=runner.watch, args=(finished,), name="migration-watch", daemon=True)
+    watcher.start()
+    try:
+        return runner.run()
+    finally:
+        finished.set()
+        for s, h in previous.items():
+            signal.signal(s, h)
+        runner.close()

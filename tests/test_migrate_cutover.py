@@ -1,0 +1,198 @@
+"""``applier migrate status``, ``cutover`` and ``abort`` against real servers: a cutover under a light write load
+(and with a prepared transaction open at the fence) loses and duplicates nothing, sets the sequences and puts the
+identity columns back; a failed verification unfences the source; abort cleans the source up."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+
+import psycopg
+import pytest
+from psycopg import sql
+from test_cli_common import APPLIER
+from test_migrate_plan import pg15  # noqa: F401 - a fixture
+from test_migrate_start import exit_status, phase, procs, start, wait_phase  # noqa: F401 - procs is a fixture
+
+from applier.testing import Database, wait_until
+
+pytestmark = pytest.mark.core
+
+SCHEMA = """
+CREATE TABLE acc (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, v int NOT NULL);
+CREATE TABLE log (id serial PRIMARY KEY, acc bigint REFERENCES acc, note text);
+CREATE SEQUENCE free_seq;
+INSERT INTO acc (v) SELECT g FROM generate_series(1, 500) g;
+INSERT INTO log (acc, note) SELECT g, 'n' FROM generate_series(1, 500) g;
+SELECT nextval('free_seq') FROM generate_series(1, 42);
+"""
+
+
+def migrate(target: Database, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*APPLIER, "migrate", *args, "--target", target.dsn], capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+class Writer(threading.Thread):
+    """Inserts into ``acc`` one transaction at a time until the source refuses; remembers what committed."""
+
+    def __init__(self, db: Database) -> None:
+        super().__init__(daemon=True)
+        self.db = db
+        self.committed: list[int] = []
+        self.error: str | None = None
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        try:
+            with self.db.connect() as conn:
+                while not self.halt.is_set():
+                    (i,) = conn.execute("INSERT INTO acc (v) VALUES (-1) RETURNING id").fetchone()
+                    conn.execute("INSERT INTO log (acc, note) VALUES (%s, 'w')", (i,))
+                    self.committed.append(i)
+        except psycopg.Error as exc:
+            self.error = str(exc)
+
+
+def test_cutover_under_writes_loses_and_duplicates_nothing(pair, procs, tmp_path) -> None:  # noqa: F811
+    pub, tgt = pair.publisher, pair.target
+    pub.execute(SCHEMA)
+    # writes all along: before the slot and its snapshot, during the schema, the copy and post-data, while following
+    writer = Writer(pub)
+    writer.start()
+    wait_until(lambda: len(writer.committed) >= 20, timeout=60, what="some writes")
+    log = tmp_path / "start.log"
+    proc = start(pair, "mig", log=log)
+    procs.append(proc)
+    wait_phase(tgt, "mig", "following", proc, log)
+
+    doc = json.loads(migrate(tgt, "status", "mig", "--json").stdout)
+    assert doc["phase"] == "following" and {t["state"] for t in doc["tables"]} <= {"s", "r"}
+    assert "lag_bytes" in doc and "lag_seconds" in doc and len(doc["tables"]) == 2
+
+    # a prepared transaction open at the fence: --prepared wait waits for its decision, which still works fenced
+    with pub.connect() as c:
+        c.execute("BEGIN")
+        c.execute("INSERT INTO acc (v) VALUES (777)")
+        c.execute("PREPARE TRANSACTION 'app_tx_1'")
+    wait_until(lambda: pub.scalar("SELECT count(*) FROM pg_prepared_xacts") == 1, what="prepared")
+
+    def decide() -> None:
+        wait_until(lambda: "waiting for 1 prepared" in (cut_out.get("text") or ""), timeout=60, interval=0.05,
+                   what="the cutover to wait for the prepared transaction")  # fmt: skip
+        pub.execute("COMMIT PREPARED 'app_tx_1'")
+
+    cut_out: dict[str, str] = {}
+    cut = subprocess.Popen([*APPLIER, "migrate", "cutover", "mig", "--target", tgt.dsn, "--timeout", "90"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    decider = threading.Thread(target=decide, daemon=True)
+    decider.start()
+    lines = []
+    assert cut.stdout is not None
+    for line in cut.stdout:
+        lines.append(line)
+        cut_out["text"] = "".join(lines)
+    assert cut.wait() == 0, cut_out["text"]
+    writer.join(timeout=30)
+    assert writer.error is not None and ("read-only" in writer.error or "terminat" in writer.error)
+    assert exit_status(proc, log) == 0, log.read_text()
+    out = cut_out["text"]
+    assert "cutover done: write downtime" in out and "sequences: 3 set from the source" in out
+
+    # nothing lost, nothing duplicated (the keys are unique), the prepared transaction's row included
+    src_rows = pub.query("SELECT id, v FROM acc ORDER BY id")
+    assert tgt.query("SELECT id, v FROM acc ORDER BY id") == src_rows
+    assert tgt.query("SELECT * FROM log ORDER BY id") == pub.query("SELECT * FROM log ORDER BY id")
+    assert set(writer.committed) <= {i for i, _ in src_rows} and (777,) in {(v,) for _, v in src_rows}
+    # sequences: the next values follow the source's, past every row
+    assert tgt.scalar("SELECT nextval('free_seq')") == 43
+    assert tgt.scalar("SELECT nextval('log_id_seq')") > tgt.scalar("SELECT max(id) FROM log")
+    tgt.execute("INSERT INTO acc (v) VALUES (1)")  # the identity is ALWAYS again, and past the copied rows
+    assert (
+        tgt.scalar("SELECT attidentity FROM pg_attribute WHERE attrelid = 'acc'::regclass AND attname = 'id'")
+        == "a"
+    )
+    # the source: fenced, and nothing of ours left there
+    with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+        pub.execute("INSERT INTO log (note) VALUES ('late')")
+    assert pub.scalar("SELECT count(*) FROM pg_replication_slots") == 0
+    assert pub.scalar("SELECT count(*) FROM pg_publication") == 0
+    assert phase(tgt, "mig") == "done"
+    # (the fixture drops the fenced database from another one)
+
+
+def test_a_failed_verification_unfences_and_keeps_following(pair, procs, tmp_path) -> None:  # noqa: F811
+    pub, tgt = pair.publisher, pair.target
+    pub.execute(SCHEMA)
+    log = tmp_path / "start.log"
+    proc = start(pair, "mig", log=log)
+    procs.append(proc)
+    wait_phase(tgt, "mig", "following", proc, log)
+    with tgt.connect() as c:  # a row only the target has, beyond the sequence of its column
+        c.execute("SET session_replication_role = replica")
+        c.execute("INSERT INTO log (id, note) VALUES (100000, 'stray')")
+    res = migrate(tgt, "cutover", "mig", "--timeout", "60")
+    assert res.returncode == 1 and "the source is unfenced" in res.stderr and "Traceback" not in res.stderr
+    assert (
+        "sequence public.log_id_seq would next give 501, but public.log.id already holds 100000" in res.stderr
+    )
+    assert phase(tgt, "mig") == "following"
+    tgt.execute("UPDATE log SET id = -5 WHERE id = 100000")  # now only the counts differ
+    res = migrate(tgt, "cutover", "mig", "--timeout", "60")
+    assert (
+        res.returncode == 1 and "verification failed: public.log: 500 rows on the source, 501" in res.stderr
+    )
+    assert "the source is unfenced" in res.stderr
+    pub.execute("INSERT INTO acc (v) VALUES (5)")  # writable again
+    assert phase(tgt, "mig") == "following" and proc.poll() is None
+    wait_until(lambda: tgt.scalar("SELECT count(*) FROM acc") == 501, timeout=60, what="still following")
+
+    res = migrate(tgt, "abort", "mig")
+    assert res.returncode == 0, res.stderr
+    assert exit_status(proc, log) == 1 and "aborted" in log.read_text()
+    assert pub.scalar("SELECT count(*) FROM pg_replication_slots") == 0
+    assert pub.scalar("SELECT count(*) FROM pg_publication") == 0
+    assert tgt.scalar("SELECT count(*) FROM applier.subscription") == 0
+    assert phase(tgt, "mig") == "failed"
+
+
+def test_a_postgresql_15_source_into_this_target(pair, pg15, procs, tmp_path) -> None:  # noqa: F811
+    """The major-version upgrade: pg_dump of the target's version reads the old server; identity, generated
+    columns and sequences come across; a cutover completes."""
+    src = pg15.create_database(pair.name)
+    try:
+        src.execute(SCHEMA + "ALTER TABLE log ADD COLUMN n2 int GENERATED ALWAYS AS (length(note) * 2) STORED;"
+                    "CREATE INDEX log_note ON log (note)")  # fmt: skip
+        log = tmp_path / "start.log"
+        proc = start(pair, "mig", log=log, source=src)
+        procs.append(proc)
+        wait_phase(pair.target, "mig", "following", proc, log)
+        src.execute("INSERT INTO acc (v) VALUES (9); INSERT INTO log (acc, note) VALUES (501, 'late')")
+        res = migrate(pair.target, "cutover", "mig", "--timeout", "60", "--verify", "full")
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "every table equal" in res.stdout
+        assert exit_status(proc, log) == 0, log.read_text()
+        for q in ("SELECT * FROM acc ORDER BY id", "SELECT * FROM log ORDER BY id"):
+            assert pair.target.query(q) == src.query(q)
+        assert pair.target.scalar("SELECT nextval('free_seq')") == 43
+        assert pair.target.scalar("SELECT indexdef FROM pg_indexes WHERE indexname = 'log_note'") is not None
+        assert pair.target.scalar("SELECT nextval('acc_id_seq')") == 502
+    finally:
+        with pg15.connect() as c:
+            c.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(pair.name)))
+
+
+def test_start_with_cutover_does_the_whole_job_in_one_command(pair) -> None:
+    pub, tgt = pair.publisher, pair.target
+    pub.execute(SCHEMA)
+    res = subprocess.run([*APPLIER, "migrate", "start", "mig", "--source", pub.dsn, "--target", tgt.dsn, "--cutover"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "cutting over" in res.stdout and "cutover done: write downtime" in res.stdout
+    assert 'migration "mig" done' in res.stdout
+    for q in ("SELECT * FROM acc ORDER BY id", "SELECT * FROM log ORDER BY id"):
+        assert tgt.query(q) == pub.query(q)
+    assert tgt.scalar("SELECT nextval('free_seq')") == 43
+    assert phase(tgt, "mig") == "done"
+    assert pub.scalar("SELECT count(*) FROM pg_replication_slots") == 0

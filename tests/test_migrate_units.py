@@ -1,0 +1,243 @@
+"""The pure parts of ``applier migrate``: the selection rules, the choice of pg_dump, every blocker and warning rule
+of :func:`applier.migrate.plan.assess` (on hand-made facts, no server), the post-data scheduling rule, the phase
+state machine and the edits to pg_dump's script."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from applier.migrate.plan import SourceFacts, TableFacts, TargetFacts, assess
+from applier.migrate.postdata import Step, ready
+from applier.migrate.schema import edit_script, pattern
+from applier.migrate.selection import Selection
+from applier.migrate.state import PHASES, MigrationError, advance
+from applier.migrate.tools import DumpTools, choose
+
+PG18 = DumpTools(Path("/pg18/bin"), 18)
+
+
+def table(name: str = "t", **kw: object) -> TableFacts:
+    base = dict(schema="public", name=name, kind="r", persistence="p", heap_bytes=80_000_000, total_bytes=100_000_000,
+                index_bytes=20_000_000, rows_estimate=1000, has_pk=True, replica_identity="d", identity_usable=True,
+                updates_deletes=5, indexes=1, owner="postgres")  # fmt: skip
+    base.update(kw)
+    return TableFacts(**base)  # type: ignore[arg-type]
+
+
+def source(**kw: object) -> SourceFacts:
+    base = dict(version_num=180001, wal_level="logical", max_replication_slots=10, slots_used=1, max_wal_senders=10,
+                wal_senders_used=1, schemas=["public"], tables=[table()], indexes=[], constraints={}, sequences=[],
+                large_objects=0, extensions={"plpgsql": "1.0"}, publications=[], materialized_views=[],
+                roles=["postgres"])  # fmt: skip
+    base.update(kw)
+    return SourceFacts(**base)  # type: ignore[arg-type]
+
+
+def target(**kw: object) -> TargetFacts:
+    base = dict(version_num=180001, max_prepared_transactions=10, available_extensions={"plpgsql": ["1.0"]},
+                roles=["postgres"], existing_tables=[], free_bytes=None)  # fmt: skip
+    base.update(kw)
+    return TargetFacts(**base)  # type: ignore[arg-type]
+
+
+def codes(findings: list) -> list[str]:
+    return [f.code for f in findings]
+
+
+def blockers(
+    s: SourceFacts | None = None, t: TargetFacts | None = None, tools: DumpTools | None = PG18
+) -> list[str]:
+    return codes(assess(s or source(), t or target(), Selection(), tools).blockers)
+
+
+def test_a_clean_migration_has_no_blocker_and_only_the_ddl_warning() -> None:
+    plan = assess(source(), target(), Selection(), PG18)
+    assert plan.ok and plan.blockers == []
+    assert codes(plan.warnings) == ["ddl"]
+
+
+def test_each_blocker_alone() -> None:
+    assert blockers(source(wal_level="replica")) == ["wal_level"]
+    assert blockers(source(max_replication_slots=2, slots_used=1)) == ["replication_slots"]
+    assert blockers(source(max_replication_slots=2, slots_used=0)) == []
+    assert blockers(source(max_wal_senders=3, wal_senders_used=2)) == ["wal_senders"]
+    assert blockers(t=target(max_prepared_transactions=0)) == ["max_prepared_transactions"]
+    no_key = table(has_pk=False, identity_usable=False, updates_deletes=1)
+    assert blockers(source(tables=[no_key])) == ["no_identity"]
+    assert blockers(source(extensions={"plpgsql": "1.0", "pgcrypto": "1.3"})) == ["extension"]
+    assert blockers(source(roles=["postgres", "app"])) == ["role"]
+    assert blockers(t=target(existing_tables=["public.t"])) == ["target_table"]
+    assert blockers(t=target(free_bytes=99_999_999)) == ["disk"]
+    assert blockers(t=target(free_bytes=100_000_000)) == []
+    assert blockers(tools=None) == ["pg_dump"]
+    assert blockers(source(tables=[table(kind="p")])) == ["partitioned"]
+
+
+def test_a_table_without_key_blocks_only_when_it_gets_updates_or_deletes() -> None:
+    quiet = table(has_pk=False, identity_usable=False, updates_deletes=0)
+    plan = assess(source(tables=[quiet]), target(), Selection(), PG18)
+    assert plan.ok and "no_identity_yet" in codes(plan.warnings)
+    full = table(has_pk=False, replica_identity="f", identity_usable=True, updates_deletes=9)
+    plan = assess(source(tables=[full]), target(), Selection(), PG18)
+    assert plan.ok and "identity_full" in codes(plan.warnings)
+    # a partitioned parent has no statistics of its own; its leaves are judged
+    parent = table(kind="p", has_pk=False, identity_usable=False, updates_deletes=0)
+    assert blockers(source(tables=[parent])) == ["partitioned"]  # not supported yet, whatever its key
+
+
+def test_warnings() -> None:
+    plan = assess(
+        source(tables=[table(persistence="u")], materialized_views=["public.mv"], large_objects=3,
+               extensions={"plpgsql": "1.0", "hstore": "1.7"}, version_num=180001),
+        target(available_extensions={"plpgsql": ["1.0"], "hstore": ["1.8"]}, version_num=170001),
+        Selection(), PG18,
+    )  # fmt: skip
+    assert plan.ok
+    assert codes(plan.warnings) == ["unlogged", "materialized_view", "large_objects", "extension_version",
+                                    "downgrade", "ddl"]  # fmt: skip
+
+
+def test_the_estimate_is_bytes_over_rate() -> None:
+    plan = assess(source(tables=[table(), table("u")]), target(), Selection(), PG18)
+    assert plan.copy_seconds == 2 * 80_000_000 / 30e6
+    assert plan.index_seconds == 2 * 20_000_000 / 15e6
+    j = plan.to_json()
+    assert j["estimate"]["copy_seconds"] == 5.3 and "MB/s" in j["estimate"]["how"]
+    assert j["totals"]["tables"] == 2 and j["ok"] is True
+
+
+def test_pg_dump_must_be_at_least_the_source_major() -> None:
+    found = [DumpTools(Path("/a"), 15), DumpTools(Path("/b"), 18), DumpTools(Path("/c"), 17)]
+    assert choose(found, 15) == found[0]
+    assert choose(found, 16) == found[1]
+    assert choose(found, 19) is None
+    assert choose([], 15) is None
+
+
+def test_selection_patterns() -> None:
+    sel = Selection.of(["app*"], ["orders*", "billing.inv?ice"], ["*_old"])
+    assert sel.covers("app", "orders_2024")
+    assert not sel.covers("app", "orders_old")
+    assert not sel.covers("public", "orders")
+    assert not sel.covers("appx", "invoice")  # billing is not a selected schema
+    assert Selection.of(["billing"], ["billing.inv?ice"], None).covers("billing", "invoice")
+    everything = Selection()
+    assert everything.covers("public", "t") and everything.covers("Mixed Case", "T t")
+    for system in ("pg_catalog", "information_schema", "pg_toast", "applier", "pg_temp_3"):
+        assert not everything.covers_schema(system)
+
+
+names = st.text(st.characters(min_codepoint=97, max_codepoint=122), min_size=1, max_size=6)
+
+
+@given(names, names, st.lists(names, max_size=3), st.lists(names, max_size=3))
+def test_an_exclusion_always_wins_and_no_pattern_means_everything(
+    schema: str, rel: str, include: list[str], exclude: list[str]
+) -> None:
+    sel = Selection.of(None, include, [*exclude, rel])
+    assert not sel.covers(schema, rel)
+    assert Selection.of(None, None, None).covers(schema, rel) == (schema not in ("applier",))
+    if not include and rel not in exclude:
+        assert Selection.of(None, None, exclude).covers(schema, rel) == (schema != "applier")
+
+
+# --- post-data scheduling ----------------------------------------------------------------------------------------
+
+
+def _steps() -> list[Step]:
+    """Two tables; b references a: the fk waits for a's key to be attached, the validation for the fk."""
+    return [
+        Step("key a.pk", "key", ("a",), (), ("..",), 0),
+        Step("attach a.pk", "attach", ("a",), ("key a.pk",), ("..",), 1),
+        Step("index a.v", "index", ("a",), (), ("..",), 2),
+        Step("key b.pk", "key", ("b",), (), ("..",), 3),
+        Step("attach b.pk", "attach", ("b",), ("key b.pk",), ("..",), 4),
+        Step("fk b.a", "fk", ("b", "a"), ("attach a.pk",), ("..",), 5),
+        Step("validate b.a", "validate", ("b", "a"), ("fk b.a",), ("..",), 6),
+        Step("trigger b.t", "trigger", ("b",), (), ("..",), 7),
+    ]
+
+
+def test_nothing_is_ready_before_its_table_is_copied_and_keys_go_first() -> None:
+    steps = _steps()
+    assert ready(steps, set(), set(), set()) == []
+    assert [s.step for s in ready(steps, {"b"}, set(), set())] == ["key b.pk", "trigger b.t"]
+    first = ready(steps, {"a", "b"}, set(), set())
+    assert [s.step for s in first] == ["key a.pk", "key b.pk", "index a.v", "trigger b.t"]
+    assert [s.step for s in ready(steps, {"a", "b"}, set(), {"key a.pk"})] == [
+        "key b.pk",
+        "index a.v",
+        "trigger b.t",
+    ]
+    # the foreign key needs both tables and the referenced key attached
+    done = {"key a.pk", "key b.pk", "index a.v", "trigger b.t", "attach b.pk"}
+    assert [s.step for s in ready(steps, {"b"}, done, set())] == []
+    assert [s.step for s in ready(steps, {"a", "b"}, done, set())] == ["attach a.pk"]
+    assert [s.step for s in ready(steps, {"a", "b"}, done | {"attach a.pk"}, set())] == ["fk b.a"]
+
+
+@given(st.permutations(["a", "b"]), st.randoms(use_true_random=False))
+def test_any_schedule_respects_every_dependency_and_finishes(arrival: list[str], rnd) -> None:
+    """Tables arrive in any order and steps finish in any order: each step starts only after its tables and the
+    steps it follows, and every step runs exactly once."""
+    steps = _steps()
+    copied: set[str] = set()
+    done: list[str] = []
+    running: set[str] = set()
+    pending_tables = list(arrival)
+    while len(done) < len(steps):
+        can = ready(steps, copied, set(done), running)
+        choices = [("start", s.step) for s in can] + [("finish", r) for r in running]
+        if pending_tables:
+            choices.append(("arrive", pending_tables[0]))
+        assert choices, "stuck"
+        kind, what = rnd.choice(choices)
+        if kind == "arrive":
+            copied.add(pending_tables.pop(0))
+        elif kind == "start":
+            step = next(s for s in steps if s.step == what)
+            assert set(step.relnames) <= copied and set(step.after) <= set(done)
+            running.add(what)
+        else:
+            running.remove(what)
+            done.append(what)
+    assert sorted(done) == sorted(s.step for s in steps)
+
+
+# --- phases ------------------------------------------------------------------------------------------------------
+
+
+def test_phases_move_forward_and_a_failed_cutover_goes_back_to_following() -> None:
+    assert advance("schema", "copy") == "copy"
+    assert advance("copy", "following") == "following"
+    assert advance("following", "cutover") == "cutover"
+    assert advance("cutover", "following") == "following"
+    assert advance("cutover", "done") == "done"
+    for bad in [("schema", "following"), ("copy", "done"), ("following", "done"), ("done", "following"),
+                ("done", "failed"), ("following", "nonsense")]:  # fmt: skip
+        with pytest.raises(MigrationError):
+            advance(*bad)
+    for p in PHASES:
+        if p != "done":
+            assert advance(p, "failed") == "failed"
+
+
+# --- the pg_dump script ---------------------------------------------------------------------------------------
+
+
+def test_the_script_loses_psql_meta_commands_and_creates_schemas_only_if_missing() -> None:
+    script = "\\restrict Ab1\nCREATE SCHEMA public;\nCREATE SCHEMA \"My S\";\nCREATE TABLE t (x text DEFAULT '\\restrict x');\n\\unrestrict Ab1\n"
+    assert edit_script(script) == (
+        '\nCREATE SCHEMA IF NOT EXISTS public;\nCREATE SCHEMA IF NOT EXISTS "My S";\n'
+        "CREATE TABLE t (x text DEFAULT '\\restrict x');\n\n"
+    )
+    assert (
+        edit_script("SET a = 0;\nSET transaction_timeout = 0;\nSET b = 'x';\n", ["a", "b"])
+        == "SET a = 0;\n\nSET b = 'x';\n"
+    )
+    assert pattern("public", "t") == '"public"."t"'
+    assert pattern('we"ird', "T*") == '"we""ird"."T*"'
