@@ -22,6 +22,7 @@ independent, as in PostgreSQL.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import multiprocessing
@@ -226,30 +227,35 @@ def run(target: str, names: Sequence[str] = (), *, metrics_port: int | None = No
     if metrics_port is not None:
         _serve_metrics(metrics_port, target, [s.subname for s in subs])
 
-    stop = _SPAWN.Event()
     workers: dict[Any, tuple[str, Any, multiprocessing.connection.Connection]] = {}
     signals_seen = 0
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
+        # Workers are told by a signal of their own, not through a shared multiprocessing.Event: setting one waits
+        # for every process that sleeps in its wait() to wake, and a worker that exited while waiting never does,
+        # so the handler (and applier run) hung for good.
         nonlocal signals_seen
         signals_seen += 1
         if signals_seen == 1:
             log.info("%s received: stopping the workers", signal.Signals(signum).name)
-            stop.set()
-        else:
-            log.warning("%s received again: terminating the workers", signal.Signals(signum).name)
             for _, proc, _ in workers.values():
-                proc.terminate()
+                _signal_worker(proc, signal.SIGTERM)
+        else:
+            log.warning("%s received again: killing the workers", signal.Signals(signum).name)
+            for _, proc, _ in workers.values():
+                _signal_worker(proc, signal.SIGKILL)
 
     # installed before the first worker starts, so that no signal can end us and orphan a worker
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     outcomes: list[WorkerOutcome] = []
     try:
         for sub in subs:
+            if signals_seen:
+                break
             receiver, sender = _SPAWN.Pipe(duplex=False)
             proc = _SPAWN.Process(
                 target=worker_main,
-                args=(target, sub.subname, stop, sender, logging.getLogger().level, wait_target),
+                args=(target, sub.subname, sender, logging.getLogger().level, wait_target),
                 name=f"applier:{sub.subname}",
             )
             proc.start()
@@ -260,7 +266,7 @@ def run(target: str, names: Sequence[str] = (), *, metrics_port: int | None = No
             for sentinel in multiprocessing.connection.wait(list(workers)):
                 subname, proc, receiver = workers.pop(sentinel)  # type: ignore[call-overload]
                 proc.join()
-                outcome = _outcome(subname, proc.exitcode, receiver)
+                outcome = _outcome(subname, proc.exitcode, receiver, stopping=signals_seen > 0)
                 outcomes.append(outcome)
                 if not outcome.ok:
                     log.error('worker for subscription "%s" failed: %s', subname, outcome.message)
@@ -289,8 +295,17 @@ def _serve_metrics(port: int, target: str, names: list[str]) -> None:
         ) from None
 
 
+def _signal_worker(proc: Any, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, TypeError):  # gone already / not started (pid None)
+        os.kill(proc.pid, signum)
+
+
 def _outcome(
-    subname: str, exitcode: int | None, receiver: multiprocessing.connection.Connection
+    subname: str,
+    exitcode: int | None,
+    receiver: multiprocessing.connection.Connection,
+    *,
+    stopping: bool = False,
 ) -> WorkerOutcome:
     try:
         if receiver.poll():
@@ -300,20 +315,22 @@ def _outcome(
         pass
     finally:
         receiver.close()
+    if stopping and exitcode == -signal.SIGTERM:  # stopped before its own handler was installed
+        return WorkerOutcome(subname, True, "stopped before it started")
     return WorkerOutcome(subname, False, f"the worker process exited with status {exitcode} without a report")
 
 
 # --- the worker --------------------------------------------------------------------------------------------------
 
 
-def worker_main(target: str, subname: str, stop_all: Any, report: multiprocessing.connection.Connection,
+def worker_main(target: str, subname: str, report: multiprocessing.connection.Connection,
                 log_level: int, wait_target: float = WAIT_TARGET) -> None:  # fmt: skip
     """Entry point of a worker process (spawned: it imports everything afresh)."""
     configure_logging(target, log_level)
     stop = threading.Event()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    threading.Thread(target=_stop_bridge, args=(stop_all, stop), name="stop-bridge", daemon=True).start()
+    threading.Thread(target=_orphan_watch, args=(stop,), name="orphan-watch", daemon=True).start()
     wlog = logging.getLogger(f"applier.worker.{subname}")
     try:
         wait_for_target(
@@ -334,15 +351,15 @@ def worker_main(target: str, subname: str, stop_all: Any, report: multiprocessin
     sys.exit(0 if outcome.ok else 1)
 
 
-def _stop_bridge(stop_all: Any, stop: threading.Event) -> None:
-    """Pass the parent's stop on to this worker; and stop too if the parent dies (``kill -9``), rather than go on
-    as an orphan holding the subscription's lock that nobody can stop with ``applier run``'s signals."""
+def _orphan_watch(stop: threading.Event) -> None:
+    """Stop this worker if the parent dies (``kill -9``), rather than go on as an orphan holding the
+    subscription's lock that nobody can stop with ``applier run``'s signals. (The parent's SIGTERM, sent on its own
+    SIGTERM/SIGINT, stops the worker through its handler.)"""
     parent = multiprocessing.parent_process()
-    while not stop_all.wait(timeout=1.0):
+    while not stop.wait(timeout=1.0):
         if parent is not None and not parent.is_alive():
             logging.getLogger("applier.run").warning("the applier run process has gone: stopping this worker")
-            break
-    stop.set()
+            stop.set()
 
 
 def _serve(target: str, subname: str, stop: threading.Event, wlog: logging.Logger) -> str:

@@ -483,9 +483,8 @@ class _Runner:
         ourselves once runner's handler is in place.
 
         A migration that ends (cutover done, abort) is *not* passed on as a signal: both disable the subscription,
-        so its worker stops by itself and ``runner.run`` returns. Signalling then would race with that worker's
-        exit, and ``runner.run``'s handler (``multiprocessing.Event.set``) can hang for ever when a process that was
-        waiting on that event has just died."""
+        so its worker stops by itself and ``runner.run`` returns, with a clean exit status rather than one of a
+        worker stopped by a signal in the middle of its own ending."""
         while not finished.wait(0.2):
             if self.signalled and signal.getsignal(signal.SIGTERM) is not ours:
                 os.kill(os.getpid(), signal.SIGTERM)
