@@ -498,6 +498,9 @@ DEBEZIUM_OURS = [  # OURS: updates and deletes of the rows Debezium's statements
     """UPDATE text_table SET jb = jb || '{"k": [1, 2.5, null, "\\u00e9"]}'""",
     "UPDATE array_table SET int_array = int_array || 4, jsonb_array = NULL",
     "DELETE FROM string_table",
+    """INSERT INTO "Quoted_"" . Schema"."Quoted_"" . Table" ("Quoted_"" . Text_Column") VALUES ('q1'), ('q2')""",
+    """UPDATE "Quoted_"" . Schema"."Quoted_"" . Table" SET "Quoted_"" . Text_Column" = 'it''s ' || pk""",
+    "INSERT INTO table_without_pk (val) SELECT g FROM generate_series(1, 100) g",
 ]
 
 
