@@ -127,7 +127,7 @@ def user_tables(db: Database) -> list[Table]:
             "SELECT n.nspname, c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
             " WHERE c.relkind IN ('r', 'p') AND NOT c.relispartition"
             " AND n.nspname NOT IN ('pg_catalog', 'information_schema', 'applier') AND n.nspname NOT LIKE 'pg_%%'"
-            " ORDER BY 1"
+            " ORDER BY 1, 2"
         )
     ]
 
