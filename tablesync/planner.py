@@ -51,6 +51,9 @@ class ColumnType:
     oid: int
     embeds_oid: bool = False
     embedded_oids: tuple[int, ...] = ()  # the OIDs the binary form carries (element type / field types)
+    #: the type (and every type its values are built from) has binary send and receive functions; contrib's
+    #: ``isbn`` has neither, so ``COPY ... (FORMAT binary)`` of it fails on either side
+    binary_io: bool = True
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,9 @@ def binary_compatible(
             return f'column "{col}" is {s.name} on the publisher but {t.name} on the target'
         if (s.embeds_oid or t.embeds_oid) and s.embedded_oids != t.embedded_oids:
             return f'column "{col}" ({s.name}) embeds type OIDs that differ between the servers'
+        if not (s.binary_io and t.binary_io):
+            side = "publisher" if not s.binary_io else "target"
+            return f'column "{col}" ({s.name}) has no binary send/receive function on the {side}'
     return None
 
 

@@ -23,14 +23,14 @@ class _TypeFacts:
 
     def __init__(self, conn: psycopg.Connection[Any]) -> None:
         self.conn = conn
-        self._rows: dict[int, tuple[str, int, int, int, int, str]] = {}
+        self._rows: dict[int, tuple[str, int, int, int, int, str, bool]] = {}
         self._fields: dict[int, list[int]] = {}
 
-    def _row(self, oid: int) -> tuple[str, int, int, int, int, str]:
+    def _row(self, oid: int) -> tuple[str, int, int, int, int, str, bool]:
         if oid not in self._rows:
             row = self.conn.execute(
                 "SELECT typtype::text, typbasetype::int8, typelem::int8, typlen::int4, typrelid::int8,"
-                " format_type(oid, NULL) FROM pg_type WHERE oid = %s",
+                " format_type(oid, NULL), typsend <> 0 AND typreceive <> 0 FROM pg_type WHERE oid = %s",
                 (oid,),
             ).fetchone()
             if row is None:
@@ -53,7 +53,7 @@ class _TypeFacts:
     def embedded(self, oid: int, depth: int = 0) -> tuple[int, ...]:
         if depth > 20:
             return ()
-        typtype, base, elem, typlen, typrelid, _name = self._row(oid)
+        typtype, base, elem, typlen, typrelid, _name, _io = self._row(oid)
         if typtype == "d":
             return self.embedded(base, depth + 1)
         if elem and typlen == -1:
@@ -66,10 +66,22 @@ class _TypeFacts:
             return tuple(out)
         return ()
 
+    def binary_io(self, oid: int) -> bool:
+        """The type has binary send/receive functions, and so has every type its values are made of (a domain's
+        base type, an array's element type, a composite's field types: their send/recv call those)."""
+        typtype, base, _elem, _typlen, typrelid, _name, io = self._row(oid)
+        if not io:
+            return False
+        if typtype == "d":
+            return self.binary_io(base)
+        return all(self._row(t)[6] for t in self.embedded(oid))
+
     def column_type(self, oid: int) -> ColumnType:
         name = self._row(oid)[5]
         emb = self.embedded(oid)
-        return ColumnType(name=name, oid=oid, embeds_oid=bool(emb), embedded_oids=emb)
+        return ColumnType(
+            name=name, oid=oid, embeds_oid=bool(emb), embedded_oids=emb, binary_io=self.binary_io(oid)
+        )
 
 
 def resolve_relation(conn: psycopg.Connection[Any], name: str) -> tuple[int, str, str, str] | None:

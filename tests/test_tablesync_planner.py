@@ -119,6 +119,16 @@ def test_text_when_embedded_oids_differ_even_with_the_same_name():
     assert binary_compatible(["m"], {"m": ColumnType("mood", 1)}, {"m": ColumnType("mood", 2)}) is None
 
 
+def test_text_when_a_type_has_no_binary_io():
+    """contrib's isbn has no send/receive functions (found by the corpus: Debezium's custom_table): binary COPY
+    of it fails on either side, so the table is copied as text."""
+    no_io = ColumnType("isbn", 16400, binary_io=False)
+    reason = binary_compatible(["i"], {"i": no_io}, {"i": ColumnType("isbn", 16500)})
+    assert reason is not None and "binary send/receive" in reason and "publisher" in reason
+    reason = binary_compatible(["i"], {"i": ColumnType("isbn", 16400)}, {"i": no_io})
+    assert reason is not None and "target" in reason
+
+
 def test_missing_target_column_is_an_error():
     with pytest.raises(PlanError, match="missing"):
         binary_compatible(["x"], {"x": INT}, {})

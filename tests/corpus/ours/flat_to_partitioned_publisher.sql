@@ -1,0 +1,3 @@
+-- OURS: a plain (flat) table on the publisher ...
+CREATE TABLE measurements (id int PRIMARY KEY, region text NOT NULL, v numeric);
+INSERT INTO measurements SELECT g, (ARRAY['eu', 'us', 'ap'])[1 + g % 3], g * 1.5 FROM generate_series(1, 300) g;
