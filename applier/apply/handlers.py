@@ -2,7 +2,8 @@
 
 :class:`Applier` is the apply state of one streaming session: which remote transaction is open, whether it is
 being skipped, which stream chunk is being spooled, the relation map. It turns messages into calls on the
-:class:`~applier.apply.target.Target` (which pipelines them to the target database) and on the
+:class:`~applier.apply.target.Target` (which pipelines them to the target database; the core sees it through
+the narrow :class:`~applier.apply.ports.ApplyTarget` protocol) and on the
 :class:`~applier.apply.feedback.FeedbackTracker`; it performs no I/O of its own, so tests can drive it with message
 objects. Anything that goes wrong raises :class:`~applier.apply.context.ApplyError` carrying the error context of
 behaviour 54; the worker then abandons the session and starts over from the replication origin's position.
@@ -27,6 +28,7 @@ from applier.apply.context import ApplyError, ErrorContext
 from applier.apply.copytext import InsertRun
 from applier.apply.feedback import FeedbackTracker
 from applier.apply.fold import Decision
+from applier.apply.ports import COPY_THRESHOLD, ApplyTarget, copy_eligible
 from applier.apply.relmap import (
     RelationMappingError,
     RelMapEntry,
@@ -35,7 +37,6 @@ from applier.apply.relmap import (
     remote_schema,
 )
 from applier.apply.spool import Spool
-from applier.apply.target import COPY_THRESHOLD, Target
 from applier.decoder import decode_message, decode_plain_insert
 from applier.errors import ProtocolError
 from applier.lsn import format_lsn
@@ -126,7 +127,7 @@ class Applier:
         *,
         subid: int,
         subname: str,
-        target: Target,
+        target: ApplyTarget,
         tracker: FeedbackTracker,
         spool: Spool,
         tables: TableStates,
@@ -509,7 +510,7 @@ class Applier:
         rows = self._run_rows
         rows.append(m.new)
         if len(rows) >= COPY_THRESHOLD:
-            if all(Target.copy_eligible(r) for r in rows):
+            if all(copy_eligible(r) for r in rows):
                 target.start_copy(entry, rows, self._run_ctx)
             else:
                 for r in rows:
