@@ -65,7 +65,7 @@ from applier.messages import (
     Update,
 )
 from state import skip as skiprules
-from state.catalog import gid_for
+from state.twophase import gid_for
 
 log = logging.getLogger("applier.apply")
 

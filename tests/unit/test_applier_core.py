@@ -32,7 +32,7 @@ from applier.messages import (
     Truncate,
     Update,
 )
-from state.catalog import gid_for
+from state.twophase import gid_for
 
 XID = 500
 

@@ -31,7 +31,7 @@ from applier.messages import (
     Update,
 )
 from applier.testing.fake_target import Call
-from state.catalog import gid_for
+from state.twophase import gid_for
 
 #: how a remote transaction ends: plain commit; prepared, then committed / rolled back / left prepared; streamed,
 #: then committed / aborted / prepared and committed
