@@ -11,7 +11,7 @@ import sys
 PURE = (
     "applier.messages", "applier.decoder", "applier.encoder", "applier.lsn", "applier.errors",
     "state.tables", "state.twophase", "state.skip", "state.subscription",
-    "applier.apply.handlers", "applier.apply.ports", "applier.apply.bulk", "applier.apply.fold",
+    "applier.apply.handlers", "applier.apply.commit_policy", "applier.apply.ports", "applier.apply.bulk", "applier.apply.fold",
     "applier.apply.copytext", "applier.apply.relmap", "applier.apply.feedback", "applier.apply.spool",
     "applier.apply.context",
 )  # fmt: skip
