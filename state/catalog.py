@@ -34,6 +34,7 @@ from sqlalchemy.types import TypeDecorator, UserDefinedType
 
 from applier.errors import ApplierError
 from applier.lsn import format_lsn, parse_lsn
+from state.twophase import gid_for as gid_for  # pure; re-exported for the catalog's callers
 
 SCHEMA = "applier"
 #: Bump with a migration in :data:`_MIGRATIONS` whenever a table or column changes.
@@ -276,13 +277,6 @@ class PreparedRecord:
 
 def origin_name(subid: int) -> str:
     return f"applier_{subid}"
-
-
-def gid_for(subid: int, remote_xid: int) -> str:
-    """The local GID of a remote prepared transaction (behaviour 62: never the publisher's GID)."""
-    if remote_xid == 0:
-        raise ApplierError("invalid two-phase transaction: remote xid is 0")
-    return f"pg_gid_{subid}_{remote_xid}"
 
 
 # --- access ----------------------------------------------------------------------------------------------------

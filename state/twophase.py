@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from enum import StrEnum
 
+from applier.errors import ApplierError
 from applier.lsn import format_lsn
 
 from .errors import AlterRefused
@@ -28,11 +29,19 @@ __all__ = [
     "check_alter_two_phase",
     "check_refresh_publication",
     "check_skip_lsn",
+    "gid_for",
     "initial_two_phase",
     "restart_for_two_phase_message",
     "should_restart_for_two_phase",
     "stream_two_phase",
 ]
+
+
+def gid_for(subid: int, remote_xid: int) -> str:
+    """The local GID of a remote prepared transaction (behaviour 62: never the publisher's GID)."""
+    if remote_xid == 0:
+        raise ApplierError("invalid two-phase transaction: remote xid is 0")
+    return f"pg_gid_{subid}_{remote_xid}"
 
 
 class TwoPhaseState(StrEnum):

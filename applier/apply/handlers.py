@@ -2,7 +2,8 @@
 
 :class:`Applier` is the apply state of one streaming session: which remote transaction is open, whether it is
 being skipped, which stream chunk is being spooled, the relation map. It turns messages into calls on the
-:class:`~applier.apply.target.Target` (which pipelines them to the target database) and on the
+:class:`~applier.apply.target.Target` (which pipelines them to the target database; the core sees it through
+the narrow :class:`~applier.apply.ports.ApplyTarget` protocol) and on the
 :class:`~applier.apply.feedback.FeedbackTracker`; it performs no I/O of its own, so tests can drive it with message
 objects. Anything that goes wrong raises :class:`~applier.apply.context.ApplyError` carrying the error context of
 behaviour 54; the worker then abandons the session and starts over from the replication origin's position.
@@ -23,10 +24,12 @@ from typing import Any
 import numpy as np
 
 from applier.apply import bulk as bulkapply
+from applier.apply.commit_policy import CommitPolicy, DeferredCommit
 from applier.apply.context import ApplyError, ErrorContext
 from applier.apply.copytext import InsertRun
 from applier.apply.feedback import FeedbackTracker
 from applier.apply.fold import Decision
+from applier.apply.ports import COPY_THRESHOLD, ApplyTarget, copy_eligible
 from applier.apply.relmap import (
     RelationMappingError,
     RelMapEntry,
@@ -35,7 +38,6 @@ from applier.apply.relmap import (
     remote_schema,
 )
 from applier.apply.spool import Spool
-from applier.apply.target import COPY_THRESHOLD, Target
 from applier.decoder import decode_message, decode_plain_insert
 from applier.errors import ProtocolError
 from applier.lsn import format_lsn
@@ -64,7 +66,7 @@ from applier.messages import (
     Update,
 )
 from state import skip as skiprules
-from state.catalog import gid_for
+from state.twophase import gid_for
 
 log = logging.getLogger("applier.apply")
 
@@ -83,11 +85,6 @@ RAW_SPOOL_TYPES = frozenset(b"RYIUDTM")
 
 #: Messages that may follow a deferred group commit without ending the group: a plain transaction's.
 _GROUPABLE = frozenset((Begin, Commit, Origin, Relation, Type, Insert, Update, Delete, Truncate, Message))
-#: A group commit is sent after at most this many remote transactions (the worker also ends a group whenever the
-#: publisher has nothing more waiting, and after each burst of messages).
-GROUP_MAX_TRANSACTIONS = 1000
-#: ... or once its remote transactions hold this many row changes.
-GROUP_MAX_ROWS = 100_000
 #: the row operations counted in Applier.rows, in the order of Applier._pending_rows
 _OPERATIONS = ("insert", "update", "delete", "truncate")
 #: the operation (as counted in Applier.rows) of each kind of bulk statement
@@ -126,7 +123,7 @@ class Applier:
         *,
         subid: int,
         subname: str,
-        target: Target,
+        target: ApplyTarget,
         tracker: FeedbackTracker,
         spool: Spool,
         tables: TableStates,
@@ -175,18 +172,11 @@ class Applier:
         self._run_rows: list[TupleData] = []
         self._run_ctx: ErrorContext | None = None
         self._ctx_cache: dict[tuple[str, int], ErrorContext] = {}
-        # group commit (see handle_commit): consecutive plain transactions share one local transaction
-        self.group_commit = group_commit
-        #: transactions finishing at or before this LSN are committed one by one (the retry after an error)
-        self.ungrouped_until = ungrouped_until
+        #: immediate or group commit (applier.apply.commit_policy), for the commit path and the bulk path alike
+        self.commit_policy = CommitPolicy(tracker, enabled=group_commit, ungrouped_until=ungrouped_until)
         #: whole plain transactions that join a group may be applied a batch at a time (applier.apply.bulk)
         self.bulk = bulk
         self.bulk_transactions = 0  # remote transactions applied that way (stats)
-        #: the deferred commit of the open group: (end_lsn, commit_time, remote xid, finish LSN), or None
-        self._group: tuple[int, int, int | None, int] | None = None
-        self._group_size = 0  # remote transactions in the open local transaction's group
-        self._group_rows = 0
-        self.groups = 0  # group commits sent (stats)
         self.records_in_group = 0  # prepared_xact records that rode in a group commit (stats)
         self.records_batched = 0  # prepared_xact records written ahead, with an earlier one (stats)
         #: announced BEGIN PREPAREs whose records are still to be written: gid -> (xid, prepare LSN, end LSN, time)
@@ -225,7 +215,7 @@ class Applier:
         """Apply one decoded message; ``payload`` is its raw bytes (needed to spool streamed changes)."""
         # (BEGIN PREPARE ends the group itself: its prepared_xact record rides in it, see _record_prepared)
         if (
-            self._group is not None
+            self.commit_policy.pending is not None
             and msg.__class__ not in _GROUPABLE
             and not self.in_remote_transaction
             and msg.__class__ is not BeginPrepare
@@ -241,26 +231,27 @@ class Applier:
     @property
     def group_pending(self) -> bool:
         """A group commit is deferred: the worker calls :meth:`end_group` when nothing more is waiting."""
-        return self._group is not None
+        return self.commit_policy.pending is not None
+
+    @property
+    def group_commit(self) -> bool:
+        return self.commit_policy.enabled
+
+    @property
+    def groups(self) -> int:
+        """Group commits of more than one remote transaction sent (stats)."""
+        return self.commit_policy.groups
 
     def end_group(self) -> None:
         """Send the deferred commit of the open group: origin progress to the last remote transaction's end and
         COMMIT, in the group's one local transaction (so exactly-once holds as for a single transaction)."""
-        group = self._group
+        group = self.commit_policy.take()
         if group is None:
             return
-        self._group = None
         self._flush_run()
-        end_lsn, commit_time, xid, finish_lsn = group
-        size = self._group_size
-        self._group_size = 0
-        self._group_rows = 0
-        if size > 1:
-            self.groups += 1
-        ctx = ErrorContext(self.origin, "COMMIT", None, xid, finish_lsn)
-        token = self.tracker.queued(end_lsn)
-        self.tracker.holding = False
-        self.target.commit(end_lsn, commit_time, ctx, lambda _res: self.tracker.confirmed(token))
+        ctx = ErrorContext(self.origin, "COMMIT", None, group.xid, group.finish_lsn)
+        token = self.tracker.queued(group.end_lsn)
+        self.target.commit(group.end_lsn, group.commit_time, ctx, lambda _res: self.tracker.confirmed(token))
 
     def context(self, message_type: str, relation: str | None = None) -> ErrorContext:
         """The error context of what is being applied now (behaviour 54)."""
@@ -334,30 +325,27 @@ class Applier:
         self.tables.after_transaction(m.end_lsn)
 
     def _defer_commit(self, commit_lsn: int, end_lsn: int, commit_time: int) -> bool:
-        """Group commit: leave the local transaction open so that the next remote transactions, if they have
-        already arrived, join it; the worker ends the group (:meth:`end_group`) as soon as the publisher has nothing
-        more waiting, so no commit is delayed. Only plain transactions group, and only while nothing else needs the
-        commit itself: no skip-LSN to clear, no table being synchronised (the sync-state pass runs after every
-        commit then), no retry of a failed group."""
-        if not self.group_commit:
+        """Group commit (:mod:`applier.apply.commit_policy`): leave the local transaction open so that the next
+        remote transactions, if they have already arrived, join it; the worker ends the group (:meth:`end_group`)
+        as soon as the publisher has nothing more waiting, so no commit is delayed. Only plain transactions group,
+        and only while nothing else needs the commit itself: no skip-LSN to clear, no table being synchronised
+        (the sync-state pass runs after every commit then), no retry of a failed group."""
+        policy = self.commit_policy
+        if not policy.enabled:
             return False
-        target = self.target
-        if not target.in_transaction and self._group is None:
+        if not self.target.in_transaction and policy.pending is None:
             return False  # nothing applied and no group open: nothing to commit (as the native worker)
-        if self.skipping or commit_lsn <= self.ungrouped_until or not self._may_group():
-            if self._group is not None:  # pragma: no cover - the conditions only change between groups
-                # this commit (in _commit_internal) also commits the open group's local transaction
-                self._group = None
-                self._group_size = self._group_rows = 0
-                self.tracker.holding = False
+        if self.skipping or commit_lsn <= policy.ungrouped_until or not self._may_group():
+            # (the conditions only change between groups) this commit, in _commit_internal, also commits the
+            # open group's local transaction
+            policy.abandon()
             return False
         # an insert run (a COPY, say) stays open: the next transaction's inserts into the same table continue it
-        self._group_size += 1
         pending = self._pending_rows
-        self._group_rows += pending[0] + pending[1] + pending[2] + pending[3]
-        self._group = (end_lsn, commit_time, self.remote_xid, self.remote_final_lsn)
-        self.tracker.holding = True  # feedback must not report these transactions before the group commits
-        if self._group_size >= GROUP_MAX_TRANSACTIONS or self._group_rows >= GROUP_MAX_ROWS:
+        rows = pending[0] + pending[1] + pending[2] + pending[3]
+        if policy.defer(
+            DeferredCommit(end_lsn, commit_time, self.remote_xid, self.remote_final_lsn), 1, rows
+        ):
             self.end_group()
         return True
 
@@ -509,7 +497,7 @@ class Applier:
         rows = self._run_rows
         rows.append(m.new)
         if len(rows) >= COPY_THRESHOLD:
-            if all(Target.copy_eligible(r) for r in rows):
+            if all(copy_eligible(r) for r in rows):
                 target.start_copy(entry, rows, self._run_ctx)
             else:
                 for r in rows:
@@ -672,7 +660,7 @@ class Applier:
         """
         gid = gid_for(self.subid, xid)
         recorded = self._prerecorded.pop(gid, None) == (end_lsn, prepare_time) if self._prerecorded else False
-        if self._group is not None:
+        if self.commit_policy.pending is not None:
             # a group commit is deferred (plain transactions just before this one): the record rides in its local
             # transaction, committed here, before this transaction begins; one local transaction end fewer
             self._flush_run()
@@ -929,17 +917,63 @@ class Applier:
         first = batch.transaction_at(message)
         if first is None:
             return message
-        stop = min(batch.run_end(first), first + max(GROUP_MAX_TRANSACTIONS - self._group_size, 1))
-        stop = batch.cut_refused(first, stop)
-        if stop - first < bulkapply.MIN_TRANSACTIONS or int(batch.final_lsn[first]) <= self.ungrouped_until:
+        policy = self.commit_policy
+        stop = batch.cut_refused(first, min(batch.run_end(first), first + policy.room()))
+        if stop - first < bulkapply.MIN_TRANSACTIONS or int(batch.final_lsn[first]) <= policy.ungrouped_until:
             return message
+        planned = self._plan_bulk(batch, first, stop)
+        if planned is None:
+            return message
+        stop, entries, stretches = planned
+        last = stop - 1
+        xid, final_lsn = int(batch.xid[last]), int(batch.final_lsn[last])
+        self._flush_run()
+        n_rows = self._send_stretches(batch, stretches, entries, xid, final_lsn)
+        n = stop - first
+        self.transactions += n
+        self.bulk_transactions += n
+        self.kinds["commit"] += n
+        for op, count in n_rows.items():
+            if count:
+                self.rows[op] += count
+        commit = DeferredCommit(int(batch.end_lsn[last]), int(batch.commit_time[last]), xid, final_lsn)
+        if policy.defer(commit, n, sum(n_rows.values())):
+            self.end_group()
+        return int(batch.commits[last]) + 1
+
+    def _plan_bulk(
+        self, batch: bulkapply.Batch, first: int, stop: int
+    ) -> tuple[int, dict[int, RelMapEntry], list[bulkapply.Stretch]] | None:
+        """The transactions ``first`` to ``stop - 1`` (or fewer) cut into per-table stretches: ``(stop, entries by
+        remote relid, stretches)``, or None when they go message by message (the batch then remembers why)."""
         idx = bulkapply.changes_in(batch, first, stop)
         relids, kinds = batch.relid[idx], batch.kind[idx]
         updated = set(relids[kinds != bulkapply.INSERT].tolist())  # (updated or deleted from: by key)
-        final_lsn = int(batch.final_lsn[stop - 1])
+        entries, refused = self._bulk_entries(
+            np.unique(relids).tolist(), updated, int(batch.final_lsn[stop - 1])
+        )
+        if refused:  # from the transaction of the first change of such a relation on, message by message
+            batch.refuse(refused)
+            stop = batch.cut_refused(first, stop)
+            if stop - first < bulkapply.MIN_TRANSACTIONS:
+                return None
+        stretches = bulkapply.plan(
+            batch, first, stop, {r: len(e.names) for r, e in entries.items()},
+            {r: e.key_positions or () for r, e in entries.items() if r in updated},
+        )  # fmt: skip
+        if stretches is None:  # not the simple shape: message by message up to the end of this run
+            batch.refused_until = int(batch.commits[stop - 1]) + 1
+            return None
+        return stop, entries, stretches
+
+    def _bulk_entries(
+        self, relids: list[int], updated: set[int], final_lsn: int
+    ) -> tuple[dict[int, RelMapEntry], set[int]]:
+        """The mapped relations that may take their changes as bulk statements, and the remote relids that may not
+        (not mapped yet, not fit for it, or not taking changes at ``final_lsn``)."""
         entries: dict[int, RelMapEntry] = {}
         refused: set[int] = set()
-        for relid in np.unique(relids).tolist():
+        for relid in relids:
             entry = self.entries.get(relid)
             if (
                 entry is None
@@ -949,21 +983,13 @@ class Applier:
                 refused.add(relid)
             else:
                 entries[relid] = entry
-        if refused:  # from the transaction of the first change of such a relation on, message by message
-            batch.refuse(refused)
-            stop = batch.cut_refused(first, stop)
-            if stop - first < bulkapply.MIN_TRANSACTIONS:
-                return message
-        stretches = bulkapply.plan(
-            batch, first, stop, {r: len(e.names) for r, e in entries.items()},
-            {r: e.key_positions or () for r, e in entries.items() if r in updated},
-        )  # fmt: skip
-        if stretches is None:  # not the simple shape: message by message up to the end of this run
-            batch.refused_until = int(batch.commits[stop - 1]) + 1
-            return message
-        last = stop - 1
-        xid, final_lsn = int(batch.xid[last]), int(batch.final_lsn[last])
-        self._flush_run()
+        return entries, refused
+
+    def _send_stretches(
+        self, batch: bulkapply.Batch, stretches: Sequence[bulkapply.Stretch], entries: dict[int, RelMapEntry],
+        xid: int, final_lsn: int,
+    ) -> dict[str, int]:  # fmt: skip
+        """Send one statement per stretch, in the group's local transaction; returns the rows by operation."""
         target = self.target
         n_rows = dict.fromkeys(_BULK_OPERATIONS.values(), 0)
         for st in stretches:
@@ -981,20 +1007,7 @@ class Applier:
             else:
                 target.bulk_delete(entry, st.columns, ctx, self._bulk_missing(batch, st, entry))
             n_rows[op] += len(st.messages)
-        n = stop - first
-        self.transactions += n
-        self.bulk_transactions += n
-        self.kinds["commit"] += n
-        for op, count in n_rows.items():
-            if count:
-                self.rows[op] += count
-        self._group_size += n
-        self._group_rows += sum(n_rows.values())
-        self._group = (int(batch.end_lsn[last]), int(batch.commit_time[last]), xid, final_lsn)
-        self.tracker.holding = True  # as in _defer_commit
-        if self._group_size >= GROUP_MAX_TRANSACTIONS or self._group_rows >= GROUP_MAX_ROWS:
-            self.end_group()
-        return int(batch.commits[last]) + 1
+        return n_rows
 
     def _apply_single(self, batch: bulkapply.Batch, stretch: bulkapply.Stretch, entry: RelMapEntry) -> None:
         """One Update or Delete of a bulk run that its own statement applies (see ``Stretch.single``), in its own
@@ -1060,8 +1073,6 @@ class Applier:
         self._run_rows.clear()
         self._ctx_cache.clear()
         self._pending_rows = [0, 0, 0, 0]
-        self._group = None
-        self._group_size = 0
-        self._group_rows = 0
+        self.commit_policy.reset()
         self._upcoming.clear()
         self._prerecorded.clear()

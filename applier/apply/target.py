@@ -35,6 +35,7 @@ from psycopg import pq, sql
 
 from applier.apply.context import ApplyError, ErrorContext
 from applier.apply.lag import LagWindow
+from applier.apply.ports import copy_eligible
 from applier.apply.relmap import LocalColumn, LocalTable, RelMapEntry
 from applier.lsn import format_lsn, now_pg_timestamp, parse_lsn
 from applier.messages import KIND_BINARY, KIND_UNCHANGED_TOAST, TupleData
@@ -57,8 +58,6 @@ SESSION_SETTINGS: tuple[tuple[str, str], ...] = (
 
 #: How many statements may be queued without reading results before we wait for some.
 MAX_IN_FLIGHT = 4000
-#: Insert runs at least this long go through COPY instead of row-by-row INSERTs.
-COPY_THRESHOLD = 200
 
 _SYNC = object()
 #: ``on_ok`` of an UPDATE/DELETE: a result of 0 rows goes to :attr:`Pipeline.on_missing_row` with its context
@@ -1068,7 +1067,7 @@ class Target:
     @staticmethod
     def copy_eligible(t: TupleData) -> bool:
         """COPY text format can carry text values and NULLs; binary values go through INSERT."""
-        return KIND_BINARY not in t.kinds and KIND_UNCHANGED_TOAST not in t.kinds
+        return copy_eligible(t)
 
 
 def _overriding(entry: RelMapEntry) -> sql.Composable:
