@@ -387,11 +387,11 @@ class ApplyWorker:
         self.live_sync_enabled = live_sync
         self.live_sync: Any = None  # a running tablesync.live.LiveSync
         self.live_retry_at = 0.0
-        #: group commit (README: where we differ); off with ``APPLIER_GROUP_COMMIT=0`` / ``run --no-group-commit``
+        #: group commit (docs/differences.md); off with ``APPLIER_GROUP_COMMIT=0`` / ``run --no-group-commit``
         self.group_commit = group_commit if group_commit is not None else group_commit_default()
-        #: bulk apply of whole plain transactions (README: where we differ); off with ``APPLIER_BULK_APPLY=0``
+        #: bulk apply of whole plain transactions (docs/differences.md); off with ``APPLIER_BULK_APPLY=0``
         self.bulk = bulk if bulk is not None else bulk_apply_default()
-        #: decided prepared transactions applied as plain ones (README: where we differ); ``APPLIER_FOLD_PREPARES=0``
+        #: decided prepared transactions applied as plain ones (docs/differences.md); ``APPLIER_FOLD_PREPARES=0``
         self.fold_prepares = fold_prepares if fold_prepares is not None else fold_prepares_default()
         #: after a session ended by an error, remote transactions up to what it had received are applied one local
         #: transaction each, so that an error recurring there names exactly one remote transaction

