@@ -10,9 +10,15 @@ touched, which is why both are reported.
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
 
 import psycopg
 from psycopg import sql
@@ -197,3 +203,24 @@ def waldump_stats(bindir: str, waldir: str, start: str, end: str) -> dict[str, i
     if res.returncode != 0 and not counts:
         counts["_error"] = 1
     return counts
+
+
+def rerun_frozen(rev: str, root: Path, script: str, prefix: str) -> NoReturn:
+    """Re-run ``script`` (with this process's arguments) against ``git archive <rev>`` of the project at ``root``,
+    unpacked in a temporary directory, and exit with its status.
+
+    The workers a benchmark starts import whatever ``applier/`` holds at that moment: in a tree other people are
+    editing, one benchmark could otherwise measure several versions. The benchmark process itself must import the
+    same version (it writes the catalog the worker reads), hence the re-execution with ``APPLY_BENCH_CODE_ROOT``
+    set before anything is imported from the project."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", rev], cwd=root, capture_output=True, check=True
+    )
+    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
+    env = dict(os.environ, APPLY_BENCH_CODE_ROOT=str(tmp), APPLY_BENCH_CODE_REV=rev, PYTHONPATH=str(tmp))
+    try:
+        rc = subprocess.run([sys.executable, script, *sys.argv[1:]], env=env).returncode
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    sys.exit(rc)

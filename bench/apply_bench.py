@@ -91,6 +91,7 @@ from _common import (  # noqa: E402
     loadavg,
     median,
     proc_sample,
+    rerun_frozen,
     wal_fsyncs,
     waldump_stats,
 )
@@ -956,25 +957,8 @@ def load_results(path: Path) -> tuple[str, list[Summary]]:
 
 
 def _freeze_code(rev: str) -> None:
-    """Re-run this script against ``git archive <rev>`` of the project, unpacked in a temporary directory.
-
-    The worker is started as a fresh process for every run, so it imports whatever ``applier/`` holds at that
-    moment: in a tree other people are editing, one benchmark could otherwise measure several versions. The
-    benchmark process itself must import the same version (it writes the catalog the worker reads), hence the
-    re-execution with ``APPLY_BENCH_CODE_ROOT`` set before anything is imported from the project."""
-    tmp = Path(tempfile.mkdtemp(prefix="apply-bench-code-"))
-    archive = subprocess.run(
-        ["git", "archive", "--format=tar", rev], cwd=ROOT, capture_output=True, check=True
-    )
-    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
-    env = dict(os.environ, APPLY_BENCH_CODE_ROOT=str(tmp), APPLY_BENCH_CODE_REV=rev, PYTHONPATH=str(tmp))
-    try:
-        rc = subprocess.run(
-            [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]], env=env
-        ).returncode
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    sys.exit(rc)
+    """Re-run this script against ``git archive <rev>`` (bench/_common.py's rerun_frozen says why)."""
+    rerun_frozen(rev, ROOT, str(Path(__file__).resolve()), "apply-bench-code-")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,7 +95,7 @@ if __package__ in (None, ""):  # run as a script: make the project and the bench
     sys.path.insert(0, str(CODE_ROOT))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import cmdline, descendants, loadavg, proc_sample  # noqa: E402
+from _common import cmdline, descendants, loadavg, proc_sample, rerun_frozen  # noqa: E402
 from _native import NativeSubscription  # noqa: E402
 
 from applier.apply.testing import setup_subscription  # noqa: E402
@@ -813,21 +813,8 @@ def _commit() -> str:
 
 
 def _freeze_code(rev: str) -> None:
-    """Re-run this script against ``git archive <rev>`` (as bench/apply_bench.py does), so that edits to
-    ``applier/`` made while the benchmark runs do not change the code under test."""
-    tmp = Path(tempfile.mkdtemp(prefix="live-bench-code-"))
-    archive = subprocess.run(
-        ["git", "archive", "--format=tar", rev], cwd=ROOT, capture_output=True, check=True
-    )
-    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
-    env = dict(os.environ, APPLY_BENCH_CODE_ROOT=str(tmp), APPLY_BENCH_CODE_REV=rev, PYTHONPATH=str(tmp))
-    try:
-        rc = subprocess.run(
-            [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]], env=env
-        ).returncode
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    sys.exit(rc)
+    """Re-run this script against ``git archive <rev>`` (bench/_common.py's rerun_frozen says why)."""
+    rerun_frozen(rev, ROOT, str(Path(__file__).resolve()), "live-bench-code-")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
