@@ -241,8 +241,9 @@ class _Runner:
 
     def identity_always(self, tables: list[str]) -> list[postdata.Step]:
         """Make the target's ``GENERATED ALWAYS`` identity columns ``BY DEFAULT`` until the cutover, which puts them
-        back (steps of kind ``cutover_identity``): the apply loop writes the source's values with plain INSERT and
-        UPDATE, which PostgreSQL refuses for an ALWAYS column (the native apply worker bypasses that check)."""
+        back (steps of kind ``cutover_identity``): the apply loop can write an ALWAYS column, but an UPDATE that may
+        change one switches it for each statement under an ACCESS EXCLUSIVE lock (docs/differences.md); while only
+        the migration writes to the target, BY DEFAULT costs nothing."""
         rows = self.target.execute(
             "SELECT format('%%I.%%I', n.nspname, c.relname), a.attname FROM pg_attribute a"
             " JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace"
