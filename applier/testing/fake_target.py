@@ -13,7 +13,7 @@ Completion callbacks (``on_ok``) run when the pipeline is drained (:meth:`FakePi
 :meth:`FakeTarget.confirm_all`), as results come back from a real pipeline later than the call.
 
 This is a test double of *our* adapter, never of PostgreSQL: the behaviour of the statements themselves is tested
-against real servers (tests/test_apply_*.py).
+against real servers (tests/integration/test_apply_*.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ lost a row, an index or a sequence value.
 
 Marked ``bench`` and so left out of a plain ``pytest`` run (pyproject's ``addopts``): it starts PostgreSQL 15
 servers, runs every tool once (~1 minute) and measures nothing that CI needs. Run it with
-``pytest -m bench tests/test_migrate_bench.py``. No timings are asserted."""
+``pytest -m bench tests/integration/test_migrate_bench.py``. No timings are asserted."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import pytest
 
 from applier.testing.cluster import DEBIAN_PG15_BINDIR, PostgresCluster, find_binaries
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench" / "migrate_bench.py"
 
 pytestmark = [

@@ -13,7 +13,7 @@ from psycopg import sql
 
 from applier.testing import wait_until
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import live_bench as lb  # noqa: E402
 
 

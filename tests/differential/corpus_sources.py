@@ -1,4 +1,4 @@
-"""Readers of the vendored corpus under ``tests/corpus/`` (see ``docs/corpus.md``): they take SQL out of the
+"""Readers of the vendored corpus under ``tests/differential/corpus/`` (see ``docs/corpus.md``): they take SQL out of the
 material exactly as it was published, so that a corpus case never carries a transcription of its source.
 
 * :func:`tap_calls`: the ``$node->safe_psql('postgres', ...)`` calls of one of PostgreSQL's subscription TAP files,
@@ -10,7 +10,7 @@ material exactly as it was published, so that a corpus case never carries a tran
 * :func:`psql_script`: a dump-like script (Chinook, Northwind) as text for ``psql -f -``, without the lines that
   create, drop or connect to a database (the corpus loads it into a database of its own).
 
-This module holds no tests; it is data plumbing for ``tests/test_corpus.py``.
+This module holds no tests; it is data plumbing for ``tests/differential/test_corpus.py``.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def _perl_string(text: str, pos: int, variables: dict[str, str]) -> tuple[str, i
 
 
 def tap_calls(relative: str) -> list[TapCall]:
-    """Every ``safe_psql('postgres', ...)`` call of the TAP file ``tests/corpus/<relative>``, in file order."""
+    """Every ``safe_psql('postgres', ...)`` call of the TAP file ``tests/differential/corpus/<relative>``, in file order."""
     text = (CORPUS / relative).read_text()
     variables: dict[str, str] = {}
     for m in _VAR.finditer(text):
@@ -167,7 +167,7 @@ def _statements(text: str) -> list[str]:
 
 def regress_statements(relative: str, tables: list[str]) -> list[str]:
     """The ``CREATE TABLE t``/``INSERT INTO t`` statements for ``tables`` (case-insensitive, exact names) of the
-    regression script ``tests/corpus/<relative>``, in file order, up to the script's ``DROP TABLE t`` (a script
+    regression script ``tests/differential/corpus/<relative>``, in file order, up to the script's ``DROP TABLE t`` (a script
     may later create another table of the same name)."""
     wanted = {t.lower() for t in tables}
     pattern = re.compile(r"^(CREATE\s+TABLE|INSERT\s+INTO|DROP\s+TABLE)\s+(\w+)", re.I)
@@ -187,7 +187,7 @@ _DATABASE_LINE = re.compile(r"^\s*(?:(?:DROP|CREATE)\s+DATABASE\b|\\c(?:onnect)?
 
 
 def psql_script(relative: str) -> str:
-    """``tests/corpus/<relative>`` for ``psql``, less its lines that drop, create or connect to a database."""
+    """``tests/differential/corpus/<relative>`` for ``psql``, less its lines that drop, create or connect to a database."""
     lines = (CORPUS / relative).read_text().splitlines(keepends=True)
     return "".join(line for line in lines if not _DATABASE_LINE.match(line))
 

@@ -44,7 +44,7 @@ def subscribed(pair: ReplicationPair) -> ApplySetup:
 def run_cli(pair: ReplicationPair, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "applier.cli", "--target", pair.target.dsn, "verify", pair.name, *args],
-        capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent,
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2],
     )  # fmt: skip
 
 

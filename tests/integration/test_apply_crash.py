@@ -19,7 +19,7 @@ the workload as SQL, the kill schedule and the tail of the applier's log.
 Kill timing is real time, so an example cannot be replayed exactly: the test runs hypothesis' generate phase only
 (no shrinking, which would chase timing). Profiles: ``FAST_EXAMPLES`` examples under hypothesis' ``default``
 profile and any other but ``long`` (each kill costs a cold start of ``applier run``, a few seconds here); under
-``long``, that profile's ``max_examples`` (see ``tests/test_apply_property.py`` for how to select it).
+``long``, that profile's ``max_examples`` (see ``tests/integration/test_apply_property.py`` for how to select it).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Helpers for the command-line tests (``tests/test_cli_*.py``), and the tests of the command line itself: its help,
+"""Helpers for the command-line tests (``tests/integration/test_cli_*.py``), and the tests of the command line itself: its help,
 where the target comes from, and the exit status of a usage error.
 
 Every test drives the real console entry point in a subprocess (``python -m applier.cli``), against the real

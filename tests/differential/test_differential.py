@@ -28,7 +28,7 @@ immediate stop of the target, of the publisher, and a cut of every TCP connectio
 Profiles: the default is a fast, bounded run (a few examples, whole file well under two minutes on a loaded
 2-core machine). For a deeper run::
 
-    .venv/bin/pytest tests/test_differential.py --hypothesis-profile=long
+    .venv/bin/pytest tests/differential/test_differential.py --hypothesis-profile=long
 
 (``long`` is registered below: many more and longer workloads, no deadline). ``APPLIER_TEST_PG=15`` or ``16`` runs
 everything against those versions; the native cluster gets ``wal_retrieve_retry_interval = 200ms`` so that

@@ -1,4 +1,4 @@
-"""Shared helpers for the ports of PostgreSQL's subscription TAP tests (``tests/test_tap_0NN_*.py``), the property
+"""Shared helpers for the ports of PostgreSQL's subscription TAP tests (``tests/tap/test_tap_0NN_*.py``), the property
 test (``test_apply_property.py``) and the crash test (``test_apply_crash.py``); other test modules use them too.
 
 This module holds no tests (its name only follows the pattern of the files it serves). It exists so that every
@@ -345,7 +345,7 @@ class CliApplier:
             log.write(f"--- start {self.starts} ---\n".encode())
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "applier.cli", "--target", self.target.dsn, "run", self.subname],
-                stdout=log, stderr=log, start_new_session=True, env=self.env, cwd=Path(__file__).parent.parent,
+                stdout=log, stderr=log, start_new_session=True, env=self.env, cwd=Path(__file__).resolve().parents[2],
             )  # fmt: skip
         return self
 

@@ -24,7 +24,7 @@ each round, separated by the TRUNCATE), with the subscription options, ready for
 Profiles. Unless the ``long`` profile is active the run is bounded and reproducible (also under hypothesis' own
 ``ci`` profile, which it selects when ``CI`` is set): ``FAST_EXAMPLES`` derandomized examples of rounds of at most
 ``FAST_ACTIONS`` actions, well under a minute on a loaded 2-core machine. Under ``long`` the test uses that
-profile's ``max_examples`` (and randomness) and longer rounds. ``tests/conftest.py`` registers ``long`` (hypothesis
+profile's ``max_examples`` (and randomness) and longer rounds. ``tests/unit/conftest.py`` registers ``long`` (hypothesis
 loads the profile named by ``--hypothesis-profile`` before test modules are imported), so
 ``--hypothesis-profile=long`` just works; the settings are chosen when the test runs, not at import.
 """

@@ -17,7 +17,7 @@ Modes: ``off`` (streaming off), ``on`` (streaming on; ``logical_decoding_work_me
 units really stream), ``twophase`` (two-phase on and streaming on).
 
 The default run (CI) takes a small, fast subset (:data:`FAST`); the rest is ``pytest -m corpus``, all of it
-``pytest -m "corpus or not corpus" tests/test_corpus.py``. A case may carry strict xfails (``Case.xfail``) for a
+``pytest -m "corpus or not corpus" tests/differential/test_corpus.py``. A case may carry strict xfails (``Case.xfail``) for a
 known bug that is not fixed yet; none does now.
 """
 
@@ -375,7 +375,7 @@ def run_case(
 
 
 def units(relative: str) -> Units:
-    """A file of units separated by blank lines (comment-only units dropped): ``tests/corpus/ours/*.sql``."""
+    """A file of units separated by blank lines (comment-only units dropped): ``tests/differential/corpus/ours/*.sql``."""
     chunks = [c.strip() for c in read(relative).split("\n\n")]
     return [c for c in chunks if any(line.strip() and not line.startswith("--") for line in c.splitlines())]
 
