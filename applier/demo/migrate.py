@@ -158,8 +158,8 @@ class MigrateDemo:
             if self.args.keep and hasattr(self, "source"):
                 self.say(
                     f'servers left running:\n  source (read-only after the cutover): psql "{self.source.dsn}"\n'
-                    f'  target: psql "{self.target.dsn}"\n  stop them: rm -rf {self.workdir} after '
-                    f"pg_ctl -D {self.workdir}/source stop and pg_ctl -D {self.workdir}/target stop"
+                    f'  target: psql "{self.target.dsn}"\n  data directories: {self.workdir} '
+                    f"(stop: pg_ctl -D DIR stop, as the user owning DIR)"
                 )
             else:
                 self.source_cluster.destroy()
