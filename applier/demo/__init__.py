@@ -39,7 +39,11 @@ DBNAME = "shop"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="applier demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="applier demo",
+        description=__doc__.split("\n\n")[0],
+        epilog="applier demo migrate --help: a whole live migration (plan, start --cutover) on embedded servers",
+    )
     p.add_argument(
         "--orders", type=int, default=400_000, help="orders to create before the copy (about 3.4 rows each)"
     )
@@ -239,4 +243,9 @@ class Demo:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return Demo(build_parser().parse_args(argv)).run()
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["migrate"]:  # applier demo migrate: a whole live migration (applier/demo/migrate.py)
+        from applier.demo.migrate import main as migrate_demo
+
+        return migrate_demo(args[1:])
+    return Demo(build_parser().parse_args(args)).run()
