@@ -224,3 +224,24 @@ def rerun_frozen(rev: str, root: Path, script: str, prefix: str) -> NoReturn:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     sys.exit(rc)
+
+
+def code_commit(root: Path) -> str:
+    """The code revision a benchmark measures, for its header: the ``--code-rev`` it was frozen at, else HEAD (and
+    whether ``applier/`` or ``state/`` have uncommitted changes); ``?`` where git cannot tell."""
+
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(
+                ["git", *a], cwd=root, capture_output=True, text=True, check=True
+            ).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return "?"
+
+    frozen = os.environ.get("APPLY_BENCH_CODE_REV")
+    if frozen:
+        return git("rev-parse", "--short", frozen) + " (frozen with --code-rev)"
+    dirty = git("status", "--porcelain", "--", "applier", "state")
+    return git("rev-parse", "--short", "HEAD") + (
+        " + uncommitted changes in applier/ or state/" if dirty else ""
+    )

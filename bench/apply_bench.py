@@ -86,6 +86,7 @@ if __package__ in (None, ""):  # run as a script: make the project and the bench
 from _common import (  # noqa: E402
     PeakTracker,
     cmdline,
+    code_commit,
     descendants,
     fingerprint,
     loadavg,
@@ -845,22 +846,7 @@ def render(summaries: list[Summary], md: bool) -> str:
 
 
 def _versions(pubc: PostgresCluster) -> dict[str, str]:
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(
-                ["git", *a], cwd=ROOT, capture_output=True, text=True, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return "?"
-
-    frozen = os.environ.get("APPLY_BENCH_CODE_REV")
-    if frozen:
-        commit = git("rev-parse", "--short", frozen) + " (frozen with --code-rev)"
-    else:
-        dirty = git("status", "--porcelain", "--", "applier", "state")
-        commit = git("rev-parse", "--short", "HEAD") + (
-            " + uncommitted changes in applier/ or state/" if dirty else ""
-        )
+    commit = code_commit(ROOT)
     return {
         "postgresql": str(pubc.scalar("SHOW server_version")),
         "python": platform.python_version(),

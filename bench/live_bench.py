@@ -95,7 +95,7 @@ if __package__ in (None, ""):  # run as a script: make the project and the bench
     sys.path.insert(0, str(CODE_ROOT))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import cmdline, descendants, loadavg, proc_sample, rerun_frozen  # noqa: E402
+from _common import cmdline, code_commit, descendants, loadavg, proc_sample, rerun_frozen  # noqa: E402
 from _native import NativeSubscription  # noqa: E402
 
 from applier.apply.testing import setup_subscription  # noqa: E402
@@ -794,24 +794,6 @@ def plot(runs: Sequence[SideRun], path: Path, title: str) -> str:
 # --- main -----------------------------------------------------------------------------------------------------------
 
 
-def _commit() -> str:
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(
-                ["git", *a], cwd=ROOT, capture_output=True, text=True, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return "?"
-
-    frozen = os.environ.get("APPLY_BENCH_CODE_REV")
-    if frozen:
-        return git("rev-parse", "--short", frozen) + " (frozen with --code-rev)"
-    dirty = git("status", "--porcelain", "--", "applier", "state")
-    return git("rev-parse", "--short", "HEAD") + (
-        " + uncommitted changes in applier/ or state/" if dirty else ""
-    )
-
-
 def _freeze_code(rev: str) -> None:
     """Re-run this script against ``git archive <rev>`` (bench/_common.py's rerun_frozen says why)."""
     rerun_frozen(rev, ROOT, str(Path(__file__).resolve()), "live-bench-code-")
@@ -917,7 +899,7 @@ def main(argv: list[str] | None = None) -> int:
         tgtc.start()
         version = str(pubc.scalar("SHOW server_version"))
         header = (f"{started:%Y-%m-%d %H:%M} UTC; PostgreSQL {version}; Python {platform.python_version()}; commit "
-                  f"{_commit()}; {os.cpu_count()} CPUs; load at start {load_start[0]:.1f}; {args.duration:.0f} s of "
+                  f"{code_commit(ROOT)}; {os.cpu_count()} CPUs; load at start {load_start[0]:.1f}; {args.duration:.0f} s of "
                   f"load per run")  # fmt: skip
         print("live_bench " + header, file=sys.stderr, flush=True)
         if args.profile_dir:
