@@ -420,6 +420,12 @@ def gather_source(conninfo: str, selection: Selection) -> SourceFacts:
             if rel is not None and kind in ("r", "p") and not selection.covers(nsp, rel):
                 continue
             roles.add(role)
+        if (
+            not selection.schemas and not selection.tables
+        ):  # large objects migrate (applier.migrate.largeobjects)
+            roles.update(
+                r[0] for r in q("SELECT DISTINCT pg_get_userbyid(lomowner) FROM pg_largeobject_metadata")
+            )
         facts = SourceFacts(
             version_num=int(_setting(conn, "server_version_num")),
             wal_level=_setting(conn, "wal_level"),

@@ -156,7 +156,8 @@ class _Runner:
 
     # --- the source -------------------------------------------------------------------------------------------
     def publication(self, m: mstate.Migration, tables: SourceTables) -> None:
-        """Create the publication of the selected tables (once; the same table list when started again)."""
+        """Create the publication of the selected tables (once; the same table list when started again before
+        the copy is over; after it, a start that resumes leaves it as it is)."""
         with psycopg.connect(self.opts.source, autocommit=True) as src:
             exists = src.execute(
                 "SELECT 1 FROM pg_publication WHERE pubname = %s", (m.publication,)
@@ -167,6 +168,8 @@ class _Runner:
                     f'a publication "{m.publication}" already exists on the source and was not made by this '
                     "migration: choose another migration name"
                 )
+            if exists and m.phase not in ("schema", "copy"):
+                return  # its tables are settled; a cutover may have fenced the source already (read-only)
             self.target.execute("UPDATE applier.migration SET pub_created = true WHERE name = %s", (m.name,))
             if exists:
                 src.execute(

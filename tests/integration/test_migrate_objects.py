@@ -210,10 +210,10 @@ def test_a_kill_while_following_with_prepared_open_applies_nothing_twice(pair, p
     wait_until(lambda: tgt.scalar("SELECT count(*) FROM applier.subscription_rel WHERE srsubstate <> 'r'") == 0,
                timeout=120, what="every table ready (two-phase on)")  # fmt: skip
 
-    def prepare(gid: str, n: int) -> None:
+    def prepare(gid: str, n: int) -> None:  # rows n-9 .. n of acc: the two hold no lock the other needs
         with pub.connect() as c:
             c.execute("BEGIN")
-            c.execute("UPDATE acc SET v = v + 1 WHERE id <= %s", (n,))
+            c.execute("UPDATE acc SET v = v + 1 WHERE id BETWEEN %s - 9 AND %s", (n, n))
             c.execute("INSERT INTO journal SELECT g, %s FROM generate_series(1, %s) g", (gid, n))
             c.execute(f"PREPARE TRANSACTION '{gid}'")
 
@@ -222,9 +222,8 @@ def test_a_kill_while_following_with_prepared_open_applies_nothing_twice(pair, p
     wait_until(lambda: tgt.scalar("SELECT count(*) FROM pg_prepared_xacts WHERE database = current_database()")
                == 2, timeout=60, what="both prepared on the target")  # fmt: skip
     # a large transaction in flight (streamed) when the kill lands, after one decision and commits
-    pub.execute(
-        "COMMIT PREPARED 'app_1'; INSERT INTO journal SELECT g, 'plain' FROM generate_series(1, 50) g"
-    )
+    pub.execute("COMMIT PREPARED 'app_1'")
+    pub.execute("INSERT INTO journal SELECT g, 'plain' FROM generate_series(1, 50) g")
     wait_until(lambda: tgt.scalar("SELECT count(*) FROM journal WHERE note = 'plain'") == 50, timeout=60,
                what="the commits before the kill")  # fmt: skip
     big = threading.Thread(target=pub.execute, args=(
@@ -240,7 +239,8 @@ def test_a_kill_while_following_with_prepared_open_applies_nothing_twice(pair, p
     proc.wait()
     big.join(timeout=120)
 
-    pub.execute("COMMIT PREPARED 'app_2'; UPDATE acc SET v = v + 100 WHERE id = 100")
+    pub.execute("COMMIT PREPARED 'app_2'")
+    pub.execute("UPDATE acc SET v = v + 100 WHERE id = 100")
     proc = start(pair, "mig", log=log)
     procs.append(proc)
     res = migrate(tgt, "cutover", "mig", "--timeout", "120")
