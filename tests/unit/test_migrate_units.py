@@ -273,3 +273,15 @@ def test_cutover_estimate_adds_up_its_steps() -> None:
     assert unmeasured is not None and unmeasured["catch_up"] == 10_000_000 / APPLY_BYTES_PER_SECOND
     slow = cutover_seconds(Inputs(1000, 7.5, 1e9, 0, 0, 0, 0))  # the source's lag in seconds is a floor
     assert slow is not None and slow["catch_up"] == 7.5
+
+
+def test_status_text_says_what_a_cutover_would_cost_now() -> None:
+    from applier.migrate.cutover import format_status
+
+    doc = {"name": "m", "phase": "following", "lag_bytes": 0, "lag_seconds": 0.0, "post_data": {"done": 1, "total": 1},
+           "times": {}, "error": None, "tables": [], "cutover_estimate_seconds": 2.25,
+           "cutover_estimate": {"fence": 0.2, "catch_up": 0.0, "sequences": 0.05, "verify": 2.0, "total": 2.25}}  # fmt: skip
+    text = format_status(doc)
+    assert "a cutover now: ~2.2s of write downtime (fence 0.2s, sequences 0.1s, verify 2.0s)" in text, text
+    doc["cutover_estimate"] = None  # the lag cannot be told: no line
+    assert "a cutover now" not in format_status(doc)
