@@ -78,7 +78,7 @@ def status(target_conninfo: str, name: str) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "name": name, "phase": m.phase, "source": m.source, "selection": m.selection, "tables": tables,
         "post_data": {"done": done, "total": total}, "times": m.times, "error": m.error,
-        "lag_bytes": None, "lag_seconds": None,
+        "lag_bytes": None, "lag_seconds": None, "cutover_estimate_seconds": None,
     }  # fmt: skip
     if sub is None or m.phase in ("done", "schema"):
         return doc
@@ -102,7 +102,44 @@ def status(target_conninfo: str, name: str) -> dict[str, Any]:
         doc["lag_seconds"] = row[1]
     elif doc["lag_bytes"] == 0:
         doc["lag_seconds"] = 0.0
+    if sub is not None:
+        doc["cutover_estimate"] = _cutover_estimate(target_conninfo, m, f"applier_{sub[0]}", doc)
+        doc["cutover_estimate_seconds"] = (doc["cutover_estimate"] or {}).get("total")
     return doc
+
+
+#: ``status`` samples the apply rate over this long, when the lag is over :data:`SAMPLE_OVER_BYTES`.
+SAMPLE_SECONDS = 0.5
+SAMPLE_OVER_BYTES = 1 << 20
+
+
+def _cutover_estimate(
+    target_conninfo: str, m: mstate.Migration, origin: str, doc: dict[str, Any]
+) -> dict[str, float] | None:
+    """What a cutover would cost now (:mod:`applier.migrate.estimate`): sizes read on the target, the apply rate
+    sampled from the replication origin's progress when there is a real lag to catch up."""
+    from applier.migrate import estimate, largeobjects
+
+    progress = "SELECT pg_replication_origin_progress(%s, false) - '0/0'::pg_lsn FROM pg_replication_origin WHERE roname = %s"
+    with psycopg.connect(target_conninfo, autocommit=True) as target:
+        tables, sequences, matviews, los = target.execute(
+            "SELECT (SELECT coalesce(sum(pg_table_size(r.srrelid)), 0)::int8 FROM applier.subscription_rel r"
+            " JOIN applier.subscription s USING (subid) WHERE s.subname = %s),"
+            " (SELECT count(*) FROM pg_sequences WHERE schemaname <> 'applier'),"
+            " (SELECT coalesce(sum(pg_relation_size(oid)), 0)::int8 FROM pg_class WHERE relkind = 'm'),"
+            " pg_table_size('pg_largeobject')",
+            (m.subname,),
+        ).fetchone()  # type: ignore[misc]
+        rate = None
+        if (doc["lag_bytes"] or 0) > SAMPLE_OVER_BYTES:
+            before = target.execute(progress, (origin, origin)).fetchone()
+            time.sleep(SAMPLE_SECONDS)
+            after = target.execute(progress, (origin, origin)).fetchone()
+            if before and after and before[0] is not None and after[0] is not None:
+                rate = float(after[0] - before[0]) / SAMPLE_SECONDS
+    inputs = estimate.Inputs(doc["lag_bytes"], doc["lag_seconds"], rate, int(sequences), int(tables),
+                             int(los) if largeobjects.selected(m.selection) else 0, int(matviews))  # fmt: skip
+    return estimate.cutover_seconds(inputs)
 
 
 def format_status(doc: dict[str, Any]) -> str:
@@ -114,6 +151,12 @@ def format_status(doc: dict[str, Any]) -> str:
         f"post-data: {doc['post_data']['done']}/{doc['post_data']['total']} step(s) done",
         "times: " + (", ".join(f"{k} {v:.1f}s" for k, v in doc["times"].items()) or "-"),
     ]
+    est = doc.get("cutover_estimate")
+    if est:
+        parts = ", ".join(
+            f"{k.replace('_', ' ')} {v:.1f}s" for k, v in est.items() if k != "total" and v >= 0.05
+        )
+        lines.append(f"a cutover now: ~{est['total']:.1f}s of write downtime ({parts or 'all steps quick'})")
     if doc.get("error"):
         lines.append(f"error: {doc['error']}")
     lines += [f"  {t['name']}: {t['state']}" for t in doc["tables"]]
@@ -226,6 +269,17 @@ class _Cutover:
             raise MigrationError("verification failed: " + "; ".join(wrong))
         self.say(f"verify: row counts of {len(tables)} table(s) equal")
 
+    def objects(
+        self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], m: mstate.Migration
+    ) -> None:
+        """What the stream does not carry, before the verification: large objects brought up to date
+        (:mod:`applier.migrate.largeobjects`), materialized views refreshed (:mod:`applier.migrate.matviews`)."""
+        from applier.migrate import largeobjects, matviews
+
+        if largeobjects.selected(m.selection):
+            largeobjects.sync(src, target, self.say)
+        matviews.refresh_at_cutover(target, m.name, self.say)
+
     def full(self, m: mstate.Migration) -> None:
         from applier import verify
 
@@ -263,6 +317,7 @@ class _Cutover:
                 self.wait_applied(target, src, origin, sub[1], endpos)
                 n = self.sequences(target, src, m)
                 self.say(f"sequences: {n} set from the source")
+                self.objects(target, src, m)
                 if opts.verify == "counts":
                     self.counts(target, src, m.subname)
                 elif opts.verify == "full":

@@ -12,7 +12,8 @@ extension or role the target lacks, a selected table that already exists on the 
 target (only when it can be told: the target's data directory is visible from here), no ``pg_dump`` new enough.
 
 **Warnings** are what the migration will not carry by itself: unlogged tables (cannot be published: not migrated),
-materialized views (created unpopulated), large objects (not migrated yet), DDL (never replicated).
+materialized views (refreshed on the target, not replicated), large objects (changes to them are not replicated:
+compared and copied again at the cutover), DDL (never replicated).
 
 The time estimate is deliberately rough: heap bytes / :data:`COPY_BYTES_PER_SECOND` for the copy and index bytes /
 :data:`INDEX_BYTES_PER_SECOND` for the index builds, whole-run rates with the default jobs on a 2-core machine.
@@ -221,11 +222,6 @@ def _blockers(
                                "DELETE on it fail on the source", f"add a primary key, or ALTER TABLE "
                                f"{tf.qualified} REPLICA IDENTITY FULL (or USING INDEX a unique index), or exclude it "
                                "with --exclude-table"))  # fmt: skip
-    for tf in s.tables:
-        if tf.kind == "p":
-            out.append(Finding("partitioned", f"table {tf.qualified} is partitioned: migrating partitioned tables "
-                               "is not supported yet", "exclude it and its partitions with --exclude-table, and "
-                               "move them another way"))  # fmt: skip
     for name, version in sorted(s.extensions.items()):
         if name == "plpgsql":
             continue
@@ -268,11 +264,14 @@ def _warnings(s: SourceFacts, t: TargetFacts) -> list[Finding]:
             out.append(Finding("identity_full", f"table {tf.qualified} replicates with REPLICA IDENTITY FULL and no "
                                "key: every UPDATE/DELETE scans it on the target"))  # fmt: skip
     for mv in s.materialized_views:
-        out.append(Finding("materialized_view", f"materialized view {mv} is not replicated: REFRESH it on the "
-                           "target after the cutover"))  # fmt: skip
+        out.append(Finding("materialized_view", f"materialized view {mv} is not replicated: it is refreshed on the "
+                           "target after post-data and again at the cutover (its query runs within the write "
+                           "downtime)"))  # fmt: skip
     if s.large_objects:
-        out.append(Finding("large_objects", f"{s.large_objects} large object(s): large objects are not migrated "
-                           "yet (and changes to them are never replicated)"))  # fmt: skip
+        out.append(Finding("large_objects", f"{s.large_objects} large object(s): copied at the snapshot, and the "
+                           "ones changed since (changes to large objects are not replicated) copied again at the "
+                           "cutover, which reads them all on both servers within the write downtime; only when no "
+                           "--schema or --table is given, as pg_dump"))  # fmt: skip
     for name, version in sorted(s.extensions.items()):
         avail = t.available_extensions.get(name)
         if avail is not None and version not in avail:
@@ -421,6 +420,12 @@ def gather_source(conninfo: str, selection: Selection) -> SourceFacts:
             if rel is not None and kind in ("r", "p") and not selection.covers(nsp, rel):
                 continue
             roles.add(role)
+        if (
+            not selection.schemas and not selection.tables
+        ):  # large objects migrate (applier.migrate.largeobjects)
+            roles.update(
+                r[0] for r in q("SELECT DISTINCT pg_get_userbyid(lomowner) FROM pg_largeobject_metadata")
+            )
         facts = SourceFacts(
             version_num=int(_setting(conn, "server_version_num")),
             wal_level=_setting(conn, "wal_level"),

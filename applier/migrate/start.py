@@ -26,7 +26,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -34,7 +34,7 @@ from psycopg import sql
 
 from applier.conninfo import describe, without_password
 from applier.lsn import format_lsn
-from applier.migrate import postdata, schema
+from applier.migrate import largeobjects, matviews, partitions, postdata, schema
 from applier.migrate import state as mstate
 from applier.migrate.selection import Selection
 from applier.migrate.state import MigrationError
@@ -64,11 +64,15 @@ class SourceTables:
     schemas: list[str]  # schemas dumped
     exclude: list[tuple[str, str]]  # tables of those schemas that are not migrated
     skipped: list[str]  # notes
+    #: migrated partitioned tables: dumped, never copied (their leaves are in ``tables``)
+    partitioned: list[tuple[str, str]] = field(default_factory=list)
 
 
+# each table with the schema and name of its partition tree's root (itself when it is not a partition)
 _TABLES = """
-SELECT n.nspname, c.relname, c.relkind, c.relpersistence
+SELECT n.nspname, c.relname, c.relkind, c.relpersistence, coalesce(rn.nspname, n.nspname), coalesce(r.relname, c.relname)
 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+LEFT JOIN pg_class r ON r.oid = pg_partition_root(c.oid) LEFT JOIN pg_namespace rn ON rn.oid = r.relnamespace
 WHERE c.relkind IN ('r', 'p') AND c.relpersistence <> 't'
 ORDER BY 1, 2
 """
@@ -76,30 +80,28 @@ ORDER BY 1, 2
 
 def source_tables(conn: psycopg.Connection[Any], selection: Selection) -> SourceTables:
     """What the selection covers on the source: the tables to migrate, the schemas to dump, the tables of those
-    schemas to leave out of the dump. Unlogged tables cannot be published, so they are left out (with a note);
-    partitioned ones are refused for now (their partitions could move as tables, but the parent's indexes and keys
-    need ``ATTACH PARTITION`` steps that post-data does not make yet)."""
+    schemas to leave out of the dump. Unlogged tables cannot be published, so they are left out (with a note). A
+    partition goes with its partition tree's root (selected or excluded by the root's name); the partitioned tables
+    themselves are dumped but hold no rows: their leaves are the migrated tables (:mod:`applier.migrate.partitions`)."""
     schemas = [
         r[0]
         for r in conn.execute("SELECT nspname FROM pg_namespace ORDER BY 1")
         if selection.covers_schema(r[0])
     ]
-    tables, exclude, skipped = [], [], []
-    for nsp, rel, kind, persistence in conn.execute(_TABLES):
+    tables, exclude, skipped, partitioned = [], [], [], []
+    for nsp, rel, kind, persistence, root_nsp, root in conn.execute(_TABLES):
         if not selection.covers_schema(nsp):
             continue
-        if not selection.covers(nsp, rel):
+        if not selection.covers(root_nsp, root):
             exclude.append((nsp, rel))
-        elif kind == "p":
-            raise MigrationError(
-                f"table {nsp}.{rel} is partitioned: migrating partitioned tables is not supported yet"
-            )
         elif persistence == "u":
             exclude.append((nsp, rel))
             skipped.append(f"{nsp}.{rel} is unlogged (it cannot be published): not migrated")
+        elif kind == "p":
+            partitioned.append((nsp, rel))
         else:
             tables.append((nsp, rel))
-    return SourceTables(tables, schemas, exclude, skipped)
+    return SourceTables(tables, schemas, exclude, skipped, partitioned)
 
 
 class _Runner:
@@ -154,7 +156,8 @@ class _Runner:
 
     # --- the source -------------------------------------------------------------------------------------------
     def publication(self, m: mstate.Migration, tables: SourceTables) -> None:
-        """Create the publication of the selected tables (once; the same table list when started again)."""
+        """Create the publication of the selected tables (once; the same table list when started again before
+        the copy is over; after it, a start that resumes leaves it as it is)."""
         with psycopg.connect(self.opts.source, autocommit=True) as src:
             exists = src.execute(
                 "SELECT 1 FROM pg_publication WHERE pubname = %s", (m.publication,)
@@ -165,6 +168,8 @@ class _Runner:
                     f'a publication "{m.publication}" already exists on the source and was not made by this '
                     "migration: choose another migration name"
                 )
+            if exists and m.phase not in ("schema", "copy"):
+                return  # its tables are settled; a cutover may have fenced the source already (read-only)
             self.target.execute("UPDATE applier.migration SET pub_created = true WHERE name = %s", (m.name,))
             if exists:
                 src.execute(
@@ -204,40 +209,62 @@ class _Runner:
 
     # --- schema -----------------------------------------------------------------------------------------------
     def pre_data(self, m: mstate.Migration, tables: SourceTables) -> None:
-        """Pre-data and the post-data steps, read at the snapshot; applied in one target transaction."""
+        """Pre-data, the post-data steps and the large objects, read at the snapshot; applied in one target
+        transaction (a kill leaves all of it or none)."""
         started = time.monotonic()
         src = psycopg.connect(self.opts.source, autocommit=False)
         try:
             src.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
             src.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(self.snapshot)))
             src.execute("SET LOCAL search_path = ''")
-            quoted = [r[0] for r in src.execute(
-                "SELECT format('%%I.%%I', s, t) FROM unnest(%s::text[], %s::text[]) AS x(s, t)",
-                ([s for s, _ in tables.tables], [t for _, t in tables.tables]),
-            )]  # fmt: skip
+            quoted = self._quoted(src, tables.tables)
             steps, notes = postdata.definitions(src, quoted)
+            steps += self.object_steps(src, tables, quoted, steps)
+            parents = set(self._quoted(src, tables.partitioned))
+            notes = [n for n in notes if not any(f" references {p}, " in n for p in parents)]
+            tools, found = find_dump_tools(self._source_major())
+            if tools is None:
+                raise MigrationError("no pg_dump new enough for the source (see applier migrate plan)")
+            settings = [r[0] for r in self.target.execute("SELECT name FROM pg_settings")]
+            script = schema.dump_pre_data(
+                tools, self.opts.source, self.snapshot, tables.schemas, tables.exclude, settings
+            )
+            with self.target.transaction():
+                self.target.execute(script)
+                self.target.execute("SET search_path TO DEFAULT")
+                always = self.identity_always([*quoted, *self._quoted(src, tables.partitioned)])
+                postdata.save_steps(self.target, m.name, [*steps, *always])
+                los = largeobjects.copy(src, self.target) if largeobjects.selected(m.selection) else 0
+                self.target.execute(
+                    "UPDATE applier.migration SET snapshot_lsn = %s::pg_lsn WHERE name = %s",
+                    (format_lsn(self.snapshot_lsn or 0), m.name),
+                )
         finally:
             src.close()
-        tools, found = find_dump_tools(self._source_major())
-        if tools is None:
-            raise MigrationError("no pg_dump new enough for the source (see applier migrate plan)")
-        settings = [r[0] for r in self.target.execute("SELECT name FROM pg_settings")]
-        script = schema.dump_pre_data(
-            tools, self.opts.source, self.snapshot, tables.schemas, tables.exclude, settings
-        )
-        with self.target.transaction():
-            self.target.execute(script)
-            self.target.execute("SET search_path TO DEFAULT")
-            postdata.save_steps(self.target, m.name, [*steps, *self.identity_always(quoted)])
-            self.target.execute(
-                "UPDATE applier.migration SET snapshot_lsn = %s::pg_lsn WHERE name = %s",
-                (format_lsn(self.snapshot_lsn or 0), m.name),
-            )
         for note in [*tables.skipped, *notes]:
             self.say(f"note: {note}")
         self.times["schema"] = time.monotonic() - started
-        self.say(f"pre-data restored with {tools.pg_dump} ({tools.major}); {len(steps)} post-data step(s) planned "
-                 f"({self.times['schema']:.1f}s)")  # fmt: skip
+        self.say(f"pre-data restored with {tools.pg_dump} ({tools.major}); {len(steps)} post-data step(s) planned, "
+                 f"{los} large object(s) copied ({self.times['schema']:.1f}s)")  # fmt: skip
+
+    @staticmethod
+    def _quoted(src: psycopg.Connection[Any], names: list[tuple[str, str]]) -> list[str]:
+        return [r[0] for r in src.execute(
+            "SELECT format('%%I.%%I', s, t) FROM unnest(%s::text[], %s::text[]) AS x(s, t)",
+            ([s for s, _ in names], [t for _, t in names]),
+        )]  # fmt: skip
+
+    def object_steps(
+        self,
+        src: psycopg.Connection[Any],
+        tables: SourceTables,
+        quoted: list[str],
+        steps: list[postdata.Step],
+    ) -> list[postdata.Step]:
+        """The post-data steps of the partitioned tables and materialized views (their own modules say how)."""
+        extra = partitions.steps(src, self._quoted(src, tables.partitioned), quoted, steps, len(steps))
+        first = len(steps) + len(extra)
+        return extra + matviews.steps(src, tables.schemas, quoted, first)
 
     def identity_always(self, tables: list[str]) -> list[postdata.Step]:
         """Make the target's ``GENERATED ALWAYS`` identity columns ``BY DEFAULT`` until the cutover, which puts them
@@ -247,7 +274,8 @@ class _Runner:
         rows = self.target.execute(
             "SELECT format('%%I.%%I', n.nspname, c.relname), a.attname FROM pg_attribute a"
             " JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace"
-            " WHERE a.attidentity = 'a' AND NOT a.attisdropped AND format('%%I.%%I', n.nspname, c.relname) = ANY(%s)"
+            " WHERE a.attidentity = 'a' AND NOT a.attisdropped AND NOT c.relispartition"
+            " AND format('%%I.%%I', n.nspname, c.relname) = ANY(%s)"
             " ORDER BY 1, 2",
             (tables,),
         ).fetchall()

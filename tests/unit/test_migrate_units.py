@@ -74,7 +74,9 @@ def test_each_blocker_alone() -> None:
     assert blockers(t=target(free_bytes=99_999_999)) == ["disk"]
     assert blockers(t=target(free_bytes=100_000_000)) == []
     assert blockers(tools=None) == ["pg_dump"]
-    assert blockers(source(tables=[table(kind="p")])) == ["partitioned"]
+    assert (
+        blockers(source(tables=[table(kind="p")])) == []
+    )  # partitioned tables migrate (their leaves as tables)
 
 
 def test_a_table_without_key_blocks_only_when_it_gets_updates_or_deletes() -> None:
@@ -86,7 +88,7 @@ def test_a_table_without_key_blocks_only_when_it_gets_updates_or_deletes() -> No
     assert plan.ok and "identity_full" in codes(plan.warnings)
     # a partitioned parent has no statistics of its own; its leaves are judged
     parent = table(kind="p", has_pk=False, identity_usable=False, updates_deletes=0)
-    assert blockers(source(tables=[parent])) == ["partitioned"]  # not supported yet, whatever its key
+    assert blockers(source(tables=[parent])) == []  # whatever its key: the leaves replicate, not the parent
 
 
 def test_warnings() -> None:
@@ -241,3 +243,45 @@ def test_the_script_loses_psql_meta_commands_and_creates_schemas_only_if_missing
     )
     assert pattern("public", "t") == '"public"."t"'
     assert pattern('we"ird', "T*") == '"we""ird"."T*"'
+
+
+def test_large_objects_differences_and_selection() -> None:
+    from applier.migrate.largeobjects import LargeObject, differences, selected
+
+    def lo(oid: int, md5: str = "a", owner: str = "u", acl=None) -> LargeObject:
+        return LargeObject(oid, owner, acl, 3, md5)
+
+    source = {1: lo(1), 2: lo(2, "b"), 3: lo(3, owner="v"), 4: lo(4, acl=(("", "SELECT", False),)), 6: lo(6)}
+    target = {1: lo(1), 2: lo(2), 3: lo(3), 4: lo(4), 5: lo(5)}
+    assert differences(source, target) == ([2, 3, 4, 6], [5])  # contents, owner, privileges, new; unlinked
+    assert differences(source, source) == ([], [])
+    assert selected({"schemas": [], "tables": [], "exclude_tables": ["x"]})
+    assert not selected({"schemas": ["app"], "tables": [], "exclude_tables": []})
+    assert not selected({"schemas": [], "tables": ["t"], "exclude_tables": []})
+
+
+def test_cutover_estimate_adds_up_its_steps() -> None:
+    from applier.migrate.estimate import APPLY_BYTES_PER_SECOND, FENCE_SECONDS, Inputs, cutover_seconds
+
+    assert cutover_seconds(Inputs(None, None, None, 0, 0, 0, 0)) is None  # the lag cannot be told
+    idle = cutover_seconds(Inputs(0, 0.0, None, 0, 0, 0, 0))
+    assert idle is not None and idle["total"] == FENCE_SECONDS and idle["catch_up"] == 0
+    behind = cutover_seconds(Inputs(50_000_000, 1.0, 25e6, 10, 300_000_000, 0, 0))
+    assert behind is not None and behind["catch_up"] == 2.0 and behind["verify"] == 2.0
+    assert behind["total"] == round(FENCE_SECONDS + 2.0 + 0.05 + 2.0, 3)
+    unmeasured = cutover_seconds(Inputs(10_000_000, None, None, 0, 0, 0, 0))
+    assert unmeasured is not None and unmeasured["catch_up"] == 10_000_000 / APPLY_BYTES_PER_SECOND
+    slow = cutover_seconds(Inputs(1000, 7.5, 1e9, 0, 0, 0, 0))  # the source's lag in seconds is a floor
+    assert slow is not None and slow["catch_up"] == 7.5
+
+
+def test_status_text_says_what_a_cutover_would_cost_now() -> None:
+    from applier.migrate.cutover import format_status
+
+    doc = {"name": "m", "phase": "following", "lag_bytes": 0, "lag_seconds": 0.0, "post_data": {"done": 1, "total": 1},
+           "times": {}, "error": None, "tables": [], "cutover_estimate_seconds": 2.25,
+           "cutover_estimate": {"fence": 0.2, "catch_up": 0.0, "sequences": 0.05, "verify": 2.0, "total": 2.25}}  # fmt: skip
+    text = format_status(doc)
+    assert "a cutover now: ~2.2s of write downtime (fence 0.2s, sequences 0.1s, verify 2.0s)" in text, text
+    doc["cutover_estimate"] = None  # the lag cannot be told: no line
+    assert "a cutover now" not in format_status(doc)

@@ -1,0 +1,261 @@
+"""``applier migrate`` against real servers, for what the change stream does not carry by itself: large objects
+(copied at the snapshot, changes re-copied at the cutover), partitioned tables (range and list: leaves copied and
+followed as tables, the parents' keys, indexes and foreign keys as post-data), materialized views (refreshed after
+post-data and at the cutover), ``status``'s cutover estimate; and ``kill -9`` in the schema phase and while
+following with prepared transactions open."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+from psycopg import sql
+from test_migrate_cutover import migrate
+from test_migrate_start import exit_status, phase, procs, schema_dump, start, wait_phase  # noqa: F401 - a fixture
+
+from applier.migrate.tools import find_dump_tools
+from applier.testing import Database, assert_tables_equal, wait_until
+
+LOS = "SELECT oid::int8, md5(lo_get(oid)), lomacl::text FROM pg_largeobject_metadata ORDER BY 1"
+
+OBJECTS = """
+CREATE TABLE item (id int PRIMARY KEY, grp int NOT NULL, doc oid);
+INSERT INTO item SELECT g, g % 5, lo_from_bytea(0, convert_to(repeat('blob' || g, 1000 * g), 'UTF8'))
+    FROM generate_series(1, 4) g;
+SELECT lo_from_bytea(424242, decode(repeat('00ff', 3000000), 'hex'));  -- 6 MB: more than one chunk
+GRANT SELECT ON LARGE OBJECT 424242 TO PUBLIC;
+CREATE MATERIALIZED VIEW grp_count AS SELECT grp, count(*) AS n FROM item GROUP BY grp;
+CREATE UNIQUE INDEX grp_count_grp ON grp_count (grp);
+CREATE MATERIALIZED VIEW grp_total AS SELECT sum(n) AS total FROM grp_count;
+CREATE MATERIALIZED VIEW never AS SELECT id FROM item WITH NO DATA;
+"""
+
+
+@pytest.mark.core
+def test_large_objects_and_materialized_views_are_equal_after_the_cutover(pair, procs, tmp_path) -> None:  # noqa: F811
+    pub, tgt = pair.publisher, pair.target
+    pub.execute(OBJECTS)
+    log = tmp_path / "start.log"
+    proc = start(pair, "mig", log=log)
+    procs.append(proc)
+    wait_phase(tgt, "mig", "following", proc, log)
+    assert "5 large object(s) copied" in log.read_text()
+    assert tgt.query(LOS) == pub.query(LOS)  # OIDs, contents and privileges as at the snapshot
+    assert tgt.query("SELECT * FROM grp_count ORDER BY grp") == pub.query(
+        "SELECT * FROM grp_count ORDER BY grp"
+    )
+    assert tgt.scalar("SELECT relispopulated FROM pg_class WHERE relname = 'never'") is False
+    assert tgt.scalar("SELECT to_regclass('grp_count_grp') IS NOT NULL")
+
+    # while following: one large object changed, one created, one unlinked; rows the views count
+    (changed, gone) = [r[0] for r in pub.query("SELECT doc FROM item WHERE id IN (1, 2) ORDER BY id")]
+    pub.execute("SELECT lo_put(%s, 3, 'CHANGED')", (changed,))
+    pub.execute("SELECT lo_unlink(%s)", (gone,))
+    pub.execute("INSERT INTO item SELECT g, 1, lo_from_bytea(0, 'new') FROM generate_series(5, 7) g")
+    assert tgt.query(LOS) != pub.query(LOS)  # pg_largeobject is not replicated
+    doc = json.loads(migrate(tgt, "status", "mig", "--json").stdout)
+    assert isinstance(doc["cutover_estimate_seconds"], float) and doc["cutover_estimate_seconds"] > 0
+    assert set(doc["cutover_estimate"]) >= {
+        "fence",
+        "catch_up",
+        "sequences",
+        "verify",
+        "large_objects",
+        "total",
+    }
+    text = migrate(tgt, "status", "mig").stdout
+    assert "a cutover now: ~" in text, text
+
+    res = migrate(tgt, "cutover", "mig", "--timeout", "90")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "large objects: 7 on the source; 4 copied and 1 unlinked at the cutover" in res.stdout
+    assert "materialized views: 2 refreshed" in res.stdout
+    assert exit_status(proc, log) == 0, log.read_text()
+    assert tgt.query(LOS) == pub.query(LOS)
+    # the views hold what their queries give on the (fenced, read-only) source now
+    assert tgt.query("SELECT * FROM grp_count ORDER BY 1") == pub.query(
+        "SELECT grp, count(*) FROM item GROUP BY grp ORDER BY 1"
+    )
+    assert tgt.scalar("SELECT total FROM grp_total") == pub.scalar("SELECT count(*) FROM item") == 7
+    assert tgt.scalar("SELECT relispopulated FROM pg_class WHERE relname = 'never'") is False
+
+
+PARTITIONED = """
+CREATE TABLE kind (id int PRIMARY KEY, name text);
+INSERT INTO kind SELECT g, 'k' || g FROM generate_series(1, 3) g;
+CREATE TABLE measure (id bigint GENERATED ALWAYS AS IDENTITY, day date NOT NULL, v numeric, kind int REFERENCES kind,
+                      PRIMARY KEY (id, day)) PARTITION BY RANGE (day);
+CREATE TABLE measure_2024 PARTITION OF measure FOR VALUES FROM ('2024-01-01') TO ('2025-01-01');
+CREATE TABLE measure_2025 PARTITION OF measure FOR VALUES FROM ('2025-01-01') TO ('2026-01-01');
+CREATE TABLE measure_rest PARTITION OF measure DEFAULT;
+CREATE INDEX measure_v ON measure (v);
+CREATE INDEX measure_2024_kind ON measure_2024 (kind);
+CREATE TABLE region (code text NOT NULL, city text NOT NULL, pop int, UNIQUE (code, city)) PARTITION BY LIST (code);
+CREATE TABLE region_eu PARTITION OF region FOR VALUES IN ('de', 'fr');
+CREATE TABLE region_us PARTITION OF region FOR VALUES IN ('us') PARTITION BY HASH (city);
+CREATE TABLE region_us_0 PARTITION OF region_us FOR VALUES WITH (MODULUS 2, REMAINDER 0);
+CREATE TABLE region_us_1 PARTITION OF region_us FOR VALUES WITH (MODULUS 2, REMAINDER 1);
+ALTER TABLE region REPLICA IDENTITY FULL;
+ALTER TABLE region_eu REPLICA IDENTITY FULL; ALTER TABLE region_us_0 REPLICA IDENTITY FULL;
+ALTER TABLE region_us_1 REPLICA IDENTITY FULL;
+CREATE TABLE visit (id int PRIMARY KEY, m_id bigint, m_day date, FOREIGN KEY (m_id, m_day) REFERENCES measure);
+INSERT INTO measure (day, v, kind) SELECT date '2023-12-01' + g % 900, g / 3.0, 1 + g % 3
+    FROM generate_series(1, 3000) g;
+INSERT INTO region SELECT c, 'city' || g, g FROM unnest(ARRAY['de', 'fr', 'us']) c, generate_series(1, 50) g;
+INSERT INTO visit SELECT g, id, day FROM measure JOIN generate_series(1, 20) g ON g = id;
+"""
+
+PARTS = (
+    "measure_2024",
+    "measure_2025",
+    "measure_rest",
+    "region_eu",
+    "region_us_0",
+    "region_us_1",
+    "kind",
+    "visit",
+)
+
+
+@pytest.mark.core
+def test_range_and_list_partitioned_tables_migrate_with_their_keys(pair, procs, tmp_path) -> None:  # noqa: F811
+    pub, tgt = pair.publisher, pair.target
+    pub.execute(PARTITIONED)
+    plan = json.loads(migrate(tgt, "plan", "--source", pub.dsn, "--json").stdout)
+    assert plan["ok"] and "partitioned" not in {b["code"] for b in plan["blockers"]}
+    log = tmp_path / "start.log"
+    proc = start(pair, "mig", log=log)
+    procs.append(proc)
+    wait_phase(tgt, "mig", "following", proc, log)
+    assert_tables_equal(pub, tgt, *PARTS)
+    published = {r[0] for r in pub.query("SELECT tablename FROM pg_publication_tables WHERE pubname = 'mig'")}
+    assert published == set(PARTS)  # the leaves, as themselves
+    # the parents' keys and indexes are valid (every partition's attached), the foreign keys there
+    assert tgt.query("SELECT c.relname, x.indisvalid FROM pg_index x JOIN pg_class c ON c.oid = x.indexrelid"
+                     " WHERE c.relkind = 'I' ORDER BY 1") == [  # fmt: skip
+        ("measure_pkey", True), ("measure_v", True), ("region_code_city_key", True), ("region_us_code_city_key", True)
+    ]  # fmt: skip
+
+    # changes while following, one moving a row to another partition
+    pub.execute("INSERT INTO measure (day, v, kind) VALUES ('2025-06-01', 1, 2), ('2030-01-01', 2, 3);"
+                "UPDATE measure SET day = '2025-02-02' WHERE id = 25; DELETE FROM measure WHERE id = 26;"
+                "UPDATE region SET pop = -1 WHERE code = 'us' AND city = 'city7';"
+                "INSERT INTO region VALUES ('us', 'new', 1), ('de', 'new', 2)")  # fmt: skip
+    res = migrate(tgt, "cutover", "mig", "--timeout", "90", "--verify", "full")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert exit_status(proc, log) == 0, log.read_text()
+    assert_tables_equal(pub, tgt, *PARTS)
+    for q in ("SELECT * FROM measure ORDER BY id", "SELECT * FROM region ORDER BY 1, 2"):
+        assert tgt.query(q) == pub.query(q)
+    assert schema_dump(tgt) == schema_dump(pub)
+    tgt.execute("INSERT INTO measure (day, v) VALUES ('2024-03-03', 0)")  # ALWAYS again, past the copied ids
+    assert tgt.scalar("SELECT max(id) FROM measure") == pub.scalar("SELECT max(id) FROM measure") + 1
+
+
+def _slow_pg_dump(tmp_path: Path, source: Database) -> Path:
+    """A bin directory whose pg_dump answers ``--version`` at once and otherwise waits (and says so in a file)
+    before running the real one: the schema phase held open long enough to be killed in it."""
+    tools, _ = find_dump_tools(source.scalar("SELECT current_setting('server_version_num')::int") // 10000)
+    assert tools is not None
+    bindir = tmp_path / "slowbin"
+    bindir.mkdir()
+    script = bindir / "pg_dump"
+    script.write_text(f'#!/bin/sh\n[ "$1" = --version ] && exec {tools.pg_dump} "$@"\ntouch {tmp_path}/dumping\n'
+                      f'sleep 60\nexec {tools.pg_dump} "$@"\n')  # fmt: skip
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    (bindir / "pg_restore").symlink_to(tools.pg_restore)
+    return bindir
+
+
+def test_a_kill_in_the_schema_phase_starts_over_cleanly(pair, procs, tmp_path) -> None:  # noqa: F811
+    pub, tgt = pair.publisher, pair.target
+    pub.execute(OBJECTS)
+    log = tmp_path / "start.log"
+    proc = start(pair, "mig", env={"APPLIER_PG_BINDIR": str(_slow_pg_dump(tmp_path, pub))}, log=log)
+    procs.append(proc)
+    wait_until(lambda: proc.poll() is not None or (tmp_path / "dumping").exists(), timeout=120,
+               what="pg_dump of the pre-data")  # fmt: skip
+    assert proc.poll() is None, log.read_text()
+    assert phase(tgt, "mig") == "schema" and pub.scalar("SELECT count(*) FROM pg_replication_slots") == 1
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert tgt.scalar("SELECT to_regclass('public.item')") is None  # nothing of the pre-data committed
+
+    pub.execute("INSERT INTO item VALUES (100, 1, NULL)")
+    proc = start(pair, "mig", log=log)
+    procs.append(proc)
+    wait_phase(tgt, "mig", "following", proc, log)
+    assert "slot mig of an interrupted start dropped" in log.read_text()
+    assert pub.scalar("SELECT count(*) FROM pg_replication_slots") == 1
+    assert_tables_equal(pub, tgt, "public.item")
+    assert tgt.query(LOS) == pub.query(LOS)
+    res = migrate(tgt, "cutover", "mig", "--timeout", "90")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert exit_status(proc, log) == 0, log.read_text()
+    assert schema_dump(tgt) == schema_dump(pub)
+
+
+def test_a_kill_while_following_with_prepared_open_applies_nothing_twice(pair, procs, tmp_path) -> None:  # noqa: F811
+    pub, tgt = pair.publisher, pair.target
+    # the slot's walsender streams a transaction past 64 kB (a database setting it reads when it connects)
+    pub.execute(
+        sql.SQL("ALTER DATABASE {} SET logical_decoding_work_mem = '64kB'").format(sql.Identifier(pub.name))
+    )
+    pub.execute("CREATE TABLE acc (id int PRIMARY KEY, v int); CREATE TABLE journal (v int, note text);"
+                "INSERT INTO acc SELECT g, 0 FROM generate_series(1, 100) g")  # fmt: skip
+    log = tmp_path / "start.log"
+    proc = start(pair, "mig", log=log)
+    procs.append(proc)
+    wait_phase(tgt, "mig", "following", proc, log)
+    wait_until(lambda: tgt.scalar("SELECT count(*) FROM applier.subscription_rel WHERE srsubstate <> 'r'") == 0,
+               timeout=120, what="every table ready (two-phase on)")  # fmt: skip
+
+    def prepare(gid: str, n: int) -> None:  # rows n-9 .. n of acc: the two hold no lock the other needs
+        with pub.connect() as c:
+            c.execute("BEGIN")
+            c.execute("UPDATE acc SET v = v + 1 WHERE id BETWEEN %s - 9 AND %s", (n, n))
+            c.execute("INSERT INTO journal SELECT g, %s FROM generate_series(1, %s) g", (gid, n))
+            c.execute(f"PREPARE TRANSACTION '{gid}'")
+
+    prepare("app_1", 10)
+    prepare("app_2", 20)
+    wait_until(lambda: tgt.scalar("SELECT count(*) FROM pg_prepared_xacts WHERE database = current_database()")
+               == 2, timeout=60, what="both prepared on the target")  # fmt: skip
+    # a large transaction in flight (streamed) when the kill lands, after one decision and commits
+    pub.execute("COMMIT PREPARED 'app_1'")
+    pub.execute("INSERT INTO journal SELECT g, 'plain' FROM generate_series(1, 50) g")
+    wait_until(lambda: tgt.scalar("SELECT count(*) FROM journal WHERE note = 'plain'") == 50, timeout=60,
+               what="the commits before the kill")  # fmt: skip
+    big = threading.Thread(target=pub.execute, args=(
+        "INSERT INTO journal SELECT g, 'big' FROM generate_series(1, 100000) g",), daemon=True)  # fmt: skip
+    big.start()
+
+    def streaming() -> bool:
+        return not big.is_alive() or bool(pub.scalar(
+            "SELECT stream_txns > 0 FROM pg_stat_replication_slots WHERE slot_name = 'mig'"))  # fmt: skip
+
+    wait_until(streaming, timeout=60, interval=0.01, what="the large transaction streamed")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    big.join(timeout=120)
+    assert pub.scalar("SELECT stream_txns > 0 FROM pg_stat_replication_slots WHERE slot_name = 'mig'")
+
+    pub.execute("COMMIT PREPARED 'app_2'")
+    pub.execute("UPDATE acc SET v = v + 100 WHERE id = 100")
+    proc = start(pair, "mig", log=log)
+    procs.append(proc)
+    res = migrate(tgt, "cutover", "mig", "--timeout", "120")
+    assert res.returncode == 0, res.stdout + res.stderr + log.read_text()
+    assert exit_status(proc, log) == 0, log.read_text()
+    # nothing lost, nothing applied twice: the keyless journal's rows (and their count) equal the source's
+    for q in (
+        "SELECT * FROM acc ORDER BY id",
+        "SELECT note, count(*), sum(v) FROM journal GROUP BY 1 ORDER BY 1",
+    ):
+        assert tgt.query(q) == pub.query(q)
+    assert tgt.scalar("SELECT count(*) FROM pg_prepared_xacts WHERE database = current_database()") == 0
