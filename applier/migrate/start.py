@@ -282,7 +282,7 @@ class _Runner:
             sub = catalog.create_subscription(
                 subname=m.subname, conninfo=m.source, publications=[m.publication], two_phase_state=two_phase.value,
                 streaming="on", binary=False, disable_on_error=False, origin="any", slot_name=m.slot, enabled=True,
-                copy_data=True,
+                copy_data=True, gid_format="original",  # cutover --prepared carry needs the source's GIDs
             )  # fmt: skip
             with catalog.engine.begin() as c:
                 for name in tables:
