@@ -47,8 +47,9 @@ def check_gid_format(target: psycopg.Connection[Any], subid: int) -> None:
     if row is None or row[0] != "original":
         raise MigrationError(
             "--prepared carry needs the migration's subscription to keep the source's GIDs (gid_format=original, "
-            "what applier migrate start sets since this release), but it names them pg_gid_<subid>_<xid> and a "
-            "prepared transaction cannot be renamed; use --prepared wait"
+            "what applier migrate start sets since this release unless the source and the target are one "
+            "cluster), but it names them pg_gid_<subid>_<xid> and a prepared transaction cannot be renamed; use "
+            "--prepared wait"
         )
 
 
