@@ -305,9 +305,7 @@ class _Cutover:
                     self.full(m)
                 if opts.reverse:
                     reversed_ = True
-                    reversing.create(
-                        target, src, opts.target, m.name, self.tables(target, m.subname), self.say
-                    )
+                    reversing.create(target, src, m.name, self.tables(target, m.subname), self.say)
                 with target.transaction():
                     for step, relnames, statements in target.execute(
                         "SELECT step, relnames, statements FROM applier.migration_step WHERE name = %s AND NOT done"

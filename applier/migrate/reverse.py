@@ -32,10 +32,11 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 from applier.migrate.state import MigrationError
 
-__all__ = ["check_new_server", "create", "names", "undo"]
+__all__ = ["check_new_server", "create", "names", "new_server_conninfo", "undo"]
 
 
 def names(migration: str) -> str:
@@ -66,8 +67,34 @@ def check_new_server(target: psycopg.Connection[Any], migration: str) -> None:
         raise MigrationError(f'the new server already has a slot or publication "{name}": drop it first')
 
 
-def create(target: psycopg.Connection[Any], src: psycopg.Connection[Any], target_conninfo: str, migration: str,
-           tables: list[str], say: Callable[[str], None]) -> None:  # fmt: skip
+_PORTABLE = (
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "sslmode",
+    "sslrootcert",
+    "sslcert",
+    "sslkey",
+    "sslcrl",
+)
+
+
+def new_server_conninfo(target: psycopg.Connection[Any]) -> str:
+    """How the old server reaches the new one: the cutover's own target connection, as it was made (host, port,
+    database, user, SSL settings: the ``PG*`` environment resolved), and its password if it used one, which a
+    native subscription needs to log in (PostgreSQL keeps it in ``pg_subscription``, readable by superusers only)."""
+    # only what every libpq from 15 on knows: the old server's own libpq reads it (a newer client reports options
+    # such as sslcertmode that PostgreSQL 15 rejects)
+    params = {k: v for k, v in target.info.get_parameters().items() if k in _PORTABLE}
+    if target.info.password:
+        params["password"] = target.info.password
+    return make_conninfo("", **params)
+
+
+def create(target: psycopg.Connection[Any], src: psycopg.Connection[Any], migration: str, tables: list[str],
+           say: Callable[[str], None]) -> None:  # fmt: skip
     """Publication and slot on the new server, then the old server's subscription on that slot (see the module's
     docstring for why here and why so). ``tables`` are schema-qualified and quoted (``format('%I.%I')``)."""
     name = names(migration)
@@ -82,7 +109,7 @@ def create(target: psycopg.Connection[Any], src: psycopg.Connection[Any], target
     if src.info.server_version >= 160000:
         options.append(sql.SQL("origin = none"))
     src.execute(sql.SQL("CREATE SUBSCRIPTION {} CONNECTION {} PUBLICATION {} WITH ({})").format(
-        ident, sql.Literal(target_conninfo), ident, sql.SQL(", ").join(options)))  # fmt: skip
+        ident, sql.Literal(new_server_conninfo(target)), ident, sql.SQL(", ").join(options)))  # fmt: skip
     say(f"reverse: the old server follows the new one from {lsn} (subscription {name} on the old server; "
         f"publication and slot {name} on the new one)")  # fmt: skip
 
