@@ -1156,3 +1156,11 @@ def test_gid_for_the_two_formats() -> None:
         check_alter_gid_format("subscription", "original", prepared_xacts=2, subname="s")
     with pytest.raises(AlterRefused, match="unrecognized gid_format"):
         check_alter_gid_format("subscription", "pg", prepared_xacts=0)
+
+
+def test_set_gid_format_is_parsed_and_checked() -> None:
+    from applier.subscriptions import SubscriptionError, parse_set_options
+
+    assert parse_set_options(["gid_format=Original"]) == {"gid_format": "original"}
+    with pytest.raises(SubscriptionError, match='unrecognized gid_format value: "pub"'):
+        parse_set_options(["gid_format=pub"])
