@@ -6,6 +6,10 @@ has applied it, set every sequence from the source (checking each is past the la
 belongs to), put the ``GENERATED ALWAYS`` identity columns back, verify (row counts, or ``full``: ``applier verify``),
 then mark the migration ``done`` and the subscription disabled in one target transaction. ``start`` sees that and
 exits 0; then the slot and publication are dropped from the source, which stays fenced: it is the old server now.
+
+``--prepared carry`` (:mod:`applier.migrate.carry`) does not wait for the source's prepared transactions: they are
+prepared on the target under the same GIDs, and rolled back on the source once its slot is gone. ``--reverse``
+(:mod:`applier.migrate.reverse`) leaves the old server subscribed to the new one, from the end position.
 Any failure before ``done`` unfences the source, puts the migration back to ``following`` and exits 1 with the
 reason: nothing is half switched. The write downtime reported is from the fence to ``done``.
 """
@@ -253,6 +257,29 @@ class _Cutover:
             raise MigrationError("verification failed: " + verify.format_report(report).replace("\n", "; "))
         self.say("verify: every table equal (checksums)")
 
+    def switch(self, target: psycopg.Connection[Any], m: mstate.Migration, subid: int, fenced_at: float,
+               carried: list[str], deferred: list[str]) -> float:  # fmt: skip
+        """One target transaction: identity columns back to ``ALWAYS`` (those on tables a carried prepared
+        transaction locks are left for later, into ``deferred``: the ``ACCESS EXCLUSIVE`` lock would wait for it),
+        the subscription disabled, the migration ``done``. Returns the write downtime."""
+        with target.transaction():
+            for step, relnames, statements in target.execute(
+                "SELECT step, relnames, statements FROM applier.migration_step WHERE name = %s AND NOT done"
+                " AND kind = 'cutover_identity'",
+                (m.name,),
+            ).fetchall():
+                if carried and carrying.locked_by_prepared(target, relnames):
+                    deferred.extend(statements)
+                    continue
+                for s in statements:
+                    target.execute(s)
+                target.execute("UPDATE applier.migration_step SET done = true, finished = now()"
+                               " WHERE name = %s AND step = %s", (m.name, step))  # fmt: skip
+            downtime = time.monotonic() - fenced_at
+            target.execute("UPDATE applier.subscription SET subenabled = false WHERE subid = %s", (subid,))
+            mstate.set_phase(target, m.name, "done", seconds={"cutover downtime": downtime})
+        return downtime
+
     def run(self) -> int:
         opts = self.opts
         with psycopg.connect(opts.target, autocommit=True) as target:
@@ -306,24 +333,7 @@ class _Cutover:
                 if opts.reverse:
                     reversed_ = True
                     reversing.create(target, src, m.name, self.tables(target, m.subname), self.say)
-                with target.transaction():
-                    for step, relnames, statements in target.execute(
-                        "SELECT step, relnames, statements FROM applier.migration_step WHERE name = %s AND NOT done"
-                        " AND kind = 'cutover_identity'",
-                        (m.name,),
-                    ).fetchall():
-                        if carried and carrying.locked_by_prepared(target, relnames):
-                            deferred.extend(statements)  # ACCESS EXCLUSIVE would wait for the carried ones
-                            continue
-                        for s in statements:
-                            target.execute(s)
-                        target.execute("UPDATE applier.migration_step SET done = true, finished = now()"
-                                       " WHERE name = %s AND step = %s", (m.name, step))  # fmt: skip
-                    downtime = time.monotonic() - fenced_at
-                    target.execute(
-                        "UPDATE applier.subscription SET subenabled = false WHERE subid = %s", (sub[0],)
-                    )
-                    mstate.set_phase(target, m.name, "done", seconds={"cutover downtime": downtime})
+                downtime = self.switch(target, m, sub[0], fenced_at, carried, deferred)
             except BaseException as exc:
                 if reversed_:
                     with contextlib.suppress(Exception):
