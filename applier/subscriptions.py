@@ -36,7 +36,9 @@ from applier.replication import ReplicationConnection, ReplicationConnectionErro
 from state.catalog import Catalog, CatalogError, Subscription
 from state.tables import SyncState, initial_sync_state
 from state.twophase import (
+    GID_FORMATS,
     TwoPhaseState,
+    check_alter_gid_format,
     check_alter_two_phase,
     check_refresh_publication,
     check_skip_lsn,
@@ -630,7 +632,7 @@ def _create_slot(pub: ReplicationConnection, slot: str, two_phase: bool, console
 
 _TRUE = {"true", "on", "yes", "1", "t", "y"}
 _FALSE = {"false", "off", "no", "0", "f", "n"}
-SETTABLE = ("two_phase", "streaming", "binary", "disable_on_error", "origin", "slot_name")
+SETTABLE = ("two_phase", "streaming", "binary", "disable_on_error", "origin", "slot_name", "gid_format")
 
 
 def _bool(option: str, value: str) -> bool:
@@ -670,6 +672,13 @@ def parse_set_options(items: Sequence[str]) -> dict[str, Any]:
             if v.lower() not in ("any", "none"):
                 raise SubscriptionError(f'unrecognized origin value: "{v}"', "use origin=any or origin=none")
             result[option] = v.lower()
+        elif option == "gid_format":
+            if v.lower() not in GID_FORMATS:
+                raise SubscriptionError(
+                    f'unrecognized gid_format value: "{v}"',
+                    "use gid_format=subscription or gid_format=original",
+                )
+            result[option] = v.lower()
         else:  # slot_name
             if v.upper() == "NONE":
                 result[option] = None
@@ -684,7 +693,7 @@ def parse_set_options(items: Sequence[str]) -> dict[str, Any]:
 
 
 _COLUMNS = {"streaming": "substream", "binary": "subbinary", "disable_on_error": "subdisableonerr",
-            "origin": "suborigin", "slot_name": "subslotname"}  # fmt: skip
+            "origin": "suborigin", "slot_name": "subslotname", "gid_format": "subgidformat"}  # fmt: skip
 
 
 def set_enabled(target: str, name: str, enabled: bool, console: Console = QUIET) -> None:
@@ -721,6 +730,8 @@ def alter_options(target: str, name: str, items: Sequence[str], *, force: bool =
         raise SubscriptionError(
             "--force only applies to --set two_phase=off (it rolls back prepared transactions)"
         )
+    if "gid_format" in options:
+        _check_gid_format(catalog, sub, target, options["gid_format"])
     values = {_COLUMNS[k]: v for k, v in options.items() if k != "two_phase"}
     if "two_phase" not in options:
         with target_errors(target):
@@ -754,6 +765,19 @@ def alter_options(target: str, name: str, items: Sequence[str], *, force: bool =
         console.info(f'subscription "{name}" altered: two-phase state {new_state.value}')
     finally:
         lock.release()
+
+
+def _check_gid_format(catalog: Catalog, sub: Subscription, target: str, new: str) -> None:
+    """``--set gid_format``: a running worker names its prepared transactions as it started, so only on a disabled
+    subscription, and never while some are prepared under the current names (state.twophase)."""
+    if new != sub.subgidformat and sub.subenabled:
+        raise SubscriptionError(
+            f'cannot set option "gid_format" for enabled subscription "{sub.subname}"',
+            f"disable it first (applier alter {sub.subname} --disable), then run this again and re-enable it",
+        )
+    with target_errors(target):
+        pending = catalog.pending_prepared(sub.subid)
+    check_alter_gid_format(sub.subgidformat, new, prepared_xacts=len(pending), subname=sub.subname)
 
 
 def _two_phase_off(catalog: Catalog, sub: Subscription, target: str, values: dict[str, Any], *, force: bool,
@@ -971,6 +995,12 @@ def _error_lines(e: dict[str, Any]) -> list[str]:
         lines.append(
             f"    failed {e['retry_count'] or 1} time(s) in a row; next attempt at {e['next_retry_at']}"
         )
+    if e["sqlstate"] == "42710" and e["gid"]:  # duplicate_object: PREPARE TRANSACTION of a GID in use
+        lines.append(
+            f"    HINT: gid_format=original prepares it under the publisher's GID {e['gid']}, which another prepared "
+            "transaction on the target already has (pg_prepared_xacts): finish that one (COMMIT or ROLLBACK "
+            "PREPARED); the worker retries by itself"
+        )
     if e["skip_command"]:
         lines.append(
             f"    to skip that transaction (its changes are lost on this target): {e['skip_command']}"
@@ -999,6 +1029,7 @@ def _status_of(catalog: Catalog, sub: Subscription, publisher_timeout: int) -> d
         "binary": sub.subbinary,
         "disable_on_error": sub.subdisableonerr,
         "origin": sub.suborigin,
+        "gid_format": sub.subgidformat,
         "slot_name": sub.subslotname,
         "publications": list(sub.subpublications),
         "publisher": sub.subconninfo,

@@ -38,7 +38,7 @@ from state.twophase import gid_for as gid_for  # pure; re-exported for the catal
 
 SCHEMA = "applier"
 #: Bump with a migration in :data:`_MIGRATIONS` whenever a table or column changes.
-CATALOG_VERSION = 3
+CATALOG_VERSION = 4
 
 
 class CatalogError(ApplierError):
@@ -115,6 +115,8 @@ subscription = sa.Table(
     sa.Column("subcopydata", sa.Boolean, nullable=False, server_default=sa.true()),
     sa.Column("subslotconsistentlsn", PgLsn, nullable=True),  # X: where the slot's stream starts
     sa.Column("subcreated", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
+    # since catalog version 4: how local prepared transactions are named (state.twophase.GID_FORMATS)
+    sa.Column("subgidformat", sa.Text, nullable=False, server_default="subscription"),
 )
 
 subscription_rel = sa.Table(
@@ -225,6 +227,9 @@ _MIGRATIONS: dict[int, list[str]] = {
         " NOT NULL, p50_s float8 NOT NULL, p99_s float8 NOT NULL, max_s float8 NOT NULL, samples integer NOT NULL,"
         " window_s float8 NOT NULL)"
     ],
+    4: [
+        f"ALTER TABLE {SCHEMA}.subscription ADD COLUMN IF NOT EXISTS subgidformat text NOT NULL DEFAULT 'subscription'"
+    ],
 }
 
 
@@ -247,10 +252,16 @@ class Subscription:
     subconninfo: str
     subcopydata: bool
     subslotconsistentlsn: int | None
+    subgidformat: str = "subscription"  # a catalog of version < 4 has no such column: the default
 
     @property
     def origin_name(self) -> str:
         return origin_name(self.subid)
+
+    @property
+    def original_gids(self) -> bool:
+        """Prepared transactions keep the publisher's GID on the target (``gid_format=original``)."""
+        return self.subgidformat == "original"
 
 
 @dataclass(frozen=True)
@@ -344,7 +355,7 @@ class Catalog:
     # subscriptions -----------------------------------------------------------------------------------------
     def create_subscription(self, *, subname: str, conninfo: str, publications: Sequence[str], two_phase_state: str,
                             streaming: str, binary: bool, disable_on_error: bool, origin: str, slot_name: str | None,
-                            enabled: bool, copy_data: bool) -> Subscription:  # fmt: skip
+                            enabled: bool, copy_data: bool, gid_format: str = "subscription") -> Subscription:  # fmt: skip
         """Insert the subscription row with a cluster-wide unique subid and create its replication origin."""
         with self.engine.begin() as c:
             c.execute(sa.text("SELECT pg_advisory_xact_lock(hashtext('applier.subid'))"))
@@ -367,7 +378,7 @@ class Catalog:
                     subid=candidate, subname=subname, subenabled=enabled, subtwophasestate=two_phase_state,
                     substream=streaming, subbinary=binary, subdisableonerr=disable_on_error, subskiplsn=None,
                     suborigin=origin, subslotname=slot_name, subpublications=list(publications),
-                    subconninfo=conninfo, subcopydata=copy_data,
+                    subconninfo=conninfo, subcopydata=copy_data, subgidformat=gid_format,
                 )
             )  # fmt: skip
             # Creating the origin claims the id cluster-wide; a concurrent creator in another database fails here
@@ -375,8 +386,14 @@ class Catalog:
             c.execute(sa.text("SELECT pg_replication_origin_create(:o)"), {"o": origin_name(candidate)})
             return self._get(c, subscription.c.subid == candidate)  # type: ignore[return-value]
 
+    def _subscription_columns(self, c: sa.Connection) -> list[sa.Column[Any]]:
+        """The subscription table's columns this catalog has: one of version < 4 (not upgraded yet: ``run`` and
+        ``create`` upgrade it) has no ``subgidformat``, which then reads as its default."""
+        version = c.execute(sa.select(sa.func.max(catalog_version.c.version))).scalar() or 0
+        return [col for col in subscription.c if version >= 4 or col.name != "subgidformat"]
+
     def _get(self, c: sa.Connection, where: Any) -> Subscription | None:
-        row = c.execute(sa.select(subscription).where(where)).mappings().first()
+        row = c.execute(sa.select(*self._subscription_columns(c)).where(where)).mappings().first()
         if row is None:
             return None
         fields = Subscription.__dataclass_fields__
@@ -400,7 +417,11 @@ class Catalog:
         with self._conn(conn) as c:
             if not self.exists(c):
                 return []
-            rows = c.execute(sa.select(subscription).order_by(subscription.c.subname)).mappings().all()
+            rows = (
+                c.execute(sa.select(*self._subscription_columns(c)).order_by(subscription.c.subname))
+                .mappings()
+                .all()
+            )
             fields = Subscription.__dataclass_fields__
             return [Subscription(**{k: v for k, v in r.items() if k in fields}) for r in rows]
 
@@ -518,11 +539,16 @@ class Catalog:
     def pending_prepared(
         self, subid: int, conn: sa.Connection | None = None
     ) -> list[tuple[str, dt.datetime]]:
-        """GIDs of this subscription's transactions prepared on the target (from ``pg_prepared_xacts``)."""
+        """GIDs of this subscription's transactions prepared on the target (from ``pg_prepared_xacts``): those
+        named ``pg_gid_<subid>_*``, and those its ``prepared_xact`` records name (``gid_format=original`` keeps the
+        publisher's GIDs, which only the record ties to the subscription)."""
         with self._conn(conn) as c:
             rows = c.execute(
-                sa.text("SELECT gid, prepared FROM pg_prepared_xacts WHERE gid LIKE :g ORDER BY prepared"),
-                {"g": f"pg\\_gid\\_{subid}\\_%"},
+                sa.text(
+                    "SELECT gid, prepared FROM pg_prepared_xacts WHERE gid LIKE :g"
+                    " OR gid IN (SELECT gid FROM applier.prepared_xact WHERE subid = :s) ORDER BY prepared"
+                ),
+                {"g": f"pg\\_gid\\_{subid}\\_%", "s": subid},
             ).all()
             return [(r.gid, r.prepared) for r in rows]
 

@@ -24,8 +24,10 @@ from .errors import AlterRefused
 from .tables import SyncState, TableState, all_tables_ready
 
 __all__ = [
+    "GID_FORMATS",
     "TwoPhaseState",
     "all_tables_ready",
+    "check_alter_gid_format",
     "check_alter_two_phase",
     "check_refresh_publication",
     "check_skip_lsn",
@@ -37,11 +39,46 @@ __all__ = [
 ]
 
 
-def gid_for(subid: int, remote_xid: int) -> str:
-    """The local GID of a remote prepared transaction (behaviour 62: never the publisher's GID)."""
+#: ``subgidformat``: ``subscription`` names a local prepared transaction ``pg_gid_<subid>_<remote xid>`` as
+#: PostgreSQL does (behaviour 62, the default, fixed in DESIGN.md); ``original`` keeps the publisher's GID, so that
+#: an application's transaction manager can finish it on the target after a migration's cutover
+#: (``applier migrate cutover --prepared carry``). Opt-in, because two publishers (or the target's own
+#: applications) may use the same GID, which then fails to prepare here.
+GID_FORMATS = ("subscription", "original")
+
+#: PostgreSQL's limit on a GID (``GIDSIZE`` is 200 bytes with the terminating zero).
+_GID_MAX_BYTES = 199
+
+
+def gid_for(subid: int, remote_xid: int, original: str | None = None) -> str:
+    """The local GID of a remote prepared transaction: ``pg_gid_<subid>_<xid>`` (behaviour 62: never the
+    publisher's GID), or the publisher's GID ``original`` itself when the subscription's ``gid_format`` is
+    ``original`` (the caller passes it only then)."""
     if remote_xid == 0:
         raise ApplierError("invalid two-phase transaction: remote xid is 0")
+    if original is not None:
+        if not original or len(original.encode()) > _GID_MAX_BYTES:
+            raise ApplierError(
+                f"invalid two-phase transaction: the publisher's GID {original!r} is empty or too long"
+            )
+        return original
     return f"pg_gid_{subid}_{remote_xid}"
+
+
+def check_alter_gid_format(current: str, new: str, *, prepared_xacts: int, subname: str | None = None) -> str:
+    """``alter NAME --set gid_format=...``: refused while the subscription has prepared transactions on the target,
+    whose COMMIT/ROLLBACK PREPARED would then look for them under the other name."""
+    if new not in GID_FORMATS:
+        raise AlterRefused(
+            f'unrecognized gid_format value: "{new}"', "use gid_format=subscription or original"
+        )
+    if new != current and prepared_xacts > 0:
+        raise AlterRefused(
+            f"cannot change gid_format while {prepared_xacts} prepared transaction(s) of {_sub(subname)} exist on "
+            "the target",
+            "let the publisher decide them first (applier status shows them), then alter gid_format",
+        )
+    return new
 
 
 class TwoPhaseState(StrEnum):

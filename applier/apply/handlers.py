@@ -150,6 +150,8 @@ class Applier:
 
         #: our prepared transactions: gid -> (prepare_end_lsn, prepare_time) (``LookupGXact``'s data)
         self.prepared: dict[str, tuple[int, int]] = dict(prepared or {})
+        #: ``gid_format=original``: local prepared transactions keep the publisher's GID (state.twophase.gid_for)
+        self.original_gids = False
         self.finished_prepared = (
             0  # COMMIT/ROLLBACK PREPARED done since the worker last reconciled the records
         )
@@ -658,7 +660,7 @@ class Applier:
         the records of its prepared transactions in memory (:attr:`prepared`), so ROLLBACK PREPARED needs no
         lookup round trip; rows of finished ones are removed in batches (``Catalog.reconcile_prepared``).
         """
-        gid = gid_for(self.subid, xid)
+        gid = self._gid(xid, ctx.gid)
         recorded = self._prerecorded.pop(gid, None) == (end_lsn, prepare_time) if self._prerecorded else False
         if self.commit_policy.pending is not None:
             # a group commit is deferred (plain transactions just before this one): the record rides in its local
@@ -697,8 +699,15 @@ class Applier:
         nothing. One whose transaction never gets prepared here (an error, a crash first) is replaced when the
         transaction comes again, or dropped by the worker's reconciliation of finished records."""
         upcoming = self._upcoming
+        if (
+            self.original_gids
+        ):  # the batched record needs GIDs that need no quoting (Target.record_prepared_many)
+            return
         for m in begins:
             upcoming[gid_for(self.subid, m.xid)] = (m.xid, m.prepare_lsn, m.end_lsn, m.prepare_time)
+
+    def _gid(self, xid: int, remote_gid: str | None) -> str:
+        return gid_for(self.subid, xid, remote_gid if self.original_gids else None)
 
     def _forget_prepared(self, gid: str) -> None:
         self.prepared.pop(gid, None)
@@ -743,7 +752,7 @@ class Applier:
             self.log.info(skiprules.completed_skipping_message(self.remote_final_lsn))
         finish_lsn = self.remote_final_lsn
         token = self.tracker.queued(end_lsn, two_phase=True)
-        self.target.prepare(gid_for(self.subid, xid), end_lsn, prepare_time, ctx,
+        self.target.prepare(self._gid(xid, self.remote_gid), end_lsn, prepare_time, ctx,
                             lambda _res: self.tracker.confirmed(token))  # fmt: skip
         self._end_remote("stream_prepare" if message_type == "STREAM PREPARE" else "prepare")
         self.tables.after_transaction(end_lsn)
@@ -758,7 +767,7 @@ class Applier:
             raise self._protocol_error(
                 "COMMIT PREPARED", "COMMIT PREPARED received inside a remote transaction"
             )
-        gid = gid_for(self.subid, m.xid)
+        gid = self._gid(m.xid, m.gid)
         ctx = ErrorContext(self.origin, "COMMIT PREPARED", None, m.xid, m.commit_lsn)
         token = self.tracker.queued(m.end_lsn, two_phase=True)
         self.target.finish_prepared(True, gid, m.end_lsn, m.commit_time, ctx,
@@ -780,7 +789,7 @@ class Applier:
             raise self._protocol_error(
                 "ROLLBACK PREPARED", "ROLLBACK PREPARED received inside a remote transaction"
             )
-        gid = gid_for(self.subid, m.xid)
+        gid = self._gid(m.xid, m.gid)
         ctx = ErrorContext(self.origin, "ROLLBACK PREPARED", None, m.xid, m.prepare_end_lsn)
         found = self.prepared.get(gid) == (m.prepare_end_lsn, m.prepare_time)
         token = self.tracker.queued(m.rollback_end_lsn, two_phase=True)

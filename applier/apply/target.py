@@ -68,6 +68,8 @@ _RECORD_UPSERT = (
     b" ON CONFLICT (gid) DO UPDATE SET subid = excluded.subid, remote_xid = excluded.remote_xid,"
     b" prepare_lsn = excluded.prepare_lsn, prepare_end_lsn = excluded.prepare_end_lsn,"
     b" prepare_time = excluded.prepare_time, recorded_at = now()"
+    # never take over another subscription's record (gid_format=original: two may prepare the same publisher GID)
+    b" WHERE prepared_xact.subid = excluded.subid"
 )
 
 #: Whether whole transactions may be applied to table ``c`` a batch at a time (applier.apply.bulk): a plain table
@@ -589,8 +591,10 @@ class Target:
             self.pipeline.send_prepare(
                 b"applier_record_prepared",
                 b"INSERT INTO applier.prepared_xact (gid, subid, remote_xid, prepare_lsn, prepare_end_lsn,"
-                b" prepare_time) VALUES ($1, $2::bigint, $3::bigint, $4::pg_catalog.pg_lsn, $5::pg_catalog.pg_lsn,"
-                b" $6::bigint)" + _RECORD_UPSERT,
+                b" prepare_time) SELECT $1::text, $2::bigint, $3::bigint, $4::pg_catalog.pg_lsn, $5::pg_catalog.pg_lsn,"
+                b" $6::bigint WHERE NOT EXISTS (SELECT FROM pg_catalog.pg_prepared_xacts x WHERE x.gid = $1::text)"
+                # (a GID already prepared here is not ours to record: the PREPARE then fails, saying it is in use)
+                + _RECORD_UPSERT,
                 [], ctx,
             )  # fmt: skip
             self._record_prepared_ready = True

@@ -138,9 +138,9 @@ def main(argv: Sequence[str], default_target: str | None = None) -> int:
             print(co.dumps(doc) if args.json else co.format_status(doc), flush=True)
             return 0
         if args.verb == "cutover":
-            if args.reverse:
-                raise ApplierError("applier migrate cutover --reverse is not implemented yet")
-            opts = co.CutoverOptions(args.name, target, args.timeout, args.verify, args.prepared)
+            opts = co.CutoverOptions(
+                args.name, target, args.timeout, args.verify, args.prepared, args.reverse
+            )
             return co.cutover(opts, _say)
         return co.abort(target, args.name, _say)
     except ApplierError as exc:

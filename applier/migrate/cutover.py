@@ -6,6 +6,10 @@ has applied it, set every sequence from the source (checking each is past the la
 belongs to), put the ``GENERATED ALWAYS`` identity columns back, verify (row counts, or ``full``: ``applier verify``),
 then mark the migration ``done`` and the subscription disabled in one target transaction. ``start`` sees that and
 exits 0; then the slot and publication are dropped from the source, which stays fenced: it is the old server now.
+
+``--prepared carry`` (:mod:`applier.migrate.carry`) does not wait for the source's prepared transactions: they are
+prepared on the target under the same GIDs, and rolled back on the source once its slot is gone. ``--reverse``
+(:mod:`applier.migrate.reverse`) leaves the old server subscribed to the new one, from the end position.
 Any failure before ``done`` unfences the source, puts the migration back to ``following`` and exits 1 with the
 reason: nothing is half switched. The write downtime reported is from the fence to ``done``.
 """
@@ -23,7 +27,9 @@ import psycopg
 from psycopg import sql
 
 from applier.lsn import parse_lsn
+from applier.migrate import carry as carrying
 from applier.migrate import fence as fencing
+from applier.migrate import reverse as reversing
 from applier.migrate import state as mstate
 from applier.migrate.state import MigrationError
 
@@ -75,10 +81,17 @@ def status(target_conninfo: str, name: str) -> dict[str, Any]:
                 (f"applier_{sub[0]}",),
             ).fetchone()
             origin = row[0] if row else None
+        carried = carrying.prepared_on_target(target, sub[0]) if sub is not None else []
+        pending = [s for r in target.execute(
+            "SELECT statements FROM applier.migration_step WHERE name = %s AND NOT done AND kind = 'cutover_identity'"
+            " AND %s = 'done' ORDER BY ord", (name, m.phase)) for s in r[0]]  # fmt: skip
     doc: dict[str, Any] = {
         "name": name, "phase": m.phase, "source": m.source, "selection": m.selection, "tables": tables,
         "post_data": {"done": done, "total": total}, "times": m.times, "error": m.error,
         "lag_bytes": None, "lag_seconds": None, "cutover_estimate_seconds": None,
+        # the subscription's transactions prepared on the target: after a cutover --prepared carry, the carried ones,
+        # for the application to finish there; and the identity steps that wait for them
+        "prepared_on_target": carried, "pending_statements": pending,
     }  # fmt: skip
     if sub is None or m.phase in ("done", "schema"):
         return doc
@@ -159,6 +172,10 @@ def format_status(doc: dict[str, Any]) -> str:
         lines.append(f"a cutover now: ~{est['total']:.1f}s of write downtime ({parts or 'all steps quick'})")
     if doc.get("error"):
         lines.append(f"error: {doc['error']}")
+    if doc.get("prepared_on_target"):
+        lines.append("prepared on the target: " + ", ".join(doc["prepared_on_target"]))
+    if doc.get("pending_statements"):
+        lines.append("to run on the target once they are decided: " + "; ".join(doc["pending_statements"]))
     lines += [f"  {t['name']}: {t['state']}" for t in doc["tables"]]
     return "\n".join(lines)
 
@@ -172,7 +189,8 @@ class CutoverOptions:
     target: str
     timeout: float = 60.0
     verify: str = "counts"  # counts | full | none
-    prepared: str = "wait"
+    prepared: str = "wait"  # wait | carry
+    reverse: bool = False
 
 
 _OWNED_SEQUENCES = """
@@ -253,11 +271,16 @@ class _Cutover:
                                              f"already holds {top}")  # fmt: skip
         return len(seqs)
 
-    def counts(self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], subname: str) -> None:
-        tables = [r[0] for r in target.execute(
+    @staticmethod
+    def tables(target: psycopg.Connection[Any], subname: str) -> list[str]:
+        """The migrated tables, schema-qualified and quoted."""
+        return [r[0] for r in target.execute(
             "SELECT format('%%I.%%I', n.nspname, c.relname) FROM applier.subscription_rel r"
             " JOIN applier.subscription s USING (subid) JOIN pg_class c ON c.oid = r.srrelid"
             " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE s.subname = %s ORDER BY 1", (subname,))]  # fmt: skip
+
+    def counts(self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], subname: str) -> None:
+        tables = self.tables(target, subname)
         wrong = []
         for t in tables:
             q = sql.SQL("SELECT count(*) FROM {}").format(sql.SQL(t))
@@ -288,10 +311,31 @@ class _Cutover:
             raise MigrationError("verification failed: " + verify.format_report(report).replace("\n", "; "))
         self.say("verify: every table equal (checksums)")
 
+    def switch(self, target: psycopg.Connection[Any], m: mstate.Migration, subid: int, fenced_at: float,
+               carried: list[str], deferred: list[str]) -> float:  # fmt: skip
+        """One target transaction: identity columns back to ``ALWAYS`` (those on tables a carried prepared
+        transaction locks are left for later, into ``deferred``: the ``ACCESS EXCLUSIVE`` lock would wait for it),
+        the subscription disabled, the migration ``done``. Returns the write downtime."""
+        with target.transaction():
+            for step, relnames, statements in target.execute(
+                "SELECT step, relnames, statements FROM applier.migration_step WHERE name = %s AND NOT done"
+                " AND kind = 'cutover_identity'",
+                (m.name,),
+            ).fetchall():
+                if carried and carrying.locked_by_prepared(target, relnames):
+                    deferred.extend(statements)
+                    continue
+                for s in statements:
+                    target.execute(s)
+                target.execute("UPDATE applier.migration_step SET done = true, finished = now()"
+                               " WHERE name = %s AND step = %s", (m.name, step))  # fmt: skip
+            downtime = time.monotonic() - fenced_at
+            target.execute("UPDATE applier.subscription SET subenabled = false WHERE subid = %s", (subid,))
+            mstate.set_phase(target, m.name, "done", seconds={"cutover downtime": downtime})
+        return downtime
+
     def run(self) -> int:
         opts = self.opts
-        if opts.prepared != "wait":
-            raise MigrationError("--prepared carry is not implemented yet; use --prepared wait")
         with psycopg.connect(opts.target, autocommit=True) as target:
             m = _require(target, opts.name)
             if m.phase != "following":
@@ -299,6 +343,13 @@ class _Cutover:
                                      "(post-data complete, the apply loop running)")  # fmt: skip
             sub = _subscription(target, m)
             assert sub is not None
+            carried: list[str] = []
+            deferred: list[str] = []
+            if opts.prepared == "carry":
+                carrying.check_gid_format(target, sub[0])
+            if opts.reverse:
+                reversing.check_new_server(target, m.name)
+            reversed_ = False
             origin = f"applier_{sub[0]}"
             mstate.set_phase(target, m.name, "cutover")
             src = fencing.open_source(m.source)
@@ -308,13 +359,25 @@ class _Cutover:
                 fenced_at = time.monotonic()
                 self.say("fence: the source's new transactions are read-only")
                 fencing.end_sessions(src, self.deadline, self.say)
-                open_gids = fencing.wait_prepared(src, self.deadline, self.say)
-                if open_gids:
-                    raise MigrationError(f"{len(open_gids)} prepared transaction(s) on the source were not decided "
-                                         f"within the timeout: {', '.join(open_gids[:5])}")  # fmt: skip
+                if opts.reverse and opts.prepared == "carry" and carrying.source_prepared(src):
+                    raise MigrationError(
+                        "--reverse cannot be combined with prepared transactions to carry: the reverse slot on the "
+                        "new server can only be created once every transaction open there is decided, and the "
+                        "carried ones are decided by the application after the cutover; use --prepared wait with "
+                        "--reverse, or carry without --reverse"
+                    )
+                if opts.prepared == "wait":
+                    open_gids = fencing.wait_prepared(src, self.deadline, self.say)
+                    if open_gids:
+                        raise MigrationError(f"{len(open_gids)} prepared transaction(s) on the source were not "
+                                             f"decided within the timeout: {', '.join(open_gids[:5])}")  # fmt: skip
                 endpos = src.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]  # type: ignore[index]
                 self.say(f"end position {endpos}: waiting for the target to apply it")
                 self.wait_applied(target, src, origin, sub[1], endpos)
+                if opts.prepared == "carry":
+                    carried = carrying.settle(target, src, sub[0], self.left,
+                                              lambda pos: self.wait_applied(target, src, origin, sub[1], pos))  # fmt: skip
+                    self.say(carrying.carried_message(carried))
                 n = self.sequences(target, src, m)
                 self.say(f"sequences: {n} set from the source")
                 self.objects(target, src, m)
@@ -322,22 +385,14 @@ class _Cutover:
                     self.counts(target, src, m.subname)
                 elif opts.verify == "full":
                     self.full(m)
-                with target.transaction():
-                    for step, statements in target.execute(
-                        "SELECT step, statements FROM applier.migration_step WHERE name = %s AND NOT done"
-                        " AND kind = 'cutover_identity'",
-                        (m.name,),
-                    ).fetchall():
-                        for s in statements:
-                            target.execute(s)
-                        target.execute("UPDATE applier.migration_step SET done = true, finished = now()"
-                                       " WHERE name = %s AND step = %s", (m.name, step))  # fmt: skip
-                    downtime = time.monotonic() - fenced_at
-                    target.execute(
-                        "UPDATE applier.subscription SET subenabled = false WHERE subid = %s", (sub[0],)
-                    )
-                    mstate.set_phase(target, m.name, "done", seconds={"cutover downtime": downtime})
+                if opts.reverse:
+                    reversed_ = True
+                    reversing.create(target, src, m.name, self.tables(target, m.subname), self.say)
+                downtime = self.switch(target, m, sub[0], fenced_at, carried, deferred)
             except BaseException as exc:
+                if reversed_:
+                    with contextlib.suppress(Exception):
+                        reversing.undo(target, src, m.name)
                 with contextlib.suppress(Exception):
                     fencing.unfence(src)
                 with contextlib.suppress(Exception):
@@ -351,35 +406,42 @@ class _Cutover:
             self.say(
                 f"cutover done: write downtime {downtime:.2f}s (from the fence); the source stays read-only"
             )
-            self._drop_on_source(src, m, sub[1])
+            slot_gone = self._drop_on_source(src, m, sub[1])
+            if carried:
+                carrying.finish_on_source(src, carried, slot_gone, self.say)
+                for line in carrying.after_cutover_lines(carried, deferred):
+                    self.say(line)
             src.close()
         return 0
 
-    def _drop_on_source(self, src: psycopg.Connection[Any], m: mstate.Migration, slot: str) -> None:
-        """The slot (once start has let go of it) and the publication: the old server keeps no WAL for us."""
-        drop_slot(src, slot, patience=max(self.left(), 10.0), say=self.say)
+    def _drop_on_source(self, src: psycopg.Connection[Any], m: mstate.Migration, slot: str) -> bool:
+        """The slot (once start has let go of it) and the publication: the old server keeps no WAL for us. Whether
+        the slot is gone (nothing decodes the source any more)."""
+        gone = drop_slot(src, slot, patience=max(self.left(), 10.0), say=self.say)
         if m.pub_created:
             src.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(m.publication)))
             self.say(f"publication {m.publication} dropped from the source")
+        return gone
 
 
 def drop_slot(
     src: psycopg.Connection[Any], slot: str, *, patience: float, say: Callable[[str], None]
-) -> None:
+) -> bool:
+    """Drop ``slot`` once nobody streams from it (waiting up to ``patience`` seconds); whether it is gone."""
     deadline = time.monotonic() + patience
     while True:
         row = src.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
         if row is None:
-            return
+            return True
         if not row[0]:
             with contextlib.suppress(psycopg.errors.ObjectInUse):
                 src.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
                 say(f"slot {slot} dropped from the source")
-                return
+                return True
         if time.monotonic() >= deadline:
             say(f"WARNING: slot {slot} is still in use on the source; drop it once start has stopped: "
                 f"SELECT pg_drop_replication_slot('{slot}')")  # fmt: skip
-            return
+            return False
         time.sleep(0.1)
 
 

@@ -294,6 +294,19 @@ class _Runner:
         with psycopg.connect(self.opts.source, autocommit=True) as src:
             return int(src.execute("SHOW server_version_num").fetchone()[0]) // 10000  # type: ignore[index]
 
+    def _gid_format(self) -> str:
+        """``original`` (prepared transactions keep the source's GIDs, what ``cutover --prepared carry`` needs),
+        unless the source and the target are one cluster, where a GID exists once: there the target's copy could
+        never be prepared while the source's is, so the subscription names them ``pg_gid_<subid>_<xid>``."""
+        query = "SELECT system_identifier::text FROM pg_control_system()"
+        with contextlib.suppress(psycopg.Error), psycopg.connect(self.opts.source, autocommit=True) as src:
+            if src.execute(query).fetchone() == self.target.execute(query).fetchone():
+                self.say(
+                    "note: the source and the target are one cluster: --prepared carry will not be possible"
+                )
+                return "subscription"
+        return "original"
+
     def subscription(self, m: mstate.Migration, tables: list[str]) -> None:
         """The subscription's catalog rows (every table ``i``, two-phase pending until all are ready), using the
         slot made above; one left by an interrupted start is replaced."""
@@ -310,7 +323,7 @@ class _Runner:
             sub = catalog.create_subscription(
                 subname=m.subname, conninfo=m.source, publications=[m.publication], two_phase_state=two_phase.value,
                 streaming="on", binary=False, disable_on_error=False, origin="any", slot_name=m.slot, enabled=True,
-                copy_data=True,
+                copy_data=True, gid_format=self._gid_format(),
             )  # fmt: skip
             with catalog.engine.begin() as c:
                 for name in tables:

@@ -104,6 +104,7 @@ def test_old_catalog_upgrades_itself_and_status_reads_it(pair) -> None:
         " DROP COLUMN next_retry_at"
     )
     pair.target.execute("DROP TABLE applier.apply_lag")  # added by version 3
+    pair.target.execute("ALTER TABLE applier.subscription DROP COLUMN subgidformat")  # added by version 4
     pair.target.execute("DELETE FROM applier.catalog_version WHERE version > 1")
     pair.target.execute(
         "INSERT INTO applier.apply_error (subid, message, remote_xid, finish_lsn) VALUES (%s, 'boom', 7, '0/10')",
@@ -115,7 +116,9 @@ def test_old_catalog_upgrades_itself_and_status_reads_it(pair) -> None:
         and e["sqlstate"] is None
         and e["skip_command"] == "applier alter s --skip-lsn 0/10"
     )
+    assert status(pair.target, "s")["gid_format"] == "subscription"
     assert Catalog.connect(pair.target.dsn).ensure() == CATALOG_VERSION
+    assert pair.target.scalar("SELECT subgidformat FROM applier.subscription") == "subscription"
     assert (
         pair.target.scalar(
             "SELECT count(*) FROM information_schema.columns WHERE table_schema = 'applier'"

@@ -422,3 +422,29 @@ def test_bulk_declines_too_few_transactions(core_factory):
     batch = bulk.Batch([_xlog(encode_message(m), 1) for m in messages])
     assert core.applier.apply_bulk(batch, 0) == 0
     assert "bulk_insert" not in core.target.names()
+
+
+def test_original_gids_keep_the_publishers_gid_through_prepare_and_decisions(core_factory):
+    """``gid_format=original`` (migrations' ``--prepared carry``): the publisher's GID names the local prepared
+    transaction, its record, COMMIT PREPARED and ROLLBACK PREPARED; BEGIN PREPAREs are not recorded ahead (their GIDs
+    may need quoting)."""
+    core = core_factory()
+    core.applier.original_gids = True
+    core.applier.expect_prepares([BeginPrepare(100, 108, 3000 + XID, XID, f"pub_{XID}")])
+    core.feed(REL_T, *prepared(XID, 100, ins(1, 1)))
+    assert core.target.names(skip=("drain", "load_local_table")) == [
+        "record_prepared",
+        "begin",
+        "insert",
+        "prepare",
+    ]
+    assert core.target.calls[-1].args == (f"pub_{XID}", 108, 3000 + XID)
+    assert core.applier.prepared == {f"pub_{XID}": (108, 3000 + XID)}
+    core.feed(CommitPrepared(0, 300, 308, 4000, XID, f"pub_{XID}"))
+    assert core.target.calls[-1].args == (f"pub_{XID}", 308, 4000)
+    odd = "it's 1"
+    core.feed(StreamStart(XID + 1, True), StreamStop(), StreamPrepare(0, 400, 408, 5000, XID + 1, odd))
+    assert core.target.calls[-1].name == "prepare" and core.target.calls[-1].args[0] == odd
+    core.feed(RollbackPrepared(0, 408, 508, 5000, 6000, XID + 1, odd))
+    assert core.target.calls[-1].name == "rollback_prepared" and core.target.calls[-1].args[0] == odd
+    assert core.applier.prepared == {}

@@ -1138,3 +1138,29 @@ def test_a_filtered_transaction_must_still_advance_the_origin() -> None:
     # transaction, and now nothing stops it:
     restarted, _ = apply_event(replace(state, stream_lsn=None), WorkerStarted(0))
     assert restarted.applies("public.a", 400)
+
+
+def test_gid_for_the_two_formats() -> None:
+    from applier.errors import ApplierError
+    from state.twophase import GID_FORMATS, check_alter_gid_format, gid_for
+
+    assert gid_for(7, 42) == "pg_gid_7_42" and gid_for(7, 42, "app 'x'") == "app 'x'"
+    with pytest.raises(ApplierError, match="empty or too long"):
+        gid_for(7, 42, "x" * 200)
+    with pytest.raises(ApplierError, match="remote xid is 0"):
+        gid_for(7, 0, "x")
+    assert GID_FORMATS == ("subscription", "original")
+    assert check_alter_gid_format("subscription", "original", prepared_xacts=0) == "original"
+    assert check_alter_gid_format("original", "original", prepared_xacts=3) == "original"
+    with pytest.raises(AlterRefused, match="cannot change gid_format while 2 prepared"):
+        check_alter_gid_format("subscription", "original", prepared_xacts=2, subname="s")
+    with pytest.raises(AlterRefused, match="unrecognized gid_format"):
+        check_alter_gid_format("subscription", "pg", prepared_xacts=0)
+
+
+def test_set_gid_format_is_parsed_and_checked() -> None:
+    from applier.subscriptions import SubscriptionError, parse_set_options
+
+    assert parse_set_options(["gid_format=Original"]) == {"gid_format": "original"}
+    with pytest.raises(SubscriptionError, match='unrecognized gid_format value: "pub"'):
+        parse_set_options(["gid_format=pub"])
