@@ -44,9 +44,6 @@ from applier.apply.relmap import (
     RelationMap,
     RelationMappingError,
     RelMapEntry,
-    map_relation,
-    missing_table_error,
-    remote_schema,
 )
 from applier.apply.skip_clear import SkipClearing, SkipState
 from applier.apply.spool import Spool
@@ -93,8 +90,11 @@ MESSAGE_NAMES: dict[type, str] = {
 _SPOOLED = (Relation, Type, Insert, Update, Delete, Truncate, Message)
 #: Type bytes of the messages above (all carry the subtransaction xid right after the type byte inside a stream).
 RAW_SPOOL_TYPES = frozenset(b"RYIUDTM")
-#: Messages that may follow a deferred group commit without ending the group: a plain transaction's.
-_GROUPABLE = frozenset((Begin, Commit, Origin, Relation, Type, Insert, Update, Delete, Truncate, Message))
+#: Messages that may follow a deferred group commit without ending the group first: a plain transaction's, and
+#: BEGIN PREPARE (which ends the group itself: its prepared_xact record rides in it, PreparedRecords.record)
+_KEEP_GROUP = frozenset(
+    (Begin, Commit, Origin, Relation, Type, Insert, Update, Delete, Truncate, Message, BeginPrepare)
+)
 
 
 class TableStates:
@@ -111,10 +111,10 @@ class TableStates:
         raise NotImplementedError
 
 
-class Applier:
-    """The transaction/dispatch core of one streaming session (see the module docstring)."""
+class PublicNames:
+    """The names the worker, tablesync and the tests use on :class:`Applier`, mapped onto its parts (the state in
+    :mod:`applier.apply.apply_state`, the strategies in their modules): kept so callers need not know the layout."""
 
-    # names the worker, tablesync and the tests use: the state and the strategies live in the parts below
     in_remote_transaction, remote_xid = Alias("tx", "active"), Alias("tx", "xid")
     remote_final_lsn, stream_xid = Alias("tx", "final_lsn"), Alias("stream", "xid")
     relations, entries = Alias("relmap", "relations"), Alias("relmap", "entries")
@@ -133,6 +133,12 @@ class Applier:
                                     "converted_rows")
     )  # fmt: skip
 
+    copy_lane, handle_insert_run = Alias("inserts", "lane"), Alias("inserts", "copy_stretches")
+
+
+class Applier(PublicNames):
+    """The transaction/dispatch core of one streaming session (see the module docstring)."""
+
     def __init__(
         self, *, subid: int, subname: str, target: ApplyTarget, tracker: FeedbackTracker, spool: Spool,
         tables: TableStates, skip: SkipState, clear_skip_lsn: Callable[[int, int], bool], encoding: str = "utf-8",
@@ -142,44 +148,28 @@ class Applier:
         self.subid, self.subname, self.origin = subid, subname, f"applier_{subid}"
         self.target, self.tracker, self.spool, self.tables = target, tracker, spool, tables
         self.skip, self.encoding, self.log = skip, encoding, logger or log
-        self.tx, self.stream, self.stats, self.relmap = (
-            RemoteTransaction(),
-            StreamChunk(),
-            ApplyStats(),
-            RelationMap(),
-        )
+        self.tx, self.stream, self.stats, self.relmap = RemoteTransaction(), StreamChunk(), ApplyStats(), RelationMap()  # fmt: skip
         self._ctx_cache: dict[tuple[str, int], ErrorContext] = {}
         # the strategies
         self.commit_policy = CommitPolicy(tracker, enabled=group_commit, ungrouped_until=ungrouped_until)
         self.group = GroupCommit(self, self.commit_policy)
-        self.inserts = InsertRuns(target, self.stats)
+        self.inserts = InsertRuns(target, self.stats, self.tx, self.stream, self.relmap)
         self.bulk_exec = BulkExecution(self, bulk)
         self.folding = Folding()
         self.records = PreparedRecords(subid, target, self.stats, prepared)
         self.skip_clearing = SkipClearing(subid, subname, skip, target, clear_skip_lsn, self.log)
         target.pipeline.on_missing_row = self.missing_row
+        # one handler per message, named as worker.c's: BEGIN PREPARE -> handle_begin_prepare
         self._dispatch: dict[type, Callable[[Any, bytes], None]] = {
-            Begin: self.handle_begin, Commit: self.handle_commit, Origin: self.handle_origin,
-            Relation: self.handle_relation, Type: self.handle_type, Insert: self.handle_insert,
-            Update: self.handle_update, Delete: self.handle_delete, Truncate: self.handle_truncate,
-            Message: self.handle_message, StreamStart: self.handle_stream_start,
-            StreamStop: self.handle_stream_stop, StreamCommit: self.handle_stream_commit,
-            StreamAbort: self.handle_stream_abort, BeginPrepare: self.handle_begin_prepare,
-            Prepare: self.handle_prepare, CommitPrepared: self.handle_commit_prepared,
-            RollbackPrepared: self.handle_rollback_prepared, StreamPrepare: self.handle_stream_prepare,
-        }  # fmt: skip
+            cls: getattr(self, "handle_" + name.lower().replace(" ", "_"))
+            for cls, name in MESSAGE_NAMES.items()
+        }
 
     # --- dispatch (``apply_dispatch``) -----------------------------------------------------------------------
     def handle(self, msg: Any, payload: bytes = b"") -> None:
         """Apply one decoded message; ``payload`` is its raw bytes (needed to spool streamed changes)."""
-        # (BEGIN PREPARE ends the group itself: its prepared_xact record rides in it, see _record_prepared)
-        if (
-            self.commit_policy.pending is not None
-            and msg.__class__ not in _GROUPABLE
-            and not self.tx.active
-            and msg.__class__ is not BeginPrepare
-        ):
-            self.end_group()
+        if self.commit_policy.pending is not None and msg.__class__ not in _KEEP_GROUP and not self.tx.active:
+            self.group.end()
         self._dispatch[msg.__class__](msg, payload)
 
     @property
@@ -211,9 +201,8 @@ class Applier:
     # --- transactions ----------------------------------------------------------------------------------------
     def _start_remote(self, xid: int, final_lsn: int, message_type: str) -> None:
         if self.tx.active:
-            raise self.protocol_error(
-                message_type, f"{message_type} received inside remote transaction {self.tx.xid}"
-            )
+            text = f"{message_type} received inside remote transaction {self.tx.xid}"
+            raise self.protocol_error(message_type, text)
         self.tx.start(xid, final_lsn)
         self._ctx_cache.clear()
         if skiprules.starts_skipping(self.skip.skip_lsn, final_lsn):
@@ -230,18 +219,25 @@ class Applier:
 
     def handle_commit(self, m: Commit, payload: bytes = b"") -> None:
         """``apply_handle_commit``: commit with origin progress, queue the flush-map entry, run the sync pass."""
-        if m.commit_lsn != self.tx.final_lsn:
-            raise self.protocol_error(
-                "COMMIT", f"incorrect commit LSN {format_lsn(m.commit_lsn)} in commit message (expected "
-                f"{format_lsn(self.tx.final_lsn)})",
-            )  # fmt: skip
+        self._check_final_lsn("COMMIT", m.commit_lsn, True)
         kind = "skipped" if self.tx.skipping else "commit"
-        if self.group.defer(m.commit_lsn, m.end_lsn, m.commit_time):
+        self._commit_or_defer(m.commit_lsn, m.end_lsn, m.commit_time, "COMMIT", kind)
+
+    def _check_final_lsn(self, message_type: str, lsn: int, ok: bool) -> None:
+        """The COMMIT/PREPARE must end the transaction its BEGIN announced (``ok``: and of the right kind)."""
+        if not ok or lsn != self.tx.final_lsn:
+            word, expected = message_type.lower(), format_lsn(self.tx.final_lsn)
+            text = f"incorrect {word} LSN {format_lsn(lsn)} in {word} message (expected {expected})"
+            raise self.protocol_error(message_type, text)
+
+    def _commit_or_defer(self, lsn: int, end_lsn: int, time: int, message_type: str, kind: str) -> None:
+        """End the remote transaction: join the open group commit, or commit now and run the sync-state pass."""
+        if self.group.defer(lsn, end_lsn, time):
             self._end_remote(kind)
             return
-        self._commit_internal(m.end_lsn, m.commit_time, "COMMIT")
+        self._commit_internal(end_lsn, time, message_type)
         self._end_remote(kind)
-        self.tables.after_transaction(m.end_lsn)
+        self.tables.after_transaction(end_lsn)
 
     def _commit_internal(self, end_lsn: int, commit_time: int, message_type: str) -> None:
         """``apply_handle_commit_internal``: commit if a local transaction exists (something applied, or a
@@ -290,20 +286,13 @@ class Applier:
         entry = self.relmap.entries.get(relid)
         if entry is not None:
             return entry
-        rel = self.relmap.relations.get(relid)
-        if rel is None:
+        if relid not in self.relmap.relations:
             raise self.protocol_error(message_type, f"no relation map entry for remote relation ID {relid}")
         self.inserts.flush()
         try:
-            local = self.target.load_local_table(remote_schema(rel), rel.relname)
-            if local is None:
-                raise missing_table_error(rel)
-            entry = self.relmap.entries[relid] = map_relation(rel, local)
+            return self.relmap.open(relid, self.target.load_local_table)
         except RelationMappingError as exc:
-            raise ApplyError(
-                str(exc), self.context(message_type, f"{remote_schema(rel)}.{rel.relname}")
-            ) from None
-        return entry
+            raise ApplyError(str(exc), self.context(message_type, self.relmap.name(relid))) from None
 
     def _open_change(self, relid: int, message_type: str) -> tuple[RelMapEntry, ErrorContext] | None:
         """The relation and error context of an Update or Delete about to be sent, with a local transaction open,
@@ -342,37 +331,24 @@ class Applier:
         """An Insert outside a stream, from its bytes: a row for the open COPY goes straight in; anything else
         takes :meth:`handle_insert`."""
         relid, new = decode_plain_insert(payload)
-        if not self.inserts.add_to_lane(relid, new, self.copy_lane()):
+        if not self.inserts.add_to_lane(relid, new):
             self.handle_insert(Insert(None, relid, new), payload)
-
-    def copy_lane(self) -> tuple[int, int] | None:
-        """The COPY lane open now (:meth:`InsertRuns.lane`), or None (none open, discarding, in a stream chunk)."""
-        if self.tx.discarding or self.stream.xid is not None:
-            return None
-        return self.inserts.lane(self.relmap.entries)
-
-    def handle_insert_run(self, run: InsertRun, first: int, stop: int, one: Callable[[int], None]) -> None:
-        """Messages ``first`` to ``stop - 1`` of ``run``: stretches of Inserts into the open COPY converted at once,
-        the rest through ``one(i)`` (:meth:`InsertRuns.copy_stretches`)."""
-        self.inserts.copy_stretches(run, first, stop, one, self.copy_lane)
 
     def handle_update(self, m: Update, payload: bytes = b"") -> None:
         """``apply_handle_update``: by replica identity; no row found is a conflict, not an error."""
-        if (
-            not self._spooled(m.xid, payload)
-            and not self.tx.discarding
-            and (opened := self._open_change(m.relid, "UPDATE")) is not None
-        ):
+        if self._spooled(m.xid, payload) or self.tx.discarding:
+            return
+        opened = self._open_change(m.relid, "UPDATE")
+        if opened is not None:
             self.target.update(opened[0], m.old, m.new, opened[1])
             self.stats.pending_rows[1] += 1
 
     def handle_delete(self, m: Delete, payload: bytes = b"") -> None:
         """``apply_handle_delete``: by replica identity; no row found is a conflict, not an error."""
-        if (
-            not self._spooled(m.xid, payload)
-            and not self.tx.discarding
-            and (opened := self._open_change(m.relid, "DELETE")) is not None
-        ):
+        if self._spooled(m.xid, payload) or self.tx.discarding:
+            return
+        opened = self._open_change(m.relid, "DELETE")
+        if opened is not None:
             self.target.delete(opened[0], m.old, opened[1])
             self.stats.pending_rows[2] += 1
 
@@ -382,9 +358,7 @@ class Applier:
         if self._spooled(m.xid, payload) or self.tx.discarding:
             return
         self.inserts.flush()
-        opened = {
-            id(e): e for e in (self._entry(relid, "TRUNCATE") for relid in m.relids)
-        }  # once each, in order
+        opened = {id(e): e for e in (self._entry(relid, "TRUNCATE") for relid in m.relids)}  # once each, in order  # fmt: skip
         entries = [e for e in opened.values() if self.tables.should_apply(e.local.oid, self.tx.final_lsn)]
         if not entries:
             return
@@ -406,17 +380,12 @@ class Applier:
         if decision is not None:
             self.tx.discarding = not decision.commit
             return
-        self.records.record(
-            m.xid, m.prepare_lsn, m.end_lsn, m.prepare_time, self.context("BEGIN PREPARE"), self.group
-        )
+        ctx = self.context("BEGIN PREPARE")
+        self.records.record(m.xid, m.prepare_lsn, m.end_lsn, m.prepare_time, ctx, self.group)
 
     def handle_prepare(self, m: Prepare, payload: bytes = b"") -> None:
         """``apply_handle_prepare``: always PREPARE, even an empty or skipped transaction (behaviour 61)."""
-        if self.tx.prepare is None or m.prepare_lsn != self.tx.final_lsn:
-            raise self.protocol_error(
-                "PREPARE", f"incorrect prepare LSN {format_lsn(m.prepare_lsn)} in prepare message (expected "
-                f"{format_lsn(self.tx.final_lsn)})",
-            )  # fmt: skip
+        self._check_final_lsn("PREPARE", m.prepare_lsn, self.tx.prepare is not None)
         if self.folding.current is not None:
             return  # the transaction ends with its COMMIT/ROLLBACK PREPARED, the next message
         self._prepare_internal(m.xid, m.end_lsn, m.prepare_time, "PREPARE")
@@ -454,9 +423,7 @@ class Applier:
         gid = gid_for(self.subid, m.xid)
         found = self.records.matches(gid, m.prepare_end_lsn, m.prepare_time)
         if found:
-            self._finish_prepared(
-                False, m.xid, m.prepare_end_lsn, end_lsn, m.rollback_time, "ROLLBACK PREPARED"
-            )
+            self._finish_prepared(False, m.xid, m.prepare_end_lsn, end_lsn, m.rollback_time, "ROLLBACK PREPARED")  # fmt: skip
         else:
             self._check_outside("ROLLBACK PREPARED")
             self.tracker.confirmed(self.tracker.queued(end_lsn, two_phase=True))
@@ -470,17 +437,13 @@ class Applier:
         if self.tx.active:
             raise self.protocol_error(message_type, f"{message_type} received inside a remote transaction")
 
-    def _finish_prepared(
-        self, commit: bool, xid: int, lsn: int, end_lsn: int, time: int, message_type: str
-    ) -> None:
+    def _finish_prepared(self, commit: bool, xid: int, lsn: int, end_lsn: int, time: int, message_type: str) -> None:  # fmt: skip
         """COMMIT or ROLLBACK PREPARED of our prepared transaction (``lsn`` is what its error context names)."""
         self._check_outside(message_type)
         gid = gid_for(self.subid, xid)
         ctx = ErrorContext(self.origin, message_type, None, xid, lsn)
         token = self.tracker.queued(end_lsn, two_phase=True)
-        self.target.finish_prepared(
-            commit, gid, end_lsn, time, ctx, lambda _res: self.tracker.confirmed(token)
-        )
+        self.target.finish_prepared(commit, gid, end_lsn, time, ctx, lambda _res: self.tracker.confirmed(token))  # fmt: skip
         self.records.forget(gid)
 
     def _end_folded(self, lsn: int, end_lsn: int, time: int, message_type: str, kind: str) -> None:
@@ -488,49 +451,42 @@ class Applier:
         commit included; a rolled back one applied nothing, so it commits nothing of its own."""
         self.folding.current = None
         self.stats.folded_prepares += 1
-        if self.group.defer(lsn, end_lsn, time):
-            self._end_remote(kind)
-            return
-        self._commit_internal(end_lsn, time, message_type)
-        self._end_remote(kind)
-        self.tables.after_transaction(end_lsn)
+        self._commit_or_defer(lsn, end_lsn, time, message_type, kind)
 
     # --- streamed transactions -------------------------------------------------------------------------------
     def spool_raw(self, payload: bytes) -> None:
         """A change inside a stream chunk (type byte in :data:`RAW_SPOOL_TYPES`), spooled as received, undecoded:
-        only the subtransaction xid after the type byte is read (as ``stream_write_change`` does)."""
-        if (
-            self.stream.xid is None or len(payload) < 5
-        ):  # pragma: no cover - the worker's decoder says in-stream
+        only the subtransaction xid after the type byte is read (``stream_write_change``); checked at replay."""
+        if self.stream.xid is not None and len(payload) >= 5:
+            self.spool.write(int.from_bytes(payload[1:5], "big"), payload)
+        else:  # pragma: no cover - the worker's decoder says in-stream
             self.handle(decode_message(payload, in_stream=True, encoding=self.encoding), payload)
-            return
-        self.spool.write(int.from_bytes(payload[1:5], "big"), payload)
+
+    def _check_chunk(self, message_type: str, chunk_open: bool, text: str) -> None:
+        """A stream message must come inside (``chunk_open``) or outside a stream chunk."""
+        if (self.stream.xid is not None) is not chunk_open:
+            raise self.protocol_error(message_type, text)
 
     def handle_stream_start(self, m: StreamStart, payload: bytes = b"") -> None:
         """``apply_handle_stream_start``: open (or reopen) the transaction's spool file."""
-        if self.stream.xid is not None:
-            raise self.protocol_error("STREAM START", "duplicate STREAM START message")
+        self._check_chunk("STREAM START", False, "duplicate STREAM START message")
         if self.tx.active:
             raise self.protocol_error("STREAM START", "STREAM START received inside a remote transaction")
         if m.xid == 0:
-            raise self.protocol_error(
-                "STREAM START", "invalid transaction ID in streamed replication transaction"
-            )
+            raise self.protocol_error("STREAM START", "invalid transaction ID in streamed replication transaction")  # fmt: skip
         self.inserts.flush()
         self.spool.start_chunk(m.xid, m.first_segment)
         self.stream.xid = m.xid
 
     def handle_stream_stop(self, m: StreamStop, payload: bytes = b"") -> None:
         """``apply_handle_stream_stop``: close the chunk's spool file."""
-        if self.stream.xid is None:
-            raise self.protocol_error("STREAM STOP", "STREAM STOP message without STREAM START")
+        self._check_chunk("STREAM STOP", True, "STREAM STOP message without STREAM START")
         self.spool.close_chunk()
         self.stream.xid = None
 
     def handle_stream_abort(self, m: StreamAbort, payload: bytes = b"") -> None:
         """``apply_handle_stream_abort``: drop the spool, or truncate it back to the aborted subtransaction."""
-        if self.stream.xid is not None:
-            raise self.protocol_error("STREAM ABORT", "STREAM ABORT message without STREAM STOP")
+        self._check_chunk("STREAM ABORT", False, "STREAM ABORT message without STREAM STOP")
         self.spool.abort(m.xid, m.subxid)
         if m.xid == m.subxid:
             self.stats.kinds["stream_abort"] += 1
@@ -546,17 +502,15 @@ class Applier:
                 payload = buffer[at[i] : to[i]]
                 msg = decode_message(payload, in_stream=True, encoding=self.encoding)
                 if not isinstance(msg, _SPOOLED):
-                    raise self.protocol_error(
-                        message_type, f"unexpected {MESSAGE_NAMES[msg.__class__]} in spool of {xid}"
-                    )
+                    text = f"unexpected {MESSAGE_NAMES[msg.__class__]} in spool of {xid}"
+                    raise self.protocol_error(message_type, text)
                 self._dispatch[msg.__class__](msg, payload)
 
             self.handle_insert_run(InsertRun(buffer, starts, ends, 0, 5), 0, len(at), one)
 
     def handle_stream_commit(self, m: StreamCommit, payload: bytes = b"") -> None:
         """``apply_handle_stream_commit``: replay the spool in one local transaction, then the Commit path."""
-        if self.stream.xid is not None:
-            raise self.protocol_error("STREAM COMMIT", "STREAM COMMIT message without STREAM STOP")
+        self._check_chunk("STREAM COMMIT", False, "STREAM COMMIT message without STREAM STOP")
         self._replay(m.xid, m.commit_lsn, "STREAM COMMIT")
         self._commit_internal(m.end_lsn, m.commit_time, "STREAM COMMIT")
         self._end_remote("stream_commit")
@@ -565,8 +519,7 @@ class Applier:
 
     def handle_stream_prepare(self, m: StreamPrepare, payload: bytes = b"") -> None:
         """``apply_handle_stream_prepare``: replay the spool, then PREPARE it."""
-        if self.stream.xid is not None:
-            raise self.protocol_error("STREAM PREPARE", "STREAM PREPARE message without STREAM STOP")
+        self._check_chunk("STREAM PREPARE", False, "STREAM PREPARE message without STREAM STOP")
         ctx = ErrorContext(self.origin, "STREAM PREPARE", None, m.xid, m.prepare_lsn, m.gid)
         self.records.record(m.xid, m.prepare_lsn, m.end_lsn, m.prepare_time, ctx, self.group)
         self.tx.gid = m.gid  # _replay's _start_remote keeps it; _end_remote clears it

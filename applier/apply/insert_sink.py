@@ -15,13 +15,13 @@ Pure: it calls the target (:class:`~applier.apply.ports.ApplyTarget`) and does n
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
-from applier.apply.apply_state import ApplyStats
+from applier.apply.apply_state import ApplyStats, RemoteTransaction, StreamChunk
 from applier.apply.context import ErrorContext
 from applier.apply.copytext import InsertRun
 from applier.apply.ports import COPY_THRESHOLD, ApplyTarget, copy_eligible
-from applier.apply.relmap import RelMapEntry
+from applier.apply.relmap import RelationMap, RelMapEntry
 from applier.messages import KIND_BINARY, KIND_UNCHANGED_TOAST, TupleData
 
 #: Inserts in a stretch below this go row by row: converting a stretch costs a fixed ~50 µs of array calls
@@ -33,11 +33,19 @@ _NEW_TUPLE = ord("N")
 class InsertRuns:
     """The insert sink of one apply session: the open run (its relation, buffered rows and error context)."""
 
-    __slots__ = ("target", "stats", "entry", "rows", "ctx")
+    __slots__ = ("target", "stats", "tx", "stream", "relmap", "entry", "rows", "ctx")
 
-    def __init__(self, target: ApplyTarget, stats: ApplyStats) -> None:
+    def __init__(
+        self,
+        target: ApplyTarget,
+        stats: ApplyStats,
+        tx: RemoteTransaction,
+        stream: StreamChunk,
+        relmap: RelationMap,
+    ) -> None:
         self.target = target
         self.stats = stats
+        self.tx, self.stream, self.relmap = tx, stream, relmap  # the core's, read by lane()
         self.entry: RelMapEntry | None = None  # the relation of the open run
         self.rows: list[TupleData] = []  # its rows not sent yet (fewer than COPY_THRESHOLD)
         self.ctx: ErrorContext | None = None
@@ -93,21 +101,22 @@ class InsertRuns:
         if self.entry is not None and self.entry.remote.relid == relid:
             self.flush()
 
-    def lane(self, entries: Mapping[int, RelMapEntry]) -> tuple[int, int] | None:
+    def lane(self) -> tuple[int, int] | None:
         """``(relid << 8 | 'N', column count)`` of the Inserts that would go straight into the open COPY, or
-        ``None`` when none would (no COPY open, or its relation was remapped since)."""
+        ``None`` when none would (no COPY open, its relation remapped since, discarding, inside a stream chunk)."""
         entry = self.entry
-        if entry is None:
+        if entry is None or self.tx.discarding or self.stream.xid is not None:
             return None
         copy = self.target.copy_run
         relid = entry.remote.relid
-        if copy is None or copy.entry is not entry or entries.get(relid) is not entry:
+        if copy is None or copy.entry is not entry or self.relmap.entries.get(relid) is not entry:
             return None
         return (relid << 8) | _NEW_TUPLE, len(entry.names)
 
-    def add_to_lane(self, relid: int, new: TupleData, lane: tuple[int, int] | None) -> bool:
+    def add_to_lane(self, relid: int, new: TupleData) -> bool:
         """An Insert decoded from its bytes: straight into the open COPY if it belongs there (no message object,
         no dispatch); returns False when it must take the handler instead."""
+        lane = self.lane()
         if lane is None or lane[0] >> 8 != relid:
             return False
         kinds = new.kinds
@@ -117,12 +126,9 @@ class InsertRuns:
         self.stats.pending_rows[0] += 1
         return True
 
-    def copy_stretches(
-        self, run: InsertRun, first: int, stop: int, one: Callable[[int], None],
-        lane: Callable[[], tuple[int, int] | None],
-    ) -> None:  # fmt: skip
+    def copy_stretches(self, run: InsertRun, first: int, stop: int, one: Callable[[int], None]) -> None:
         """Messages ``first`` to ``stop - 1`` of ``run``, in arrival order, Inserts or not: every stretch of at
-        least :data:`VECTOR_MIN` Inserts that goes into the open COPY (``lane()``, see :meth:`lane`) is converted
+        least :data:`VECTOR_MIN` Inserts that goes into the open COPY (see :meth:`lane`) is converted
         in one go; ``one(i)`` handles the rest message by message, exactly as if they had come alone (so a
         malformed one gets its precise error, and a new relation starts its own run and, once long enough, its
         own COPY)."""
@@ -133,17 +139,14 @@ class InsertRuns:
             end = i + 1
             while end < stop and heads[end - first] == head:
                 end += 1
-            self._stretch(run, i, end, head, one, lane)
+            self._stretch(run, i, end, head, one)
             i = end
 
-    def _stretch(
-        self, run: InsertRun, i: int, end: int, head: int, one: Callable[[int], None],
-        lane: Callable[[], tuple[int, int] | None],
-    ) -> None:  # fmt: skip
+    def _stretch(self, run: InsertRun, i: int, end: int, head: int, one: Callable[[int], None]) -> None:
         """Messages ``i`` to ``end - 1``, all with the same relid head ``head`` (-1: not Inserts): one by one until
         the rest goes into the open COPY (the first ones may open it), then the rest converted at once."""
         while i < end:
-            open_lane = lane() if head != -1 and end - i >= VECTOR_MIN else None
+            open_lane = self.lane() if head != -1 and end - i >= VECTOR_MIN else None
             if open_lane is not None and open_lane[0] == head:
                 self._convert(run, i, end, open_lane[1], one)
                 return

@@ -12,6 +12,7 @@ converted by the *local* column's type (we pass the local type OIDs as statement
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,6 +199,21 @@ class RelationMap:
         """``logicalrep_relmap_update``: a Relation message replaces the description and drops the mapping."""
         self.relations[rel.relid] = rel
         self.entries.pop(rel.relid, None)
+
+    def name(self, relid: int) -> str:
+        """The publisher's "schema.table" of a described relation."""
+        rel = self.relations[relid]
+        return f"{remote_schema(rel)}.{rel.relname}"
+
+    def open(self, relid: int, load: Callable[[str, str], LocalTable | None]) -> RelMapEntry:
+        """Map a described relation onto the local table ``load(schema, name)`` finds (raises
+        :class:`RelationMappingError`, a missing table included), and remember the mapping."""
+        rel = self.relations[relid]
+        local = load(remote_schema(rel), rel.relname)
+        if local is None:
+            raise missing_table_error(rel)
+        entry = self.entries[relid] = map_relation(rel, local)
+        return entry
 
     def reset(self) -> None:
         self.relations.clear()
