@@ -4,7 +4,7 @@
 target: per stretch of changes to one table, one ``INSERT … SELECT unnest(…)``, ``UPDATE … FROM unnest(…)`` or
 ``DELETE … USING unnest(…)`` (``Target.bulk_insert`` / ``bulk_update`` / ``bulk_delete``), for hundreds of remote
 transactions at a time. Those transactions join the open group commit through the core's one group-commit call
-(:meth:`~applier.apply.handlers.Applier.join_group`), exactly as transactions applied message by message do.
+(:meth:`applier.apply.commit_policy.GroupCommit.join`), exactly as transactions applied message by message do.
 
 **Safety.** Only when the transactions would join a group commit anyway (:meth:`BulkExecution.ready`), with text
 values, into mapped tables fit for it (no triggers or rules that would see the difference, see ``BULK_OK_SQL``),
@@ -15,19 +15,20 @@ its own transaction's context. Anything else goes message by message.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
 from applier.apply import bulk as bulkapply
-from applier.apply.commit_policy import DeferredCommit
+from applier.apply.apply_state import ApplyStats, RemoteTransaction, StreamChunk
+from applier.apply.commit_policy import CommitPolicy, DeferredCommit, GroupCommit
 from applier.apply.context import ErrorContext
-from applier.apply.relmap import RelMapEntry
+from applier.apply.insert_sink import InsertRuns
+from applier.apply.ports import ApplyTarget
+from applier.apply.relmap import RelationMap, RelMapEntry
 from applier.decoder import decode_message
+from applier.errors import ProtocolError
 from applier.messages import Delete, Update
-
-if TYPE_CHECKING:  # (the core creates this strategy; typing only)
-    from applier.apply.handlers import Applier
 
 #: the operation (as counted in ApplyStats.rows) of each kind of bulk statement
 _BULK_OPERATIONS = {bulkapply.INSERT: "insert", bulkapply.UPDATE: "update", bulkapply.DELETE: "delete"}
@@ -35,16 +36,36 @@ _BULK_OPERATIONS = {bulkapply.INSERT: "insert", bulkapply.UPDATE: "update", bulk
 _XLOGDATA_HEADER = 25
 
 
+class BulkCore(Protocol):
+    """What :class:`BulkExecution` reads of the core (:class:`~applier.apply.handlers.Applier`)."""
+
+    origin: str
+    encoding: str
+    target: ApplyTarget
+    tables: Any  # TableStates: .should_apply
+    tx: RemoteTransaction
+    stream: StreamChunk
+    stats: ApplyStats
+    relmap: RelationMap
+    inserts: InsertRuns
+    commit_policy: CommitPolicy
+    group: GroupCommit
+
+    def protocol_error(self, message_type: str, text: str) -> ProtocolError: ...
+
+    def missing_row(self, ctx: ErrorContext | None) -> None: ...
+
+
 class BulkExecution:
     """The bulk strategy of one :class:`~applier.apply.handlers.Applier` (see the module docstring)."""
 
-    def __init__(self, core: Applier, enabled: bool) -> None:
+    def __init__(self, core: BulkCore, enabled: bool) -> None:
         self.core = core
         self.enabled = enabled
 
     def ready(self) -> bool:
         """Whether the transactions coming next may be applied a batch at a time: nothing is open, and they would
-        join a group commit (the conditions of ``Applier._defer_commit``) with text values."""
+        join a group commit (the conditions of ``GroupCommit.defer``) with text values."""
         core = self.core
         return (
             self.enabled

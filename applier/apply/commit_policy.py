@@ -24,13 +24,12 @@ written once: it joins transactions to the group and sends the group's commit th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from applier.apply.apply_state import ApplyStats, RemoteTransaction
 from applier.apply.context import ErrorContext
 from applier.apply.feedback import FeedbackTracker
-
-if TYPE_CHECKING:  # (the core creates its GroupCommit; typing only)
-    from applier.apply.handlers import Applier
+from applier.apply.ports import ApplyTarget
 
 #: A group commit is sent after at most this many remote transactions (the worker also ends a group whenever the
 #: publisher has nothing more waiting, and after each burst of messages).
@@ -116,6 +115,23 @@ class CommitPolicy:
         self.size = self.rows = 0
 
 
+class _Inserts(Protocol):
+    def flush(self) -> None: ...
+
+
+class GroupCommitCore(Protocol):
+    """What :class:`GroupCommit` reads of the core (:class:`~applier.apply.handlers.Applier`)."""
+
+    origin: str
+    skip: Any  # SkipState: .skip_lsn
+    tables: Any  # TableStates: .all_ready, .two_phase_state
+    target: ApplyTarget
+    tracker: FeedbackTracker
+    tx: RemoteTransaction
+    stats: ApplyStats
+    inserts: _Inserts
+
+
 class GroupCommit:
     """The core's side of the policy: joins remote transactions to the open group and sends its commit. The one
     place that does, for transactions applied message by message (:meth:`defer`, from the commit paths) and a
@@ -123,7 +139,7 @@ class GroupCommit:
 
     __slots__ = ("core", "policy")
 
-    def __init__(self, core: Applier, policy: CommitPolicy) -> None:
+    def __init__(self, core: GroupCommitCore, policy: CommitPolicy) -> None:
         self.core = core
         self.policy = policy
 

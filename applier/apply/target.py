@@ -208,44 +208,46 @@ class Pipeline:
             head = pending[0]
             res = pgconn.get_result()
             if head is _SYNC:
-                if res is None:
-                    if pgconn.status == pq.ConnStatus.BAD:
-                        raise TargetConnectionError(
-                            "connection to the target was lost: "
-                            + (pgconn.error_message or b"").decode("utf-8", "replace").strip()
-                        )
-                    continue
-                if res.status != _S.PIPELINE_SYNC:  # pragma: no cover - protocol confusion
-                    raise TargetConnectionError(
-                        f"unexpected result {res.status!r} where a pipeline sync was due"
-                    )
-                pending.popleft()
-                if self._error is not None:
-                    err, self._error = self._error, None
-                    self._current = []
-                    raise err
-                continue
-            if res is not None:
+                self._at_sync(res)
+            elif res is not None:
                 self._current.append(res)
-                continue
-            # end of the head statement's results
-            pending.popleft()
-            results, self._current = self._current, []
-            ctx, on_ok = head
-            status = results[-1].status if results else _S.COMMAND_OK
-            if status in _OK:
-                if on_ok is CHECK_ROWS:
-                    if self.on_missing_row is not None and results and results[-1].command_tuples == 0:
-                        self.on_missing_row(ctx)
-                elif on_ok is not None:
-                    on_ok(results[-1] if results else None)
-            elif status == _S.FATAL_ERROR:
-                if self._error is None:
-                    self._error = _result_error(results[-1], ctx)
-            elif status == _S.PIPELINE_ABORTED:
-                pass
-            else:  # pragma: no cover
-                raise TargetConnectionError(f"unexpected result status {status!r} in the apply pipeline")
+            else:  # end of the head statement's results
+                pending.popleft()
+                self._statement_done(head)
+
+    def _at_sync(self, res: pq.PGresult | None) -> None:
+        """The result where a pipeline sync is due: the end of a segment, which raises the segment's error."""
+        if res is None:
+            if self.pgconn.status == pq.ConnStatus.BAD:
+                raise TargetConnectionError(
+                    "connection to the target was lost: "
+                    + (self.pgconn.error_message or b"").decode("utf-8", "replace").strip()
+                )
+            return
+        if res.status != _S.PIPELINE_SYNC:  # pragma: no cover - protocol confusion
+            raise TargetConnectionError(f"unexpected result {res.status!r} where a pipeline sync was due")
+        self._pending.popleft()
+        if self._error is not None:
+            err, self._error = self._error, None
+            self._current = []
+            raise err
+
+    def _statement_done(self, head: Any) -> None:
+        """All results of one queued statement are in: call its ``on_ok``, or remember its error."""
+        results, self._current = self._current, []
+        ctx, on_ok = head
+        status = results[-1].status if results else _S.COMMAND_OK
+        if status in _OK:
+            if on_ok is CHECK_ROWS:
+                if self.on_missing_row is not None and results and results[-1].command_tuples == 0:
+                    self.on_missing_row(ctx)
+            elif on_ok is not None:
+                on_ok(results[-1] if results else None)
+        elif status == _S.FATAL_ERROR:
+            if self._error is None:
+                self._error = _result_error(results[-1], ctx)
+        elif status != _S.PIPELINE_ABORTED:  # pragma: no cover
+            raise TargetConnectionError(f"unexpected result status {status!r} in the apply pipeline")
 
     def poll(self) -> None:
         """Read whatever results have arrived, never blocking. Raises the error of a finished segment.
@@ -671,14 +673,7 @@ class Target:
         origin back. If the connection is gone we cannot tell, and say so (see the module notes).
         """
         try:
-            if self._copy is not None:
-                self._copy = None
-                try:
-                    self.pgconn.put_copy_end(b"abandoned")
-                    while self.pgconn.get_result() is not None:
-                        pass
-                except psycopg.Error:
-                    pass
+            self._abandon_copy()
             self.pipeline.discard()
             self.conn.execute("ROLLBACK")
             self.conn.execute("SELECT pg_catalog.pg_replication_origin_xact_reset()")
@@ -688,6 +683,18 @@ class Target:
             self.close()
         finally:
             self.in_transaction = False
+
+    def _abandon_copy(self) -> None:
+        """End an open COPY with an error, so the session can roll back (its rows are lost with the transaction)."""
+        if self._copy is None:
+            return
+        self._copy = None
+        try:
+            self.pgconn.put_copy_end(b"abandoned")
+            while self.pgconn.get_result() is not None:
+                pass
+        except psycopg.Error:
+            pass
 
     def _undo_bogus_origin_advance(self) -> None:
         row = self.conn.execute(
