@@ -17,7 +17,15 @@ PURE = (
     "applier.apply.prepared_records", "applier.apply.skip_clear",
 )  # fmt: skip
 # (applier.testing.fake_target is pure too, statically; its package's __init__ brings the server harness, psycopg)
-FORBIDDEN = ("psycopg", "sqlalchemy", "pyspark", "tenacity", "applier.apply.worker", "applier.apply.target")
+FORBIDDEN = (
+    "psycopg",
+    "sqlalchemy",
+    "pyspark",
+    "tenacity",
+    "applier.apply.worker",
+    "applier.apply.target",
+    "applier.apply.pipeline",
+)  # (the target_* modules start with applier.apply.target)
 
 
 def test_importing_the_pure_layers_loads_no_io():
