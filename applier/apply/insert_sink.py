@@ -115,14 +115,18 @@ class InsertRuns:
 
     def add_to_lane(self, relid: int, new: TupleData) -> bool:
         """An Insert decoded from its bytes: straight into the open COPY if it belongs there (no message object,
-        no dispatch); returns False when it must take the handler instead."""
-        lane = self.lane()
-        if lane is None or lane[0] >> 8 != relid:
+        no dispatch; the conditions of :meth:`lane`, checked inline: this is the hot path of a backlog); returns
+        False when it must take the handler instead."""
+        entry = self.entry
+        if entry is None or entry.remote.relid != relid or self.tx.discarding or self.stream.xid is not None:
+            return False
+        copy = self.target.copy_run
+        if copy is None or copy.entry is not entry or self.relmap.entries.get(relid) is not entry:
             return False
         kinds = new.kinds
         if KIND_BINARY in kinds or KIND_UNCHANGED_TOAST in kinds:
             return False
-        self.target.copy_run.add(new)  # type: ignore[union-attr]
+        copy.add(new)
         self.stats.pending_rows[0] += 1
         return True
 
