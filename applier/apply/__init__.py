@@ -1,9 +1,16 @@
 """The apply side: stream a subscription's changes from the publisher and apply them to the target.
 
 * :mod:`~applier.apply.worker` — :class:`ApplyWorker`, the loop ``applier run`` drives (the entry point);
-* :mod:`~applier.apply.handlers` — one handler per pgoutput message (worker.c's ``apply_handle_*``);
-* :mod:`~applier.apply.ports` — the narrow target interface the handlers call (the fake of the unit tests too);
-* :mod:`~applier.apply.target` — the target adapter: psycopg in libpq pipeline mode, prepared statements, COPY;
+* :mod:`~applier.apply.handlers` — the transaction/dispatch core, one handler per pgoutput message (worker.c's
+  ``apply_handle_*``), with its state in :mod:`~applier.apply.apply_state`;
+* the speed strategies it calls: :mod:`~applier.apply.commit_policy` (group commit),
+  :mod:`~applier.apply.insert_sink` (insert runs, COPY lanes), :mod:`~applier.apply.bulk_exec` (plans of
+  :mod:`~applier.apply.bulk`), :mod:`~applier.apply.fold`, :mod:`~applier.apply.prepared_records`; and
+  :mod:`~applier.apply.skip_clear`;
+* :mod:`~applier.apply.ports` — the narrow target interface the core calls (the fake of the unit tests too);
+* :mod:`~applier.apply.target` — the target session, with its parts :mod:`~applier.apply.pipeline` (libpq
+  pipeline mode), :mod:`~applier.apply.target_dml`, :mod:`~applier.apply.target_copy`,
+  :mod:`~applier.apply.target_catalog`;
 * :mod:`~applier.apply.relmap` — publisher relations mapped onto local tables by name;
 * :mod:`~applier.apply.spool` — streamed transactions spooled to disk;
 * :mod:`~applier.apply.feedback` — write/flush/apply positions for the publisher;

@@ -77,6 +77,17 @@ class Batch:
         kind = data[np.minimum(starts + 25, last)]
         kind = np.where(lens > 25, kind, 0)
         self.kind = kind
+        ok = self._read_changes(lens)
+        self._pair_transactions(lens, ok)
+        #: messages before this one go message by message (set by the applier when it refused a run)
+        self.refused_until = 0
+        self._refused: set[int] = set()
+        self._refused_at = np.zeros(0, dtype=_I64)  # the change messages of refused relations
+
+    def _read_changes(self, lens: np.ndarray) -> np.ndarray:
+        """Find the change messages (:attr:`change`, :attr:`relid`); returns which messages may be inside a
+        qualifying transaction (a change or an Origin)."""
+        data, starts, kind = self.data, self.starts, self.kind
         # relation id of Inserts, Updates and Deletes (-1 elsewhere), read where it is in all three; then a tuple:
         # the new one ('N'), or for a Delete the key ('K')
         change = (
@@ -91,7 +102,12 @@ class Batch:
         change &= data[p + 4] == np.where(kind == DELETE, _KEY, _NEW)
         self.relid = np.where(change, relid, -1)
         self.change = change
-        ok = change | (kind == ORIGIN)
+        return change | (kind == ORIGIN)
+
+    def _pair_transactions(self, lens: np.ndarray, ok: np.ndarray) -> None:
+        """Find the transactions (:attr:`begins`, :attr:`commits`), read their Begin and Commit fields, and decide
+        which qualify (:attr:`qualifies`) and where each run of qualifying ones ends."""
+        data, starts, kind, last = self.data, self.starts, self.kind, self.null_at - 1
         # transactions: each Begin with the first Commit after it, if no other Begin comes first
         begins = np.flatnonzero(kind == BEGIN)
         commits = np.flatnonzero(kind == COMMIT)
@@ -122,10 +138,6 @@ class Batch:
         gap[1:] = b[1:] != c[:-1] + 1
         self._run_end = np.minimum(_next_true(~qualifies, 0), _next_true(gap, 1))
         self._index = {int(x): i for i, x in enumerate(b.tolist())}
-        #: messages before this one go message by message (set by the applier when it refused a run)
-        self.refused_until = 0
-        self._refused: set[int] = set()
-        self._refused_at = np.zeros(0, dtype=_I64)  # the change messages of refused relations
 
     def transaction_at(self, message: int) -> int | None:
         """The transaction whose Begin is message ``message``, if it qualifies."""
@@ -220,40 +232,49 @@ def plan(
         m_idx, m_kind, m_txn = idx[mine], kinds[mine], txn[mine]
         cuts = np.flatnonzero(m_kind[1:] != m_kind[:-1]) + 1
         bounds = [0, *cuts.tolist(), len(m_idx)]
-        n = ncols[relid]
         for a, b in zip(bounds[:-1], bounds[1:], strict=False):
-            messages = m_idx[a:b]
             kind = int(m_kind[a])
-            segments = tuple_segments(
-                batch.data, batch.null_at, batch.starts[messages] + 31, batch.ends[messages], n,
-                unchanged=kind == UPDATE,
-            )  # fmt: skip
-            if segments is None:
+            key = tuple(keys[relid]) if kind != INSERT else ()
+            stretches = _stretches(batch, relid, kind, m_idx[a:b], m_txn[a:b], ncols[relid], key)
+            if stretches is None:
                 return None
-            seg_start, seg_len, is_null = segments
-            # changes the row-by-row statements handle (their shape picks the statement) are applied singly, in
-            # their place in this table's order: an unchanged-TOAST value keeps the target's, a NULL key searches
-            # with IS NULL
-            single = np.zeros(b - a, dtype=bool)
-            if kind != INSERT:
-                single |= is_null[:, list(keys[relid])].any(axis=1)
-            if kind == UPDATE:
-                single |= (seg_len < 0).any(axis=1)
-            parts = [0, *(np.flatnonzero(single[1:] != single[:-1]) + 1).tolist(), b - a]
-            for x, y in zip(parts[:-1], parts[1:], strict=False):
-                if single[x]:
-                    out.extend(
-                        Stretch(relid, kind, messages[i : i + 1], [], m_txn[a + i : a + i + 1], single=True)
-                        for i in range(x, y)
-                    )
-                    continue
-                columns = [
-                    array_literal(
-                        batch.data, seg_start[x:y, c], seg_len[x:y, c], is_null[x:y, c], batch.null_at
-                    )
-                    for c in (keys[relid] if kind == DELETE else range(n))
-                ]
-                out.append(Stretch(relid, kind, messages[x:y], columns, m_txn[a + x : a + y]))
+            out.extend(stretches)
+    return out
+
+
+def _stretches(
+    batch: Batch, relid: int, kind: int, messages: np.ndarray, txns: np.ndarray, n: int, key: tuple[int, ...]
+) -> list[Stretch] | None:
+    """The stretches of one run of same-kind changes (``messages``, of transactions ``txns``) to one relation of
+    ``n`` columns (``key``: its key positions, for an Update or Delete); ``None`` when one is not the simple shape."""
+    segments = tuple_segments(
+        batch.data, batch.null_at, batch.starts[messages] + 31, batch.ends[messages], n,
+        unchanged=kind == UPDATE,
+    )  # fmt: skip
+    if segments is None:
+        return None
+    seg_start, seg_len, is_null = segments
+    # changes the row-by-row statements handle (their shape picks the statement) are applied singly, in their
+    # place in this table's order: an unchanged-TOAST value keeps the target's, a NULL key searches with IS NULL
+    single = np.zeros(len(messages), dtype=bool)
+    if kind != INSERT:
+        single |= is_null[:, list(key)].any(axis=1)
+    if kind == UPDATE:
+        single |= (seg_len < 0).any(axis=1)
+    out: list[Stretch] = []
+    parts = [0, *(np.flatnonzero(single[1:] != single[:-1]) + 1).tolist(), len(messages)]
+    for x, y in zip(parts[:-1], parts[1:], strict=False):
+        if single[x]:
+            out.extend(
+                Stretch(relid, kind, messages[i : i + 1], [], txns[i : i + 1], single=True)
+                for i in range(x, y)
+            )
+            continue
+        columns = [
+            array_literal(batch.data, seg_start[x:y, c], seg_len[x:y, c], is_null[x:y, c], batch.null_at)
+            for c in (key if kind == DELETE else range(n))
+        ]
+        out.append(Stretch(relid, kind, messages[x:y], columns, txns[x:y]))
     return out
 
 

@@ -17,14 +17,19 @@ nothing else needs may join: no skip-LSN to clear, no table being synchronised (
 commit then), and none at or before :attr:`CommitPolicy.ungrouped_until` (the retry, one by one, after a failed
 group, so that the transaction at fault is found and reported with its own context).
 
-Pure bookkeeping: the policy decides and remembers; the Applier sends the commit.
+:class:`CommitPolicy` is pure bookkeeping: it decides and remembers. :class:`GroupCommit` is the core's side of it,
+written once: it joins transactions to the group and sends the group's commit through the target port.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
+from applier.apply.apply_state import ApplyStats, RemoteTransaction
+from applier.apply.context import ErrorContext
 from applier.apply.feedback import FeedbackTracker
+from applier.apply.ports import ApplyTarget
 
 #: A group commit is sent after at most this many remote transactions (the worker also ends a group whenever the
 #: publisher has nothing more waiting, and after each burst of messages).
@@ -42,6 +47,15 @@ class DeferredCommit:
     commit_time: int
     xid: int | None
     finish_lsn: int
+
+
+def groupable(skip_lsn: int, tables: Any) -> bool:
+    """Nothing outside the transactions needs their commits: no skip-LSN to clear, no table being synchronised
+    (``tables.all_ready``: the sync-state pass runs after every commit then), two-phase not about to be enabled
+    (``tables.two_phase_state`` ``p``). (``tables`` is the core's TableStates; the attributes are optional.)"""
+    return (
+        not skip_lsn and getattr(tables, "all_ready", False) and getattr(tables, "two_phase_state", "") != "p"
+    )
 
 
 class CommitPolicy:
@@ -99,3 +113,76 @@ class CommitPolicy:
         unconfirmed entries separately)."""
         self.pending = None
         self.size = self.rows = 0
+
+
+class _Inserts(Protocol):
+    def flush(self) -> None: ...
+
+
+class GroupCommitCore(Protocol):
+    """What :class:`GroupCommit` reads of the core (:class:`~applier.apply.handlers.Applier`)."""
+
+    origin: str
+    skip: Any  # SkipState: .skip_lsn
+    tables: Any  # TableStates: .all_ready, .two_phase_state
+    target: ApplyTarget
+    tracker: FeedbackTracker
+    tx: RemoteTransaction
+    stats: ApplyStats
+    inserts: _Inserts
+
+
+class GroupCommit:
+    """The core's side of the policy: joins remote transactions to the open group and sends its commit. The one
+    place that does, for transactions applied message by message (:meth:`defer`, from the commit paths) and a
+    batch at a time (:meth:`join`, from :mod:`applier.apply.bulk_exec`)."""
+
+    __slots__ = ("core", "policy")
+
+    def __init__(self, core: GroupCommitCore, policy: CommitPolicy) -> None:
+        self.core = core
+        self.policy = policy
+
+    @property
+    def pending(self) -> bool:
+        """A group commit is deferred: the worker calls :meth:`end` when nothing more is waiting."""
+        return self.policy.pending is not None
+
+    def may_group(self) -> bool:
+        """Nothing outside the transactions needs their commits (:func:`groupable`)."""
+        return groupable(self.core.skip.skip_lsn, self.core.tables)
+
+    def join(self, commit: DeferredCommit, transactions: int, rows: int) -> None:
+        """``transactions`` remote transactions joined the open group; a full group is sent at once."""
+        if self.policy.defer(commit, transactions, rows):
+            self.end()
+
+    def end(self) -> None:
+        """Send the deferred commit of the open group: origin progress to the last remote transaction's end and
+        COMMIT, in the group's one local transaction (so exactly-once holds as for a single transaction)."""
+        group = self.policy.take()
+        if group is None:
+            return
+        core = self.core
+        core.inserts.flush()
+        ctx = ErrorContext(core.origin, "COMMIT", None, group.xid, group.finish_lsn)
+        token = core.tracker.queued(group.end_lsn)
+        core.target.commit(group.end_lsn, group.commit_time, ctx, lambda _res: core.tracker.confirmed(token))
+
+    def defer(self, commit_lsn: int, end_lsn: int, commit_time: int) -> bool:
+        """At a remote commit: leave the local transaction open so that the next remote transactions, if they have
+        already arrived, join it (returns True), or not (False: the caller commits, and that commit also covers
+        the open group). Only while nothing else needs this commit: not skipped, not a retry of a failed group
+        (at or before :attr:`CommitPolicy.ungrouped_until`), :meth:`may_group`."""
+        policy, core = self.policy, self.core
+        if not policy.enabled:
+            return False
+        if not core.target.in_transaction and policy.pending is None:
+            return False  # nothing applied and no group open: nothing to commit (as the native worker)
+        if core.tx.skipping or commit_lsn <= policy.ungrouped_until or not self.may_group():
+            policy.abandon()
+            return False
+        # an insert run (a COPY, say) stays open: the next transaction's inserts into the same table continue it
+        tx = core.tx
+        self.join(DeferredCommit(end_lsn, commit_time, tx.xid, tx.final_lsn), 1, sum(core.stats.pending_rows))
+        return True

@@ -14,7 +14,8 @@ The result on the target is the one PREPARE + COMMIT/ROLLBACK PREPARED would lea
 once: the one local commit carries the origin past both messages, and a crash before it replays both. A transaction
 whose decision has not arrived yet (the usual case of live traffic) is prepared as before.
 
-This module is the pure part: which transactions of one read are decided, from their bytes.
+This module is the pure part: which transactions of one read are decided, from their bytes
+(:func:`decided_prepares`), and which BEGIN PREPARE the core folds (:class:`Folding`).
 """
 
 from __future__ import annotations
@@ -87,3 +88,37 @@ def decided_prepares(messages: Sequence[bytes | memoryview], offset: int = 0) ->
             )
         i = j + 2
     return decided
+
+
+class Folding:
+    """The folding strategy of one apply core: the decided transactions the worker found in the batch being
+    applied (:attr:`decided`, by remote xid) and the one being applied folded now (:attr:`current`)."""
+
+    __slots__ = ("decided", "current")
+
+    def __init__(self) -> None:
+        self.decided: dict[int, Decision] = {}
+        self.current: Decision | None = None
+
+    def begin(self, m: BeginPrepare, allowed: bool) -> Decision | None:
+        """At BEGIN PREPARE: the transaction's decision if it is folded (its decision is here and agrees, and
+        ``allowed``: not skipped, grouping possible), else None (it is prepared as usual)."""
+        decision = self.decided.pop(m.xid, None) if self.decided else None
+        if (
+            decision is None
+            or decision.prepare_end_lsn != m.end_lsn
+            or decision.prepare_time != m.prepare_time
+            or not allowed
+        ):
+            return None
+        self.current = decision
+        return decision
+
+    def ends(self, xid: int, commit: bool, remote_xid: int | None) -> bool:
+        """Whether a COMMIT (``commit``) or ROLLBACK PREPARED of ``xid`` ends the transaction being folded."""
+        current = self.current
+        return current is not None and current.commit is commit and xid == remote_xid
+
+    def reset(self) -> None:
+        self.current = None
+        self.decided.clear()

@@ -1,12 +1,23 @@
 """One handler per logical-replication message, as worker.c has one ``apply_handle_*`` per message byte.
 
-:class:`Applier` is the apply state of one streaming session: which remote transaction is open, whether it is
-being skipped, which stream chunk is being spooled, the relation map. It turns messages into calls on the
-:class:`~applier.apply.target.Target` (which pipelines them to the target database; the core sees it through
-the narrow :class:`~applier.apply.ports.ApplyTarget` protocol) and on the
-:class:`~applier.apply.feedback.FeedbackTracker`; it performs no I/O of its own, so tests can drive it with message
-objects. Anything that goes wrong raises :class:`~applier.apply.context.ApplyError` carrying the error context of
-behaviour 54; the worker then abandons the session and starts over from the replication origin's position.
+:class:`Applier` is the transaction/dispatch core of one streaming session: which remote transaction is open
+(:class:`~applier.apply.apply_state.RemoteTransaction`), whether it is being skipped, which stream chunk is being
+spooled (:class:`~applier.apply.apply_state.StreamChunk`), the relation map. It turns messages into calls on the
+target (the narrow :class:`~applier.apply.ports.ApplyTarget` protocol; the real one pipelines them to the target
+database) and on the :class:`~applier.apply.feedback.FeedbackTracker`; it performs no I/O of its own, so tests drive
+it with message objects (``tests/unit/test_applier_core.py``). Anything that goes wrong raises
+:class:`~applier.apply.context.ApplyError` carrying the error context of behaviour 54; the worker then abandons the
+session and starts over from the replication origin's position.
+
+The speed strategies live in their own modules and are called from here at one place each:
+
+* group commit — :mod:`applier.apply.commit_policy`, joined through :meth:`Applier.join_group` (by the commit path
+  and the bulk path alike);
+* insert runs and COPY lanes — :mod:`applier.apply.insert_sink` (:class:`~applier.apply.insert_sink.InsertRuns`);
+* bulk execution of whole transactions — :mod:`applier.apply.bulk_exec` (plans from :mod:`applier.apply.bulk`);
+* folding decided prepared transactions — :class:`applier.apply.fold.Folding`;
+* prepared-record batching — :mod:`applier.apply.prepared_records`;
+* skip-LSN clearing — :mod:`applier.apply.skip_clear`.
 
 Progress is exactly-once because every local COMMIT / PREPARE TRANSACTION / COMMIT PREPARED / ROLLBACK PREPARED is
 preceded, in the same local transaction (or, for the standalone 2PC commands, as the statement just before), by
@@ -15,35 +26,31 @@ preceded, in the same local transaction (or, for the standalone 2PC commands, as
 
 from __future__ import annotations
 
-import collections
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
-from applier.apply import bulk as bulkapply
-from applier.apply.commit_policy import CommitPolicy, DeferredCommit
+from applier.apply.apply_state import Alias, ApplyStats, RemoteTransaction, StreamChunk
+from applier.apply.bulk_exec import BulkExecution
+from applier.apply.commit_policy import CommitPolicy, GroupCommit
 from applier.apply.context import ApplyError, ErrorContext
 from applier.apply.copytext import InsertRun
 from applier.apply.feedback import FeedbackTracker
-from applier.apply.fold import Decision
-from applier.apply.ports import COPY_THRESHOLD, ApplyTarget, copy_eligible
+from applier.apply.fold import Folding
+from applier.apply.insert_sink import VECTOR_MIN, InsertRuns
+from applier.apply.ports import ApplyTarget
+from applier.apply.prepared_records import PreparedRecords
 from applier.apply.relmap import (
+    RelationMap,
     RelationMappingError,
     RelMapEntry,
-    map_relation,
-    missing_table_error,
-    remote_schema,
 )
+from applier.apply.skip_clear import SkipClearing, SkipState
 from applier.apply.spool import Spool
 from applier.decoder import decode_message, decode_plain_insert
 from applier.errors import ProtocolError
 from applier.lsn import format_lsn
 from applier.messages import (
-    KIND_BINARY,
-    KIND_UNCHANGED_TOAST,
     Begin,
     BeginPrepare,
     Commit,
@@ -61,12 +68,12 @@ from applier.messages import (
     StreamStart,
     StreamStop,
     Truncate,
-    TupleData,
     Type,
     Update,
-)
+)  # fmt: skip
 from state import skip as skiprules
-from state.twophase import gid_for
+
+__all__ = ["MESSAGE_NAMES", "RAW_SPOOL_TYPES", "VECTOR_MIN", "Applier", "SkipState", "TableStates"]
 
 log = logging.getLogger("applier.apply")
 
@@ -82,15 +89,11 @@ MESSAGE_NAMES: dict[type, str] = {
 _SPOOLED = (Relation, Type, Insert, Update, Delete, Truncate, Message)
 #: Type bytes of the messages above (all carry the subtransaction xid right after the type byte inside a stream).
 RAW_SPOOL_TYPES = frozenset(b"RYIUDTM")
-
-#: Messages that may follow a deferred group commit without ending the group: a plain transaction's.
-_GROUPABLE = frozenset((Begin, Commit, Origin, Relation, Type, Insert, Update, Delete, Truncate, Message))
-#: the row operations counted in Applier.rows, in the order of Applier._pending_rows
-_OPERATIONS = ("insert", "update", "delete", "truncate")
-#: the operation (as counted in Applier.rows) of each kind of bulk statement
-_BULK_OPERATIONS = {bulkapply.INSERT: "insert", bulkapply.UPDATE: "update", bulkapply.DELETE: "delete"}
-#: Inserts in a stretch below this go row by row: converting a stretch costs a fixed ~50 µs of array calls
-VECTOR_MIN = 32
+#: Messages that may follow a deferred group commit without ending the group first: a plain transaction's, and
+#: BEGIN PREPARE (which ends the group itself: its prepared_xact record rides in it, PreparedRecords.record)
+_KEEP_GROUP = frozenset(
+    (Begin, Commit, Origin, Relation, Type, Insert, Update, Delete, Truncate, Message, BeginPrepare)
+)
 
 
 class TableStates:
@@ -107,162 +110,78 @@ class TableStates:
         raise NotImplementedError
 
 
-@dataclass
-class SkipState:
-    """The subscription's skip-LSN as this worker read it (0 = none), behaviours 97-100."""
+class PublicNames:
+    """The names the worker, tablesync and the tests use on :class:`Applier`, mapped onto its parts (the state in
+    :mod:`applier.apply.apply_state`, the strategies in their modules): kept so callers need not know the layout."""
 
-    skip_lsn: int = 0
-    subname: str = ""
+    in_remote_transaction, remote_xid = Alias("tx", "active"), Alias("tx", "xid")
+    remote_final_lsn, stream_xid = Alias("tx", "final_lsn"), Alias("stream", "xid")
+    relations, entries = Alias("relmap", "relations"), Alias("relmap", "entries")
+    prepared, finished_prepared = Alias("records", "prepared"), Alias("records", "finished")
+    expect_prepares, decided = Alias("records", "expect"), Alias("folding", "decided")
+    groups, group_commit = Alias("commit_policy", "groups"), Alias("commit_policy", "enabled")
+    group_pending, end_group = Alias("group", "pending"), Alias("group", "end")
+    bulk, bulk_ready = Alias("bulk_exec", "enabled"), Alias("bulk_exec", "ready")
+    apply_bulk, recheck_bulk = Alias("bulk_exec", "apply"), Alias("bulk_exec", "recheck")
+    spool_batch = Alias("spool", "write_batch")
+    transactions, kinds, rows, conflicts = (
+        Alias("stats", n) for n in ("transactions", "kinds", "rows", "conflicts")
+    )
+    bulk_transactions, records_in_group, records_batched, folded_prepares, converted_rows = (
+        Alias("stats", n) for n in ("bulk_transactions", "records_in_group", "records_batched", "folded_prepares",
+                                    "converted_rows")
+    )  # fmt: skip
+
+    copy_lane, handle_insert_run = Alias("inserts", "lane"), Alias("inserts", "copy_stretches")
 
 
-class Applier:
-    """Apply state and handlers for one streaming session (see module docstring)."""
+class Applier(PublicNames):
+    """The transaction/dispatch core of one streaming session (see the module docstring)."""
 
     def __init__(
-        self,
-        *,
-        subid: int,
-        subname: str,
-        target: ApplyTarget,
-        tracker: FeedbackTracker,
-        spool: Spool,
-        tables: TableStates,
-        skip: SkipState,
-        clear_skip_lsn: Callable[[int, int], bool],
-        encoding: str = "utf-8",
-        logger: logging.Logger | None = None,
-        prepared: dict[str, tuple[int, int]] | None = None,
-        group_commit: bool = False,
-        ungrouped_until: int = 0,
-        bulk: bool = False,
-    ) -> None:
-        self.subid = subid
-        self.subname = subname
-        self.origin = f"applier_{subid}"
-        self.target = target
-        self.tracker = tracker
-        self.spool = spool
-        self.tables = tables
-        self.skip = skip
-        self._clear_skip_lsn_now = clear_skip_lsn  # own transaction (after PREPARE / COMMIT PREPARED)
-        self.encoding = encoding
-        self.log = logger or log
-
-        #: our prepared transactions: gid -> (prepare_end_lsn, prepare_time) (``LookupGXact``'s data)
-        self.prepared: dict[str, tuple[int, int]] = dict(prepared or {})
-        #: ``gid_format=original``: local prepared transactions keep the publisher's GID (state.twophase.gid_for)
-        self.original_gids = False
-        self.finished_prepared = (
-            0  # COMMIT/ROLLBACK PREPARED done since the worker last reconciled the records
-        )
-        self.relations: dict[int, Relation] = {}
-        self.entries: dict[int, RelMapEntry] = {}
-        # the open remote transaction
-        self.in_remote_transaction = False
-        self.remote_xid: int | None = None
-        self.remote_final_lsn = 0
-        self.prepare: BeginPrepare | None = None
-        #: the publisher's GID of the prepared transaction being applied (error contexts name it)
-        self.remote_gid: str | None = None
-        self.skipping = False  # the skip-LSN names this transaction (behaviours 99-100)
-        self.discarding = False  # its changes are not applied: skipped, or a folded ROLLBACK PREPARED
-        self.last_message_type = ""
-        # the open stream chunk
-        self.stream_xid: int | None = None
-        # a run of inserts into one relation, turned into COPY when it gets long
-        self._run_entry: RelMapEntry | None = None
-        self._run_rows: list[TupleData] = []
-        self._run_ctx: ErrorContext | None = None
+        self, *, subid: int, subname: str, target: ApplyTarget, tracker: FeedbackTracker, spool: Spool,
+        tables: TableStates, skip: SkipState, clear_skip_lsn: Callable[[int, int], bool], encoding: str = "utf-8",
+        logger: logging.Logger | None = None, prepared: dict[str, tuple[int, int]] | None = None,
+        group_commit: bool = False, ungrouped_until: int = 0, bulk: bool = False,
+    ) -> None:  # fmt: skip
+        self.subid, self.subname, self.origin = subid, subname, f"applier_{subid}"
+        self.target, self.tracker, self.spool, self.tables = target, tracker, spool, tables
+        self.skip, self.encoding, self.log = skip, encoding, logger or log
+        self.tx, self.stream, self.stats, self.relmap = RemoteTransaction(), StreamChunk(), ApplyStats(), RelationMap()  # fmt: skip
         self._ctx_cache: dict[tuple[str, int], ErrorContext] = {}
-        #: immediate or group commit (applier.apply.commit_policy), for the commit path and the bulk path alike
+        # the strategies
         self.commit_policy = CommitPolicy(tracker, enabled=group_commit, ungrouped_until=ungrouped_until)
-        #: whole plain transactions that join a group may be applied a batch at a time (applier.apply.bulk)
-        self.bulk = bulk
-        self.bulk_transactions = 0  # remote transactions applied that way (stats)
-        self.records_in_group = 0  # prepared_xact records that rode in a group commit (stats)
-        self.records_batched = 0  # prepared_xact records written ahead, with an earlier one (stats)
-        #: announced BEGIN PREPAREs whose records are still to be written: gid -> (xid, prepare LSN, end LSN, time)
-        self._upcoming: dict[str, tuple[int, int, int, int]] = {}
-        #: records written ahead, for transactions not applied yet: gid -> (prepare end LSN, prepare time)
-        self._prerecorded: dict[str, tuple[int, int]] = {}
-        #: prepared transactions of the batch being applied whose COMMIT/ROLLBACK PREPARED is in it too, by remote
-        #: xid (applier.apply.fold; the worker fills it); :attr:`_folding` is the one being applied now
-        self.decided: dict[int, Decision] = {}
-        self._folding: Decision | None = None
-        self.folded_prepares = 0  # prepared transactions applied folded (stats)
-        self.converted_rows = 0  # Inserts that went into a COPY through copytext, a stretch at a time (stats)
-        self.transactions = 0  # remote transactions finished (for tests and stats)
-        # for metrics: finished transactions by kind, and row changes of finished transactions by operation (a
-        # transaction's rows count once it ends; an error drops them with the transaction)
-        self.kinds: collections.Counter[str] = collections.Counter()
-        self.rows: collections.Counter[str] = collections.Counter()
-        #: conflicts by PostgreSQL 18's name (``update_missing``, ``delete_missing``), counted when detected
-        self.conflicts: collections.Counter[str] = collections.Counter()
-        target.pipeline.on_missing_row = self._missing_row
-        self._pending_rows = [0, 0, 0, 0]  # insert, update, delete, truncate
-
+        self.group = GroupCommit(self, self.commit_policy)
+        self.inserts = InsertRuns(target, self.stats, self.tx, self.stream, self.relmap)
+        self.bulk_exec = BulkExecution(self, bulk)
+        self.folding = Folding()
+        self.records = PreparedRecords(subid, target, self.stats, prepared)
+        self.skip_clearing = SkipClearing(subid, subname, skip, target, clear_skip_lsn, self.log)
+        target.pipeline.on_missing_row = self.missing_row
+        # one handler per message, named as worker.c's: BEGIN PREPARE -> handle_begin_prepare
         self._dispatch: dict[type, Callable[[Any, bytes], None]] = {
-            Begin: self.handle_begin, Commit: self.handle_commit, Origin: self.handle_origin,
-            Relation: self.handle_relation, Type: self.handle_type, Insert: self.handle_insert,
-            Update: self.handle_update, Delete: self.handle_delete, Truncate: self.handle_truncate,
-            Message: self.handle_message, StreamStart: self.handle_stream_start,
-            StreamStop: self.handle_stream_stop, StreamCommit: self.handle_stream_commit,
-            StreamAbort: self.handle_stream_abort, BeginPrepare: self.handle_begin_prepare,
-            Prepare: self.handle_prepare, CommitPrepared: self.handle_commit_prepared,
-            RollbackPrepared: self.handle_rollback_prepared, StreamPrepare: self.handle_stream_prepare,
-        }  # fmt: skip
+            cls: getattr(self, "handle_" + name.lower().replace(" ", "_"))
+            for cls, name in MESSAGE_NAMES.items()
+        }
 
-    # --- dispatch --------------------------------------------------------------------------------------------
+    # --- dispatch (``apply_dispatch``) -----------------------------------------------------------------------
     def handle(self, msg: Any, payload: bytes = b"") -> None:
         """Apply one decoded message; ``payload`` is its raw bytes (needed to spool streamed changes)."""
-        # (BEGIN PREPARE ends the group itself: its prepared_xact record rides in it, see _record_prepared)
-        if (
-            self.commit_policy.pending is not None
-            and msg.__class__ not in _GROUPABLE
-            and not self.in_remote_transaction
-            and msg.__class__ is not BeginPrepare
-        ):
-            self.end_group()
+        if self.commit_policy.pending is not None and msg.__class__ not in _KEEP_GROUP and not self.tx.active:
+            self.group.end()
         self._dispatch[msg.__class__](msg, payload)
 
     @property
     def idle(self) -> bool:
         """Not inside a remote transaction nor a stream chunk: housekeeping may run (behaviour 11)."""
-        return not self.in_remote_transaction and self.stream_xid is None
-
-    @property
-    def group_pending(self) -> bool:
-        """A group commit is deferred: the worker calls :meth:`end_group` when nothing more is waiting."""
-        return self.commit_policy.pending is not None
-
-    @property
-    def group_commit(self) -> bool:
-        return self.commit_policy.enabled
-
-    @property
-    def groups(self) -> int:
-        """Group commits of more than one remote transaction sent (stats)."""
-        return self.commit_policy.groups
-
-    def end_group(self) -> None:
-        """Send the deferred commit of the open group: origin progress to the last remote transaction's end and
-        COMMIT, in the group's one local transaction (so exactly-once holds as for a single transaction)."""
-        group = self.commit_policy.take()
-        if group is None:
-            return
-        self._flush_run()
-        ctx = ErrorContext(self.origin, "COMMIT", None, group.xid, group.finish_lsn)
-        token = self.tracker.queued(group.end_lsn)
-        self.target.commit(group.end_lsn, group.commit_time, ctx, lambda _res: self.tracker.confirmed(token))
+        return not self.tx.active and self.stream.xid is None
 
     def context(self, message_type: str, relation: str | None = None) -> ErrorContext:
         """The error context of what is being applied now (behaviour 54)."""
-        return ErrorContext(
-            self.origin, message_type, relation,
-            self.remote_xid if self.in_remote_transaction else None,
-            self.remote_final_lsn if self.in_remote_transaction else None,
-            self.remote_gid if self.in_remote_transaction else None,
-        )  # fmt: skip
+        tx = self.tx
+        if not tx.active:
+            return ErrorContext(self.origin, message_type, relation)
+        return ErrorContext(self.origin, message_type, relation, tx.xid, tx.final_lsn, tx.gid)
 
     def _change_context(self, message_type: str, entry: RelMapEntry) -> ErrorContext:
         key = (message_type, id(entry))
@@ -271,41 +190,27 @@ class Applier:
             ctx = self._ctx_cache[key] = self.context(message_type, entry.display)
         return ctx
 
-    def _protocol_error(self, message_type: str, text: str) -> ProtocolError:
+    def protocol_error(self, message_type: str, text: str) -> ProtocolError:
         return ProtocolError(f"{text}\nCONTEXT:  {self.context(message_type).describe()}")
+
+    def missing_row(self, ctx: ErrorContext | None) -> None:
+        """An UPDATE/DELETE found no row: a conflict, logged and counted (behaviours 47, 110)."""
+        self.stats.missing_row(ctx, self.log)
 
     # --- transactions ----------------------------------------------------------------------------------------
     def _start_remote(self, xid: int, final_lsn: int, message_type: str) -> None:
-        if self.in_remote_transaction:
-            raise self._protocol_error(
-                message_type, f"{message_type} received inside remote transaction {self.remote_xid}"
-            )
-        self.in_remote_transaction = True
-        self.remote_xid = xid
-        self.remote_final_lsn = final_lsn
+        if self.tx.active:
+            text = f"{message_type} received inside remote transaction {self.tx.xid}"
+            raise self.protocol_error(message_type, text)
+        self.tx.start(xid, final_lsn)
         self._ctx_cache.clear()
         if skiprules.starts_skipping(self.skip.skip_lsn, final_lsn):
-            self.skipping = self.discarding = True
+            self.tx.skipping = self.tx.discarding = True
             self.log.info(skiprules.starts_skipping_message(final_lsn))
 
     def _end_remote(self, kind: str) -> None:
-        self._count(kind)
-        self.in_remote_transaction = False
-        self.remote_xid = None
-        self.remote_gid = None
-        self.prepare = None
-        self.skipping = self.discarding = False
-
-    def _count(self, kind: str) -> None:
-        self.transactions += 1
-        self.kinds[kind] += 1
-        pending = self._pending_rows
-        if pending[0] or pending[1] or pending[2] or pending[3]:
-            rows = self.rows
-            for op, n in zip(_OPERATIONS, pending, strict=True):
-                if n:
-                    rows[op] += n
-            self._pending_rows = [0, 0, 0, 0]
+        self.stats.count(kind)
+        self.tx.end()
 
     def handle_begin(self, m: Begin, payload: bytes = b"") -> None:
         """``apply_handle_begin``: remember the transaction; the local one starts with the first change."""
@@ -313,579 +218,298 @@ class Applier:
 
     def handle_commit(self, m: Commit, payload: bytes = b"") -> None:
         """``apply_handle_commit``: commit with origin progress, queue the flush-map entry, run the sync pass."""
-        if m.commit_lsn != self.remote_final_lsn:
-            raise self._protocol_error(
-                "COMMIT", f"incorrect commit LSN {format_lsn(m.commit_lsn)} in commit message (expected "
-                f"{format_lsn(self.remote_final_lsn)})",
-            )  # fmt: skip
-        kind = "skipped" if self.skipping else "commit"
-        if self._defer_commit(m.commit_lsn, m.end_lsn, m.commit_time):
-            self._end_remote(kind)
-            return
-        self._commit_internal(m.end_lsn, m.commit_time, "COMMIT")
-        self._end_remote(kind)
-        self.tables.after_transaction(m.end_lsn)
+        self._check_final_lsn("COMMIT", m.commit_lsn, True)
+        kind = "skipped" if self.tx.skipping else "commit"
+        self._commit_or_defer(m.commit_lsn, m.end_lsn, m.commit_time, "COMMIT", kind)
 
-    def _defer_commit(self, commit_lsn: int, end_lsn: int, commit_time: int) -> bool:
-        """Group commit (:mod:`applier.apply.commit_policy`): leave the local transaction open so that the next
-        remote transactions, if they have already arrived, join it; the worker ends the group (:meth:`end_group`)
-        as soon as the publisher has nothing more waiting, so no commit is delayed. Only plain transactions group,
-        and only while nothing else needs the commit itself: no skip-LSN to clear, no table being synchronised
-        (the sync-state pass runs after every commit then), no retry of a failed group."""
-        policy = self.commit_policy
-        if not policy.enabled:
-            return False
-        if not self.target.in_transaction and policy.pending is None:
-            return False  # nothing applied and no group open: nothing to commit (as the native worker)
-        if self.skipping or commit_lsn <= policy.ungrouped_until or not self._may_group():
-            # (the conditions only change between groups) this commit, in _commit_internal, also commits the
-            # open group's local transaction
-            policy.abandon()
-            return False
-        # an insert run (a COPY, say) stays open: the next transaction's inserts into the same table continue it
-        pending = self._pending_rows
-        rows = pending[0] + pending[1] + pending[2] + pending[3]
-        if policy.defer(
-            DeferredCommit(end_lsn, commit_time, self.remote_xid, self.remote_final_lsn), 1, rows
-        ):
-            self.end_group()
-        return True
+    def _check_final_lsn(self, message_type: str, lsn: int, ok: bool) -> None:
+        """The COMMIT/PREPARE must end the transaction its BEGIN announced (``ok``: and of the right kind)."""
+        if not ok or lsn != self.tx.final_lsn:
+            word, expected = message_type.lower(), format_lsn(self.tx.final_lsn)
+            text = f"incorrect {word} LSN {format_lsn(lsn)} in {word} message (expected {expected})"
+            raise self.protocol_error(message_type, text)
 
-    def _may_group(self) -> bool:
-        """Nothing outside the transactions needs their commits: no skip-LSN to clear, no table being synchronised
-        (the sync-state pass runs after every commit then), two-phase not about to be enabled."""
-        tables = self.tables
-        return (
-            not self.skip.skip_lsn
-            and getattr(tables, "all_ready", False)
-            and getattr(tables, "two_phase_state", "") != "p"
-        )
-
-    def _commit_internal(self, end_lsn: int, commit_time: int, message_type: str) -> None:
-        """``apply_handle_commit_internal``: commit if a local transaction exists (something applied, or a
-        skipped transaction, which commits empty to clear the skip-LSN and advance the origin)."""
-        self._flush_run()
-        finish_lsn = self.remote_final_lsn
-        ctx = self.context(message_type)
-        if self.skipping:
-            self.log.info(skiprules.completed_skipping_message(finish_lsn))
-            self.target.begin(ctx)
-        if self.target.in_transaction:
-            self._clear_skip_lsn_in_transaction(finish_lsn, ctx)
-            token = self.tracker.queued(end_lsn)
-            self.target.commit(end_lsn, commit_time, ctx, lambda _res: self.tracker.confirmed(token))
-
-    def _clear_skip_lsn_in_transaction(self, finish_lsn: int, ctx: ErrorContext) -> None:
-        """``clear_subscription_skip_lsn`` inside the local transaction being committed (behaviours 99-100)."""
-        skip_lsn = self.skip.skip_lsn
-        if not skip_lsn:
-            return
-        outcome = skiprules.on_transaction_end(skip_lsn, finish_lsn, True)
-        if not outcome.clears:
-            return
-        self.skip.skip_lsn = 0
-
-        def cleared(res: Any) -> None:
-            if res is not None and res.command_tuples and outcome is skiprules.SkipOutcome.CLEAR_WITH_WARNING:
-                warning, detail = skiprules.mistaken_skip_warning(self.subname, skip_lsn, finish_lsn)
-                self.log.warning("%s\nDETAIL:  %s", warning, detail)
-
-        self.target.pipeline.send_query(
-            b"UPDATE applier.subscription SET subskiplsn = NULL WHERE subid = $1::bigint"
-            b" AND subskiplsn = $2::pg_catalog.pg_lsn",
-            [str(self.subid).encode(), format_lsn(skip_lsn).encode()], ctx, cleared,
-        )  # fmt: skip
-
-    def _clear_skip_lsn_separately(self, finish_lsn: int, applied_something: bool) -> None:
-        """For PREPARE (which cannot include it) and COMMIT/ROLLBACK PREPARED: clear in a transaction of its own,
-        once the target has confirmed what came before."""
-        skip_lsn = self.skip.skip_lsn
-        outcome = skiprules.on_transaction_end(skip_lsn, finish_lsn, applied_something)
-        if not outcome.clears:
-            return
-        self.target.pipeline.drain()
-        self.skip.skip_lsn = 0
-        if (
-            self._clear_skip_lsn_now(self.subid, skip_lsn)
-            and outcome is skiprules.SkipOutcome.CLEAR_WITH_WARNING
-        ):
-            warning, detail = skiprules.mistaken_skip_warning(self.subname, skip_lsn, finish_lsn)
-            self.log.warning("%s\nDETAIL:  %s", warning, detail)
-
-    def handle_origin(self, m: Origin, payload: bytes = b"") -> None:
-        """``apply_handle_origin``: content unused; only its position is checked."""
-        if not self.in_remote_transaction and self.stream_xid is None:
-            raise self._protocol_error("ORIGIN", "ORIGIN message sent out of order")
-
-    def handle_message(self, m: Message, payload: bytes = b"") -> None:
-        """Logical decoding messages are ignored, as by the native worker (we never ask for them)."""
-        if self.stream_xid is not None:
-            self.spool.write(m.xid, payload)
-
-    def handle_type(self, m: Type, payload: bytes = b"") -> None:
-        """``apply_handle_type``: read and discarded; values go through the local type's input function."""
-        if self.stream_xid is not None:
-            self.spool.write(m.xid, payload)
-
-    # --- relations -------------------------------------------------------------------------------------------
-    def handle_relation(self, m: Relation, payload: bytes = b"") -> None:
-        """``apply_handle_relation``: replace the map entry; the local table is looked up at first use."""
-        if self.stream_xid is not None:
-            self.spool.write(m.xid, payload)
-            return
-        self._flush_run_if(m.relid)
-        self.relations[m.relid] = m
-        self.entries.pop(m.relid, None)
-
-    def _entry(self, relid: int, message_type: str) -> RelMapEntry:
-        """``logicalrep_rel_open``: the mapped local table of a publisher relation, resolved by name."""
-        entry = self.entries.get(relid)
-        if entry is not None:
-            return entry
-        rel = self.relations.get(relid)
-        if rel is None:
-            raise self._protocol_error(message_type, f"no relation map entry for remote relation ID {relid}")
-        self._flush_run()
-        try:
-            local = self.target.load_local_table(remote_schema(rel), rel.relname)
-            if local is None:
-                raise missing_table_error(rel)
-            entry = map_relation(rel, local)
-        except RelationMappingError as exc:
-            raise ApplyError(
-                str(exc), self.context(message_type, f"{remote_schema(rel)}.{rel.relname}")
-            ) from None
-        self.entries[relid] = entry
-        return entry
-
-    def _applies(self, entry: RelMapEntry) -> bool:
-        return self.tables.should_apply(entry.local.oid, self.remote_final_lsn)
-
-    def _begin_local(self, ctx: ErrorContext) -> None:
-        if not self.target.in_transaction:
-            self.target.begin(ctx)
-
-    # --- row changes -----------------------------------------------------------------------------------------
-    def handle_insert(self, m: Insert, payload: bytes = b"") -> None:
-        """``apply_handle_insert``. Inserts are gathered into runs per relation: a short run is sent as prepared
-        INSERTs, a long one continues as a COPY (see :mod:`applier.apply.target`)."""
-        if self.stream_xid is not None:
-            self.spool.write(m.xid, payload)
-            return
-        if self.discarding:
-            return
-        entry = self.entries.get(m.relid)
-        if entry is None or entry is not self._run_entry:
-            # a new run: the relation's applicability cannot change within a transaction, so it is checked
-            # once per run, not per row
-            entry = self._entry(m.relid, "INSERT")
-            if not self._applies(entry):
-                return
-            self._flush_run()
-            ctx = self._change_context("INSERT", entry)
-            self._begin_local(ctx)
-            self._run_entry = entry
-            self._run_ctx = ctx
-        target = self.target
-        copy = target.copy_run
-        if copy is not None and copy.entry is entry:
-            kinds = m.new.kinds
-            if KIND_BINARY not in kinds and KIND_UNCHANGED_TOAST not in kinds:
-                copy.add(m.new)
-                self._pending_rows[0] += 1
-                return
-            target.end_copy()  # keep the order: this row goes after everything already copied
-        self._pending_rows[0] += 1
-        rows = self._run_rows
-        rows.append(m.new)
-        if len(rows) >= COPY_THRESHOLD:
-            if all(copy_eligible(r) for r in rows):
-                target.start_copy(entry, rows, self._run_ctx)
-            else:
-                for r in rows:
-                    target.insert(entry, r, self._run_ctx)
-            rows.clear()
-
-    def handle_insert_bytes(self, payload: bytes) -> None:
-        """An Insert outside a stream, from its bytes: a row for the open COPY of its relation goes straight in
-        (no message object, no dispatch); anything else takes :meth:`handle_insert`."""
-        relid, new = decode_plain_insert(payload)
-        lane = self.copy_lane()
-        if lane is not None and lane[0] >> 8 == relid:
-            kinds = new.kinds
-            if KIND_BINARY not in kinds and KIND_UNCHANGED_TOAST not in kinds:
-                self.target.copy_run.add(new)  # type: ignore[union-attr]
-                self._pending_rows[0] += 1
-                return
-        self.handle_insert(Insert(None, relid, new), payload)
-
-    def copy_lane(self) -> tuple[int, int] | None:
-        """``(relid << 8 | 'N', column count)`` of the Inserts that would go straight into the open COPY, or
-        ``None`` when none would (no COPY open, skipping, inside a stream chunk)."""
-        entry = self._run_entry
-        if entry is None or self.discarding or self.stream_xid is not None:
-            return None
-        copy = self.target.copy_run
-        relid = entry.remote.relid
-        if copy is None or copy.entry is not entry or self.entries.get(relid) is not entry:
-            return None
-        return (relid << 8) | 78, len(entry.names)
-
-    def handle_insert_run(self, run: InsertRun, first: int, stop: int, one: Callable[[int], None]) -> None:
-        """Messages ``first`` to ``stop - 1`` of ``run``, in arrival order, Inserts or not: every stretch of at
-        least :data:`VECTOR_MIN` of them that goes into the open COPY is converted in one go
-        (:mod:`applier.apply.copytext`); ``one(i)`` handles the rest message by message, exactly as if they had
-        come alone (so a malformed one gets its precise error, and a new relation starts its own run and, once
-        long enough, its own COPY)."""
-        heads = run.relid_heads(first, stop).tolist()
-        i = first
-        while i < stop:
-            head = heads[i - first]
-            end = i + 1
-            while end < stop and heads[end - first] == head:
-                end += 1
-            while i < end:
-                lane = self.copy_lane() if head != -1 and end - i >= VECTOR_MIN else None
-                if lane is not None and lane[0] == head:
-                    text = run.copy_text(i, end, lane[1])
-                    if text is not None:
-                        self.target.copy_run.add_text(text, end - i)  # type: ignore[union-attr]
-                        self._pending_rows[0] += end - i
-                        self.converted_rows += end - i
-                    else:  # not the simple shape: the whole stretch row by row
-                        for j in range(i, end):
-                            one(j)
-                    i = end
-                    break
-                one(i)
-                i += 1
-
-    def _flush_run(self) -> None:
-        """End the current insert run: send what is buffered as INSERTs, and close a COPY."""
-        entry = self._run_entry
-        if entry is None:
-            return
-        self._run_entry = None
-        self.target.end_copy()
-        rows = self._run_rows
-        if rows:
-            ctx = self._run_ctx
-            for r in rows:
-                self.target.insert(entry, r, ctx)
-            rows.clear()
-
-    def _flush_run_if(self, relid: int) -> None:
-        if self._run_entry is not None and self._run_entry.remote.relid == relid:
-            self._flush_run()
-
-    def _updatable(self, entry: RelMapEntry, message_type: str) -> None:
-        """``check_relation_updatable`` (behaviour 44)."""
-        if entry.not_updatable is not None:
-            raise ApplyError(entry.not_updatable, self._change_context(message_type, entry))
-
-    def handle_update(self, m: Update, payload: bytes = b"") -> None:
-        if self.stream_xid is not None:
-            self.spool.write(m.xid, payload)
-            return
-        if self.discarding:
-            return
-        self._flush_run()
-        entry = self._entry(m.relid, "UPDATE")
-        if not self._applies(entry):
-            return
-        self._updatable(entry, "UPDATE")
-        ctx = self._change_context("UPDATE", entry)
-        self._begin_local(ctx)
-        self.target.update(entry, m.old, m.new, ctx)
-        self._pending_rows[1] += 1
-
-    def handle_delete(self, m: Delete, payload: bytes = b"") -> None:
-        if self.stream_xid is not None:
-            self.spool.write(m.xid, payload)
-            return
-        if self.discarding:
-            return
-        self._flush_run()
-        entry = self._entry(m.relid, "DELETE")
-        if not self._applies(entry):
-            return
-        self._updatable(entry, "DELETE")
-        ctx = self._change_context("DELETE", entry)
-        self._begin_local(ctx)
-        self.target.delete(entry, m.old, ctx)
-        self._pending_rows[2] += 1
-
-    def _missing_row(self, ctx: ErrorContext | None) -> None:
-        """An UPDATE/DELETE found no row: not an error (behaviour 47); logged as PostgreSQL 18 does, as an
-        ``update_missing``/``delete_missing`` conflict (behaviour 110), and counted."""
-        op = "update" if ctx is not None and ctx.message_type == "UPDATE" else "delete"
-        kind = f"{op}_missing"
-        self.conflicts[kind] += 1
-        self.log.info(
-            'conflict detected on relation "%s": conflict=%s\nDETAIL:  Could not find the row to be %sd.'
-            "\nCONTEXT:  %s", ctx.relation if ctx else "?", kind, op, ctx.describe() if ctx else "",
-        )  # fmt: skip
-
-    def handle_truncate(self, m: Truncate, payload: bytes = b"") -> None:
-        """``apply_handle_truncate``: the applicable relations in one TRUNCATE, RESTART IDENTITY honoured, never
-        CASCADE (behaviour 49)."""
-        if self.stream_xid is not None:
-            self.spool.write(m.xid, payload)
-            return
-        if self.discarding:
-            return
-        self._flush_run()
-        entries: list[RelMapEntry] = []
-        for relid in m.relids:
-            entry = self._entry(relid, "TRUNCATE")
-            if self._applies(entry) and all(e is not entry for e in entries):
-                entries.append(entry)
-        if not entries:
-            return
-        ctx = self.context("TRUNCATE", ", ".join(e.display for e in entries))
-        self._begin_local(ctx)
-        self.target.truncate(entries, m.restart_identity, ctx)
-        self._pending_rows[3] += len(entries)
-
-    # --- two-phase -------------------------------------------------------------------------------------------
-    def _record_prepared(
-        self, xid: int, prepare_lsn: int, end_lsn: int, prepare_time: int, ctx: ErrorContext
-    ) -> None:
-        """Store (gid, prepare_end_lsn, prepare_time), what ``LookupGXact`` compares (behaviour 65), committed
-        before the local transaction begins, so it is visible while the transaction stays prepared: in the open
-        group commit's local transaction when there is one, else in a transaction of its own.
-
-        It is queued on the apply session in a transaction of its own (no extra round trip); with asynchronous
-        commit it still becomes durable no later than the PREPARE, whose WAL flush covers it. The worker also keeps
-        the records of its prepared transactions in memory (:attr:`prepared`), so ROLLBACK PREPARED needs no
-        lookup round trip; rows of finished ones are removed in batches (``Catalog.reconcile_prepared``).
-        """
-        gid = self._gid(xid, ctx.gid)
-        recorded = self._prerecorded.pop(gid, None) == (end_lsn, prepare_time) if self._prerecorded else False
-        if self.commit_policy.pending is not None:
-            # a group commit is deferred (plain transactions just before this one): the record rides in its local
-            # transaction, committed here, before this transaction begins; one local transaction end fewer
-            self._flush_run()
-            if not recorded:
-                self._write_records(gid, xid, prepare_lsn, end_lsn, prepare_time, ctx)
-                self.records_in_group += 1
-            self.end_group()
-        elif not recorded:
-            self._write_records(gid, xid, prepare_lsn, end_lsn, prepare_time, ctx)
-        self.prepared[gid] = (end_lsn, prepare_time)
-
-    def _write_records(
-        self, gid: str, xid: int, prepare_lsn: int, end_lsn: int, prepare_time: int, ctx: ErrorContext
-    ) -> None:
-        """This transaction's record, and those of the transactions announced by :meth:`expect_prepares`, in one
-        statement: the later ones then need no record, nor a local transaction around it, of their own."""
-        upcoming = self._upcoming
-        if not upcoming:
-            self.target.record_prepared(gid, self.subid, xid, prepare_lsn, end_lsn, prepare_time, ctx)
-            return
-        upcoming[gid] = (xid, prepare_lsn, end_lsn, prepare_time)
-        self.target.record_prepared_many([(g, *r) for g, r in upcoming.items()], self.subid, ctx)
-        for g, (_xid, _lsn, e, t) in upcoming.items():
-            if g != gid:
-                self._prerecorded[g] = (e, t)
-        self.records_batched += len(upcoming) - 1
-        upcoming.clear()
-
-    def expect_prepares(self, begins: Sequence[BeginPrepare]) -> None:
-        """The BEGIN PREPAREs of a batch the worker has read but not applied yet: the next record written (at the
-        first of them, or at a STREAM PREPARE) writes theirs along with it (:meth:`_write_records`).
-
-        A record only has to be committed before its transaction is prepared; committing it earlier changes
-        nothing. One whose transaction never gets prepared here (an error, a crash first) is replaced when the
-        transaction comes again, or dropped by the worker's reconciliation of finished records."""
-        upcoming = self._upcoming
-        if (
-            self.original_gids
-        ):  # the batched record needs GIDs that need no quoting (Target.record_prepared_many)
-            return
-        for m in begins:
-            upcoming[gid_for(self.subid, m.xid)] = (m.xid, m.prepare_lsn, m.end_lsn, m.prepare_time)
-
-    def _gid(self, xid: int, remote_gid: str | None) -> str:
-        return gid_for(self.subid, xid, remote_gid if self.original_gids else None)
-
-    def _forget_prepared(self, gid: str) -> None:
-        self.prepared.pop(gid, None)
-        self.finished_prepared += 1
-
-    def handle_begin_prepare(self, m: BeginPrepare, payload: bytes = b"") -> None:
-        """``apply_handle_begin_prepare``: like Begin, with the prepare LSN as the finish LSN. A transaction whose
-        decision is already here is folded (applier.apply.fold): no record, no PREPARE; a rolled back one's changes
-        are discarded."""
-        self._start_remote(m.xid, m.prepare_lsn, "BEGIN PREPARE")
-        self.prepare = m
-        self.remote_gid = m.gid
-        decision = self.decided.pop(m.xid, None) if self.decided else None
-        if (
-            decision is not None
-            and decision.prepare_end_lsn == m.end_lsn
-            and decision.prepare_time == m.prepare_time
-            and not self.skipping
-            and self._may_group()
-        ):
-            self._folding = decision
-            self.discarding = not decision.commit
-            return
-        self._record_prepared(m.xid, m.prepare_lsn, m.end_lsn, m.prepare_time, self.context("BEGIN PREPARE"))
-
-    def handle_prepare(self, m: Prepare, payload: bytes = b"") -> None:
-        """``apply_handle_prepare``: always PREPARE, even an empty or skipped transaction (behaviour 61)."""
-        if self.prepare is None or m.prepare_lsn != self.remote_final_lsn:
-            raise self._protocol_error(
-                "PREPARE", f"incorrect prepare LSN {format_lsn(m.prepare_lsn)} in prepare message (expected "
-                f"{format_lsn(self.remote_final_lsn)})",
-            )  # fmt: skip
-        if self._folding is not None:
-            return  # the transaction ends with its COMMIT/ROLLBACK PREPARED, the next message
-        self._prepare_internal(m.xid, m.end_lsn, m.prepare_time, "PREPARE")
-
-    def _prepare_internal(self, xid: int, end_lsn: int, prepare_time: int, message_type: str) -> None:
-        self._flush_run()
-        ctx = self.context(message_type)
-        was_skipping = self.skipping
-        if was_skipping:
-            self.log.info(skiprules.completed_skipping_message(self.remote_final_lsn))
-        finish_lsn = self.remote_final_lsn
-        token = self.tracker.queued(end_lsn, two_phase=True)
-        self.target.prepare(self._gid(xid, self.remote_gid), end_lsn, prepare_time, ctx,
-                            lambda _res: self.tracker.confirmed(token))  # fmt: skip
-        self._end_remote("stream_prepare" if message_type == "STREAM PREPARE" else "prepare")
-        self.tables.after_transaction(end_lsn)
-        self._clear_skip_lsn_separately(finish_lsn, True)
-
-    def handle_commit_prepared(self, m: CommitPrepared, payload: bytes = b"") -> None:
-        """``apply_handle_commit_prepared``: COMMIT PREPARED; an unknown GID is an error (no lookup)."""
-        if self._folding is not None and self._folding.commit and m.xid == self.remote_xid:
-            self._end_folded(m.commit_lsn, m.end_lsn, m.commit_time, "COMMIT PREPARED", "commit_prepared")
-            return
-        if self.in_remote_transaction:
-            raise self._protocol_error(
-                "COMMIT PREPARED", "COMMIT PREPARED received inside a remote transaction"
-            )
-        gid = self._gid(m.xid, m.gid)
-        ctx = ErrorContext(self.origin, "COMMIT PREPARED", None, m.xid, m.commit_lsn)
-        token = self.tracker.queued(m.end_lsn, two_phase=True)
-        self.target.finish_prepared(True, gid, m.end_lsn, m.commit_time, ctx,
-                                    lambda _res: self.tracker.confirmed(token))  # fmt: skip
-        self._forget_prepared(gid)
-        self._count("commit_prepared")
-        self.tables.after_transaction(m.end_lsn)
-        self._clear_skip_lsn_separately(m.end_lsn, True)
-
-    def handle_rollback_prepared(self, m: RollbackPrepared, payload: bytes = b"") -> None:
-        """``apply_handle_rollback_prepared``: only if our prepared transaction is the one the publisher prepared
-        (same GID, prepare end LSN and time, ``LookupGXact``), else skipped silently (behaviours 64-65)."""
-        folding = self._folding
-        if folding is not None and not folding.commit and m.xid == self.remote_xid:
-            self._end_folded(m.rollback_end_lsn, m.rollback_end_lsn, m.rollback_time, "ROLLBACK PREPARED",
-                             "rollback_prepared")  # fmt: skip
-            return
-        if self.in_remote_transaction:
-            raise self._protocol_error(
-                "ROLLBACK PREPARED", "ROLLBACK PREPARED received inside a remote transaction"
-            )
-        gid = self._gid(m.xid, m.gid)
-        ctx = ErrorContext(self.origin, "ROLLBACK PREPARED", None, m.xid, m.prepare_end_lsn)
-        found = self.prepared.get(gid) == (m.prepare_end_lsn, m.prepare_time)
-        token = self.tracker.queued(m.rollback_end_lsn, two_phase=True)
-        if found:
-            self.target.finish_prepared(False, gid, m.rollback_end_lsn, m.rollback_time, ctx,
-                                        lambda _res: self.tracker.confirmed(token))  # fmt: skip
-            self._forget_prepared(gid)
-        else:
-            self.tracker.confirmed(token)
-            self.log.debug("skipping ROLLBACK PREPARED of %s: no matching prepared transaction", gid)
-        self._count("rollback_prepared" if found else "skipped")
-        self.tables.after_transaction(m.rollback_end_lsn)
-        if found:
-            self._clear_skip_lsn_separately(m.rollback_end_lsn, True)
-
-    def _end_folded(self, lsn: int, end_lsn: int, time: int, message_type: str, kind: str) -> None:
-        """End a folded transaction as a plain commit at ``end_lsn`` (its COMMIT/ROLLBACK PREPARED's end), group
-        commit included; a rolled back one applied nothing, so it commits nothing of its own."""
-        self._folding = None
-        self.folded_prepares += 1
-        if self._defer_commit(lsn, end_lsn, time):
+    def _commit_or_defer(self, lsn: int, end_lsn: int, time: int, message_type: str, kind: str) -> None:
+        """End the remote transaction: join the open group commit, or commit now and run the sync-state pass."""
+        if self.group.defer(lsn, end_lsn, time):
             self._end_remote(kind)
             return
         self._commit_internal(end_lsn, time, message_type)
         self._end_remote(kind)
         self.tables.after_transaction(end_lsn)
 
+    def _commit_internal(self, end_lsn: int, commit_time: int, message_type: str) -> None:
+        """``apply_handle_commit_internal``: commit if a local transaction exists (something applied, or a
+        skipped transaction, which commits empty to clear the skip-LSN and advance the origin)."""
+        self.inserts.flush()
+        finish_lsn = self.tx.final_lsn
+        ctx = self.context(message_type)
+        if self.tx.skipping:
+            self.log.info(skiprules.completed_skipping_message(finish_lsn))
+            self.target.begin(ctx)
+        if self.target.in_transaction:
+            self.skip_clearing.in_transaction(finish_lsn, ctx)
+            token = self.tracker.queued(end_lsn)
+            self.target.commit(end_lsn, commit_time, ctx, lambda _res: self.tracker.confirmed(token))
+
+    def handle_origin(self, m: Origin, payload: bytes = b"") -> None:
+        """``apply_handle_origin``: content unused; only its position is checked."""
+        if not self.tx.active and self.stream.xid is None:
+            raise self.protocol_error("ORIGIN", "ORIGIN message sent out of order")
+
+    def _spooled(self, subxid: int | None, payload: bytes) -> bool:
+        """Inside a stream chunk a change is spooled (``handle_streamed_transaction``), not applied."""
+        if self.stream.xid is None:
+            return False
+        self.spool.write(subxid, payload)
+        return True
+
+    def handle_message(self, m: Message, payload: bytes = b"") -> None:
+        """Logical decoding messages are ignored, as by the native worker (we never ask for them)."""
+        self._spooled(m.xid, payload)
+
+    def handle_type(self, m: Type, payload: bytes = b"") -> None:
+        """``apply_handle_type``: read and discarded; values go through the local type's input function."""
+        self._spooled(m.xid, payload)
+
+    # --- relations -------------------------------------------------------------------------------------------
+    def handle_relation(self, m: Relation, payload: bytes = b"") -> None:
+        """``apply_handle_relation``: replace the map entry; the local table is looked up at first use."""
+        if self._spooled(m.xid, payload):
+            return
+        self.inserts.flush_if(m.relid)
+        self.relmap.describe(m)
+
+    def _entry(self, relid: int, message_type: str) -> RelMapEntry:
+        """``logicalrep_rel_open``: the mapped local table of a publisher relation, resolved by name."""
+        entry = self.relmap.entries.get(relid)
+        if entry is not None:
+            return entry
+        if relid not in self.relmap.relations:
+            raise self.protocol_error(message_type, f"no relation map entry for remote relation ID {relid}")
+        self.inserts.flush()
+        try:
+            return self.relmap.open(relid, self.target.load_local_table)
+        except RelationMappingError as exc:
+            raise ApplyError(str(exc), self.context(message_type, self.relmap.name(relid))) from None
+
+    def _open_change(self, relid: int, message_type: str) -> tuple[RelMapEntry, ErrorContext] | None:
+        """The relation and error context of an Update or Delete about to be sent, with a local transaction open,
+        or None when its relation does not take changes now (behaviour 75)."""
+        self.inserts.flush()
+        entry = self._entry(relid, message_type)
+        if not self.tables.should_apply(entry.local.oid, self.tx.final_lsn):
+            return None
+        if entry.not_updatable is not None:  # ``check_relation_updatable`` (behaviour 44)
+            raise ApplyError(entry.not_updatable, self._change_context(message_type, entry))
+        ctx = self._change_context(message_type, entry)
+        if not self.target.in_transaction:
+            self.target.begin(ctx)
+        return entry, ctx
+
+    # --- row changes -----------------------------------------------------------------------------------------
+    def handle_insert(self, m: Insert, payload: bytes = b"") -> None:
+        """``apply_handle_insert``, into a run of inserts per relation (:mod:`applier.apply.insert_sink`)."""
+        if self._spooled(m.xid, payload) or self.tx.discarding:
+            return
+        sink = self.inserts
+        entry = self.relmap.entries.get(m.relid)
+        if entry is None or entry is not sink.entry:
+            # a new run: a relation's applicability cannot change within a transaction, so it is checked per run
+            entry = self._entry(m.relid, "INSERT")
+            if not self.tables.should_apply(entry.local.oid, self.tx.final_lsn):
+                return
+            sink.flush()
+            ctx = self._change_context("INSERT", entry)
+            if not self.target.in_transaction:
+                self.target.begin(ctx)
+            sink.open(entry, ctx)
+        sink.add(m.new)
+
+    def handle_insert_bytes(self, payload: bytes) -> None:
+        """An Insert outside a stream, from its bytes: a row for the open COPY goes straight in; anything else
+        takes :meth:`handle_insert`."""
+        relid, new = decode_plain_insert(payload)
+        if not self.inserts.add_to_lane(relid, new):
+            self.handle_insert(Insert(None, relid, new), payload)
+
+    def handle_update(self, m: Update, payload: bytes = b"") -> None:
+        """``apply_handle_update``: by replica identity; no row found is a conflict, not an error."""
+        if self._spooled(m.xid, payload) or self.tx.discarding:
+            return
+        opened = self._open_change(m.relid, "UPDATE")
+        if opened is not None:
+            self.target.update(opened[0], m.old, m.new, opened[1])
+            self.stats.pending_rows[1] += 1
+
+    def handle_delete(self, m: Delete, payload: bytes = b"") -> None:
+        """``apply_handle_delete``: by replica identity; no row found is a conflict, not an error."""
+        if self._spooled(m.xid, payload) or self.tx.discarding:
+            return
+        opened = self._open_change(m.relid, "DELETE")
+        if opened is not None:
+            self.target.delete(opened[0], m.old, opened[1])
+            self.stats.pending_rows[2] += 1
+
+    def handle_truncate(self, m: Truncate, payload: bytes = b"") -> None:
+        """``apply_handle_truncate``: the applicable relations in one TRUNCATE, RESTART IDENTITY honoured, never
+        CASCADE (behaviour 49)."""
+        if self._spooled(m.xid, payload) or self.tx.discarding:
+            return
+        self.inserts.flush()
+        opened = {id(e): e for e in (self._entry(relid, "TRUNCATE") for relid in m.relids)}  # once each, in order  # fmt: skip
+        entries = [e for e in opened.values() if self.tables.should_apply(e.local.oid, self.tx.final_lsn)]
+        if not entries:
+            return
+        ctx = self.context("TRUNCATE", ", ".join(e.display for e in entries))
+        if not self.target.in_transaction:
+            self.target.begin(ctx)
+        self.target.truncate(entries, m.restart_identity, ctx)
+        self.stats.pending_rows[3] += len(entries)
+
+    # --- two-phase -------------------------------------------------------------------------------------------
+    def handle_begin_prepare(self, m: BeginPrepare, payload: bytes = b"") -> None:
+        """``apply_handle_begin_prepare``: like Begin, with the prepare LSN as the finish LSN. A transaction whose
+        decision is already here is folded (applier.apply.fold): no record, no PREPARE; a rolled back one's changes
+        are discarded."""
+        self._start_remote(m.xid, m.prepare_lsn, "BEGIN PREPARE")
+        self.tx.prepare = m
+        self.tx.gid = m.gid
+        decision = self.folding.begin(m, not self.tx.skipping and self.group.may_group())
+        if decision is not None:
+            self.tx.discarding = not decision.commit
+            return
+        ctx = self.context("BEGIN PREPARE")
+        self.records.record(m.xid, m.prepare_lsn, m.end_lsn, m.prepare_time, ctx, self.group)
+
+    def handle_prepare(self, m: Prepare, payload: bytes = b"") -> None:
+        """``apply_handle_prepare``: always PREPARE, even an empty or skipped transaction (behaviour 61)."""
+        self._check_final_lsn("PREPARE", m.prepare_lsn, self.tx.prepare is not None)
+        if self.folding.current is not None:
+            return  # the transaction ends with its COMMIT/ROLLBACK PREPARED, the next message
+        self._prepare_internal(m.xid, m.end_lsn, m.prepare_time, "PREPARE")
+
+    def _prepare_internal(self, xid: int, end_lsn: int, prepare_time: int, message_type: str) -> None:
+        self.inserts.flush()
+        ctx = self.context(message_type)
+        finish_lsn = self.tx.final_lsn
+        if self.tx.skipping:
+            self.log.info(skiprules.completed_skipping_message(finish_lsn))
+        token = self.tracker.queued(end_lsn, two_phase=True)
+        self.target.prepare(self.records.gid(xid, self.tx.gid), end_lsn, prepare_time, ctx,
+                            lambda _res: self.tracker.confirmed(token))  # fmt: skip
+        self._end_remote("stream_prepare" if message_type == "STREAM PREPARE" else "prepare")
+        self.tables.after_transaction(end_lsn)
+        self.skip_clearing.separately(finish_lsn, True)
+
+    def handle_commit_prepared(self, m: CommitPrepared, payload: bytes = b"") -> None:
+        """``apply_handle_commit_prepared``: COMMIT PREPARED; an unknown GID is an error (no lookup)."""
+        if self.folding.ends(m.xid, True, self.tx.xid):
+            self._end_folded(m.commit_lsn, m.end_lsn, m.commit_time, "COMMIT PREPARED", "commit_prepared")
+            return
+        gid = self.records.gid(m.xid, m.gid)
+        self._finish_prepared(True, gid, m.xid, m.commit_lsn, m.end_lsn, m.commit_time, "COMMIT PREPARED")
+        self.stats.count("commit_prepared")
+        self.tables.after_transaction(m.end_lsn)
+        self.skip_clearing.separately(m.end_lsn, True)
+
+    def handle_rollback_prepared(self, m: RollbackPrepared, payload: bytes = b"") -> None:
+        """``apply_handle_rollback_prepared``: only if our prepared transaction is the one the publisher prepared
+        (same GID, prepare end LSN and time, ``LookupGXact``), else skipped silently (behaviours 64-65)."""
+        end_lsn = m.rollback_end_lsn
+        if self.folding.ends(m.xid, False, self.tx.xid):
+            self._end_folded(end_lsn, end_lsn, m.rollback_time, "ROLLBACK PREPARED", "rollback_prepared")
+            return
+        gid = self.records.gid(m.xid, m.gid)
+        found = self.records.matches(gid, m.prepare_end_lsn, m.prepare_time)
+        if found:
+            self._finish_prepared(False, gid, m.xid, m.prepare_end_lsn, end_lsn, m.rollback_time, "ROLLBACK PREPARED")  # fmt: skip
+        else:
+            self._check_outside("ROLLBACK PREPARED")
+            self.tracker.confirmed(self.tracker.queued(end_lsn, two_phase=True))
+            self.log.debug("skipping ROLLBACK PREPARED of %s: no matching prepared transaction", gid)
+        self.stats.count("rollback_prepared" if found else "skipped")
+        self.tables.after_transaction(end_lsn)
+        if found:
+            self.skip_clearing.separately(end_lsn, True)
+
+    def _check_outside(self, message_type: str) -> None:
+        if self.tx.active:
+            raise self.protocol_error(message_type, f"{message_type} received inside a remote transaction")
+
+    def _finish_prepared(self, commit: bool, gid: str, xid: int, lsn: int, end_lsn: int, time: int, message_type: str) -> None:  # fmt: skip
+        """COMMIT or ROLLBACK PREPARED of our prepared transaction (``lsn`` is what its error context names)."""
+        self._check_outside(message_type)
+        ctx = ErrorContext(self.origin, message_type, None, xid, lsn)
+        token = self.tracker.queued(end_lsn, two_phase=True)
+        self.target.finish_prepared(commit, gid, end_lsn, time, ctx, lambda _res: self.tracker.confirmed(token))  # fmt: skip
+        self.records.forget(gid)
+
+    def _end_folded(self, lsn: int, end_lsn: int, time: int, message_type: str, kind: str) -> None:
+        """End a folded transaction as a plain commit at ``end_lsn`` (its COMMIT/ROLLBACK PREPARED's end), group
+        commit included; a rolled back one applied nothing, so it commits nothing of its own."""
+        self.folding.current = None
+        self.stats.folded_prepares += 1
+        self._commit_or_defer(lsn, end_lsn, time, message_type, kind)
+
     # --- streamed transactions -------------------------------------------------------------------------------
     def spool_raw(self, payload: bytes) -> None:
         """A change inside a stream chunk (type byte in :data:`RAW_SPOOL_TYPES`), spooled as received, undecoded:
-        only the subtransaction xid after the type byte is read (as ``stream_write_change`` does). It is decoded,
-        and checked, once, at replay."""
-        if (
-            self.stream_xid is None or len(payload) < 5
-        ):  # pragma: no cover - the worker's decoder says in-stream
+        only the subtransaction xid after the type byte is read (``stream_write_change``); checked at replay."""
+        if self.stream.xid is not None and len(payload) >= 5:
+            self.spool.write(int.from_bytes(payload[1:5], "big"), payload)
+        else:  # pragma: no cover - the worker's decoder says in-stream
             self.handle(decode_message(payload, in_stream=True, encoding=self.encoding), payload)
-            return
-        self.spool.write(int.from_bytes(payload[1:5], "big"), payload)
 
-    def spool_batch(self, messages: Sequence[bytes | memoryview], offset: int) -> None:
-        """Several changes of the open stream chunk at once, as :meth:`spool_raw` spools one
-        (``messages[i][offset:]`` is each one's raw bytes)."""
-        self.spool.write_batch(messages, offset)
+    def _check_chunk(self, message_type: str, chunk_open: bool, text: str) -> None:
+        """A stream message must come inside (``chunk_open``) or outside a stream chunk."""
+        if (self.stream.xid is not None) is not chunk_open:
+            raise self.protocol_error(message_type, text)
 
     def handle_stream_start(self, m: StreamStart, payload: bytes = b"") -> None:
         """``apply_handle_stream_start``: open (or reopen) the transaction's spool file."""
-        if self.stream_xid is not None:
-            raise self._protocol_error("STREAM START", "duplicate STREAM START message")
-        if self.in_remote_transaction:
-            raise self._protocol_error("STREAM START", "STREAM START received inside a remote transaction")
+        self._check_chunk("STREAM START", False, "duplicate STREAM START message")
+        if self.tx.active:
+            raise self.protocol_error("STREAM START", "STREAM START received inside a remote transaction")
         if m.xid == 0:
-            raise self._protocol_error(
-                "STREAM START", "invalid transaction ID in streamed replication transaction"
-            )
-        self._flush_run()
+            raise self.protocol_error("STREAM START", "invalid transaction ID in streamed replication transaction")  # fmt: skip
+        self.inserts.flush()
         self.spool.start_chunk(m.xid, m.first_segment)
-        self.stream_xid = m.xid
+        self.stream.xid = m.xid
 
     def handle_stream_stop(self, m: StreamStop, payload: bytes = b"") -> None:
-        if self.stream_xid is None:
-            raise self._protocol_error("STREAM STOP", "STREAM STOP message without STREAM START")
+        """``apply_handle_stream_stop``: close the chunk's spool file."""
+        self._check_chunk("STREAM STOP", True, "STREAM STOP message without STREAM START")
         self.spool.close_chunk()
-        self.stream_xid = None
+        self.stream.xid = None
 
     def handle_stream_abort(self, m: StreamAbort, payload: bytes = b"") -> None:
         """``apply_handle_stream_abort``: drop the spool, or truncate it back to the aborted subtransaction."""
-        if self.stream_xid is not None:
-            raise self._protocol_error("STREAM ABORT", "STREAM ABORT message without STREAM STOP")
+        self._check_chunk("STREAM ABORT", False, "STREAM ABORT message without STREAM STOP")
         self.spool.abort(m.xid, m.subxid)
         if m.xid == m.subxid:
-            self.kinds["stream_abort"] += 1
+            self.stats.kinds["stream_abort"] += 1
 
     def _replay(self, xid: int, final_lsn: int, message_type: str) -> None:
-        """``apply_spooled_messages``: run the spooled changes through the normal handlers."""
+        """``apply_spooled_messages``: run the spooled changes through the normal handlers (stretches of Inserts
+        into an open COPY converted at once)."""
         self._start_remote(xid, final_lsn, message_type)
-        handle = self._dispatch
-        encoding = self.encoding
         for buffer, starts, ends in self.spool.replay_batches(xid):
             at, to = starts.tolist(), ends.tolist()
 
             def one(i: int, buffer: bytes = buffer, at: list[int] = at, to: list[int] = to) -> None:
                 payload = buffer[at[i] : to[i]]
-                msg = decode_message(payload, in_stream=True, encoding=encoding)
+                msg = decode_message(payload, in_stream=True, encoding=self.encoding)
                 if not isinstance(msg, _SPOOLED):
-                    raise self._protocol_error(
-                        message_type, f"unexpected {MESSAGE_NAMES[msg.__class__]} in spool of {xid}"
-                    )
-                handle[msg.__class__](msg, payload)
+                    text = f"unexpected {MESSAGE_NAMES[msg.__class__]} in spool of {xid}"
+                    raise self.protocol_error(message_type, text)
+                self._dispatch[msg.__class__](msg, payload)
 
-            # stretches of Inserts go into the COPY at once; every other change through one()
             self.handle_insert_run(InsertRun(buffer, starts, ends, 0, 5), 0, len(at), one)
 
     def handle_stream_commit(self, m: StreamCommit, payload: bytes = b"") -> None:
         """``apply_handle_stream_commit``: replay the spool in one local transaction, then the Commit path."""
-        if self.stream_xid is not None:
-            raise self._protocol_error("STREAM COMMIT", "STREAM COMMIT message without STREAM STOP")
+        self._check_chunk("STREAM COMMIT", False, "STREAM COMMIT message without STREAM STOP")
         self._replay(m.xid, m.commit_lsn, "STREAM COMMIT")
         self._commit_internal(m.end_lsn, m.commit_time, "STREAM COMMIT")
         self._end_remote("stream_commit")
@@ -894,194 +518,20 @@ class Applier:
 
     def handle_stream_prepare(self, m: StreamPrepare, payload: bytes = b"") -> None:
         """``apply_handle_stream_prepare``: replay the spool, then PREPARE it."""
-        if self.stream_xid is not None:
-            raise self._protocol_error("STREAM PREPARE", "STREAM PREPARE message without STREAM STOP")
+        self._check_chunk("STREAM PREPARE", False, "STREAM PREPARE message without STREAM STOP")
         ctx = ErrorContext(self.origin, "STREAM PREPARE", None, m.xid, m.prepare_lsn, m.gid)
-        self._record_prepared(m.xid, m.prepare_lsn, m.end_lsn, m.prepare_time, ctx)
-        self.remote_gid = m.gid  # _replay's _start_remote keeps it; _end_remote clears it
+        self.records.record(m.xid, m.prepare_lsn, m.end_lsn, m.prepare_time, ctx, self.group)
+        self.tx.gid = m.gid  # _replay's _start_remote keeps it; _end_remote clears it
         self._replay(m.xid, m.prepare_lsn, "STREAM PREPARE")
         self._prepare_internal(m.xid, m.end_lsn, m.prepare_time, "STREAM PREPARE")
         self.spool.discard(m.xid)
 
-    # --- whole transactions a batch at a time (applier.apply.bulk) ------------------------------------------
-    def bulk_ready(self) -> bool:
-        """Whether the transactions coming next may be applied a batch at a time: nothing is open, and they would
-        join a group commit (the conditions of :meth:`_defer_commit`) with text values."""
-        return (
-            self.bulk
-            and self.group_commit
-            and not self.in_remote_transaction
-            and self.stream_xid is None
-            and not self.target.binary
-            and self._may_group()
-        )
-
-    def apply_bulk(self, batch: bulkapply.Batch, message: int) -> int:
-        """Apply, together, the qualifying transactions of ``batch`` from the one whose Begin is message
-        ``message`` on (see :mod:`applier.apply.bulk`), as members of the open group commit; returns the index of
-        the first message not applied, ``message`` itself when they go message by message (too few, a relation
-        not mapped yet or not taking its changes this way, a change not of the simple shape)."""
-        if message < batch.refused_until:
-            return message
-        first = batch.transaction_at(message)
-        if first is None:
-            return message
-        policy = self.commit_policy
-        stop = batch.cut_refused(first, min(batch.run_end(first), first + policy.room()))
-        if stop - first < bulkapply.MIN_TRANSACTIONS or int(batch.final_lsn[first]) <= policy.ungrouped_until:
-            return message
-        planned = self._plan_bulk(batch, first, stop)
-        if planned is None:
-            return message
-        stop, entries, stretches = planned
-        last = stop - 1
-        xid, final_lsn = int(batch.xid[last]), int(batch.final_lsn[last])
-        self._flush_run()
-        n_rows = self._send_stretches(batch, stretches, entries, xid, final_lsn)
-        n = stop - first
-        self.transactions += n
-        self.bulk_transactions += n
-        self.kinds["commit"] += n
-        for op, count in n_rows.items():
-            if count:
-                self.rows[op] += count
-        commit = DeferredCommit(int(batch.end_lsn[last]), int(batch.commit_time[last]), xid, final_lsn)
-        if policy.defer(commit, n, sum(n_rows.values())):
-            self.end_group()
-        return int(batch.commits[last]) + 1
-
-    def _plan_bulk(
-        self, batch: bulkapply.Batch, first: int, stop: int
-    ) -> tuple[int, dict[int, RelMapEntry], list[bulkapply.Stretch]] | None:
-        """The transactions ``first`` to ``stop - 1`` (or fewer) cut into per-table stretches: ``(stop, entries by
-        remote relid, stretches)``, or None when they go message by message (the batch then remembers why)."""
-        idx = bulkapply.changes_in(batch, first, stop)
-        relids, kinds = batch.relid[idx], batch.kind[idx]
-        updated = set(relids[kinds != bulkapply.INSERT].tolist())  # (updated or deleted from: by key)
-        entries, refused = self._bulk_entries(
-            np.unique(relids).tolist(), updated, int(batch.final_lsn[stop - 1])
-        )
-        if refused:  # from the transaction of the first change of such a relation on, message by message
-            batch.refuse(refused)
-            stop = batch.cut_refused(first, stop)
-            if stop - first < bulkapply.MIN_TRANSACTIONS:
-                return None
-        stretches = bulkapply.plan(
-            batch, first, stop, {r: len(e.names) for r, e in entries.items()},
-            {r: e.key_positions or () for r, e in entries.items() if r in updated},
-        )  # fmt: skip
-        if stretches is None:  # not the simple shape: message by message up to the end of this run
-            batch.refused_until = int(batch.commits[stop - 1]) + 1
-            return None
-        return stop, entries, stretches
-
-    def _bulk_entries(
-        self, relids: list[int], updated: set[int], final_lsn: int
-    ) -> tuple[dict[int, RelMapEntry], set[int]]:
-        """The mapped relations that may take their changes as bulk statements, and the remote relids that may not
-        (not mapped yet, not fit for it, or not taking changes at ``final_lsn``)."""
-        entries: dict[int, RelMapEntry] = {}
-        refused: set[int] = set()
-        for relid in relids:
-            entry = self.entries.get(relid)
-            if (
-                entry is None
-                or not (entry.bulk_update if relid in updated else entry.bulk_insert)
-                or not self.tables.should_apply(entry.local.oid, final_lsn)
-            ):
-                refused.add(relid)
-            else:
-                entries[relid] = entry
-        return entries, refused
-
-    def _send_stretches(
-        self, batch: bulkapply.Batch, stretches: Sequence[bulkapply.Stretch], entries: dict[int, RelMapEntry],
-        xid: int, final_lsn: int,
-    ) -> dict[str, int]:  # fmt: skip
-        """Send one statement per stretch, in the group's local transaction; returns the rows by operation."""
-        target = self.target
-        n_rows = dict.fromkeys(_BULK_OPERATIONS.values(), 0)
-        for st in stretches:
-            entry = entries[st.relid]
-            op = _BULK_OPERATIONS[st.kind]
-            ctx = ErrorContext(self.origin, op.upper(), entry.display, xid, final_lsn)
-            if not target.in_transaction:
-                target.begin(ctx)
-            if st.single:
-                self._apply_single(batch, st, entry)
-            elif st.kind == bulkapply.INSERT:
-                target.bulk_insert(entry, st.columns, ctx)
-            elif st.kind == bulkapply.UPDATE:
-                target.bulk_update(entry, st.columns, ctx, self._bulk_missing(batch, st, entry))
-            else:
-                target.bulk_delete(entry, st.columns, ctx, self._bulk_missing(batch, st, entry))
-            n_rows[op] += len(st.messages)
-        return n_rows
-
-    def _apply_single(self, batch: bulkapply.Batch, stretch: bulkapply.Stretch, entry: RelMapEntry) -> None:
-        """One Update or Delete of a bulk run that its own statement applies (see ``Stretch.single``), in its own
-        transaction's context, exactly as :meth:`handle_update` / :meth:`handle_delete` would."""
-        m, t = int(stretch.messages[0]), int(stretch.transactions[0])
-        msg = decode_message(
-            batch.data[int(batch.starts[m]) + 25 : int(batch.ends[m])].tobytes(), encoding=self.encoding
-        )
-        ctx = ErrorContext(self.origin, _BULK_OPERATIONS[stretch.kind].upper(), entry.display, int(batch.xid[t]),
-                           int(batch.final_lsn[t]))  # fmt: skip
-        if isinstance(msg, Update):
-            self.target.update(entry, msg.old, msg.new, ctx)
-        elif isinstance(msg, Delete):
-            self.target.delete(entry, msg.old, ctx)
-        else:  # pragma: no cover - the batch said Update or Delete
-            raise self._protocol_error(
-                ctx.message_type, f"unexpected {MESSAGE_NAMES[msg.__class__]} in a bulk run"
-            )
-
-    def recheck_bulk(self, lookup: Callable[[list[int]], set[int]] | None = None) -> None:
-        """Forget the mapped tables whose fitness for bulk apply changed since they were loaded (a trigger enabled
-        ALWAYS, say), so that their next change loads them again; the worker calls this about once a second while
-        idle, standing in for the relcache invalidation that tells the native worker."""
-        known = {e.local.oid for e in self.entries.values()}
-        if not known:
-            return
-        ok = (lookup or self.target.bulk_tables)(sorted(known))
-        for relid, entry in list(self.entries.items()):
-            if entry.local.bulk != (entry.local.oid in ok):
-                self._flush_run_if(relid)
-                del self.entries[relid]
-
-    def _bulk_missing(
-        self, batch: bulkapply.Batch, stretch: bulkapply.Stretch, entry: RelMapEntry
-    ) -> Callable[[list[int]], None]:
-        """What a bulk UPDATE/DELETE calls with the positions of its changes that found no row: each is the
-        conflict its message would have been, in its own transaction's context."""
-        xids, final_lsns = batch.xid[stretch.transactions], batch.final_lsn[stretch.transactions]
-        message_type = _BULK_OPERATIONS[stretch.kind].upper()
-
-        def missing(positions: list[int]) -> None:
-            for p in positions:
-                self._missing_row(ErrorContext(
-                    self.origin, message_type, entry.display, int(xids[p - 1]), int(final_lsns[p - 1])
-                ))  # fmt: skip
-
-        return missing
-
     # --- errors ----------------------------------------------------------------------------------------------
     def reset(self) -> None:
         """Forget the session state after an error (the worker reconnects and replays from the origin)."""
-        self.relations.clear()
-        self.entries.clear()
-        self.in_remote_transaction = False
-        self.remote_xid = None
-        self.remote_gid = None
-        self.prepare = None
-        self.skipping = self.discarding = False
-        self._folding = None
-        self.decided.clear()
-        self.stream_xid = None
-        self._run_entry = None
-        self._run_rows.clear()
+        self.tx.end()
+        self.stream.xid = None
+        self.stats.pending_rows = [0, 0, 0, 0]
+        for part in (self.relmap, self.folding, self.inserts, self.commit_policy, self.records):
+            part.reset()
         self._ctx_cache.clear()
-        self._pending_rows = [0, 0, 0, 0]
-        self.commit_policy.reset()
-        self._upcoming.clear()
-        self._prerecorded.clear()

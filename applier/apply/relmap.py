@@ -12,6 +12,7 @@ converted by the *local* column's type (we pass the local type OIDs as statement
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,49 +107,10 @@ class RelMapEntry:
 
 def map_relation(remote: Relation, local: LocalTable) -> RelMapEntry:
     """Map ``remote`` onto ``local`` or raise :class:`RelationMappingError` (behaviours 42 and 44)."""
-    if local.relkind not in ("r", "p"):
-        raise RelationMappingError(
-            f'cannot use relation "{local.display}" as logical replication target: '
-            f"it is not a table or partitioned table"
-        )
-    by_name = {c.name: c for c in local.columns}
-    missing = [c.name for c in remote.columns if c.name not in by_name]
-    if missing:
-        listed = ", ".join(f'"{n}"' for n in missing)
-        noun = "column" if len(missing) == 1 else "columns"
-        raise RelationMappingError(
-            f'logical replication target relation "{local.display}" is missing replicated {noun}: {listed}'
-        )
-    generated = [c.name for c in remote.columns if by_name[c.name].generated]
-    if generated:
-        listed = ", ".join(f'"{n}"' for n in generated)
-        noun = "column" if len(generated) == 1 else "columns"
-        raise RelationMappingError(
-            f'logical replication target relation "{local.display}" has incompatible generated {noun}: {listed}'
-        )
+    by_name = _check_mappable(remote, local)
     names = tuple(c.name for c in remote.columns)
     types = tuple(by_name[n].type_oid for n in names)
-    position = {n: i for i, n in enumerate(names)}
-
-    key_positions: tuple[int, ...] | None = None
-    not_updatable: str | None = None
-    if local.key is not None:
-        positions = []
-        for k in local.key:
-            i = position.get(k)
-            if i is None or not remote.columns[i].is_key:
-                not_updatable = (
-                    f"publisher did not send replica identity column expected by the logical replication "
-                    f'target relation "{local.display}"'
-                )
-                break
-            positions.append(i)
-        key_positions = tuple(positions)
-    elif remote.replident != "f":
-        not_updatable = (
-            f'logical replication target relation "{local.display}" has neither REPLICA IDENTITY index nor '
-            f"PRIMARY KEY and published relation does not have REPLICA IDENTITY FULL"
-        )
+    key_positions, not_updatable = _replica_identity(remote, local, names)
     array_types = tuple(by_name[n].array_type for n in names)
     bulk_insert = local.bulk and bool(names) and all(array_types)
     always_identity = tuple(i for i, n in enumerate(names) if by_name[n].identity == "a")
@@ -170,3 +132,89 @@ def map_relation(remote: Relation, local: LocalTable) -> RelMapEntry:
         bulk_update=bulk_update,
         always_identity=always_identity,
     )
+
+
+def _check_mappable(remote: Relation, local: LocalTable) -> dict[str, LocalColumn]:
+    """The local columns by name, once ``local`` is a table that can take ``remote``'s columns (behaviour 42)."""
+    if local.relkind not in ("r", "p"):
+        raise RelationMappingError(
+            f'cannot use relation "{local.display}" as logical replication target: '
+            f"it is not a table or partitioned table"
+        )
+    by_name = {c.name: c for c in local.columns}
+    missing = [c.name for c in remote.columns if c.name not in by_name]
+    if missing:
+        listed = ", ".join(f'"{n}"' for n in missing)
+        noun = "column" if len(missing) == 1 else "columns"
+        raise RelationMappingError(
+            f'logical replication target relation "{local.display}" is missing replicated {noun}: {listed}'
+        )
+    generated = [c.name for c in remote.columns if by_name[c.name].generated]
+    if generated:
+        listed = ", ".join(f'"{n}"' for n in generated)
+        noun = "column" if len(generated) == 1 else "columns"
+        raise RelationMappingError(
+            f'logical replication target relation "{local.display}" has incompatible generated {noun}: {listed}'
+        )
+    return by_name
+
+
+def _replica_identity(
+    remote: Relation, local: LocalTable, names: tuple[str, ...]
+) -> tuple[tuple[int, ...] | None, str | None]:
+    """``(key positions in the remote tuple, None)``, or ``(…, why UPDATE/DELETE cannot be applied)``
+    (``check_relation_updatable``, behaviour 44)."""
+    if local.key is None:
+        if remote.replident != "f":
+            return None, (
+                f'logical replication target relation "{local.display}" has neither REPLICA IDENTITY index nor '
+                f"PRIMARY KEY and published relation does not have REPLICA IDENTITY FULL"
+            )
+        return None, None
+    position = {n: i for i, n in enumerate(names)}
+    positions = []
+    for k in local.key:
+        i = position.get(k)
+        if i is None or not remote.columns[i].is_key:
+            return tuple(positions), (
+                f"publisher did not send replica identity column expected by the logical replication "
+                f'target relation "{local.display}"'
+            )
+        positions.append(i)
+    return tuple(positions), None
+
+
+class RelationMap:
+    """``LogicalRepRelMap``: the publisher's relations as their Relation messages described them, and their
+    mapped local tables (:class:`RelMapEntry`, resolved by name at first use and dropped when the relation is
+    described again)."""
+
+    __slots__ = ("relations", "entries")
+
+    def __init__(self) -> None:
+        self.relations: dict[int, Relation] = {}
+        self.entries: dict[int, RelMapEntry] = {}
+
+    def describe(self, rel: Relation) -> None:
+        """``logicalrep_relmap_update``: a Relation message replaces the description and drops the mapping."""
+        self.relations[rel.relid] = rel
+        self.entries.pop(rel.relid, None)
+
+    def name(self, relid: int) -> str:
+        """The publisher's "schema.table" of a described relation."""
+        rel = self.relations[relid]
+        return f"{remote_schema(rel)}.{rel.relname}"
+
+    def open(self, relid: int, load: Callable[[str, str], LocalTable | None]) -> RelMapEntry:
+        """Map a described relation onto the local table ``load(schema, name)`` finds (raises
+        :class:`RelationMappingError`, a missing table included), and remember the mapping."""
+        rel = self.relations[relid]
+        local = load(remote_schema(rel), rel.relname)
+        if local is None:
+            raise missing_table_error(rel)
+        entry = self.entries[relid] = map_relation(rel, local)
+        return entry
+
+    def reset(self) -> None:
+        self.relations.clear()
+        self.entries.clear()

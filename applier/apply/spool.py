@@ -213,7 +213,6 @@ class Spool:
             return
         if self._open_xid == xid:
             self.close_chunk()
-        unpack = _LEN.unpack_from
         with open(xact.path, "rb", buffering=0) as f:
             remaining = xact.size
             carry = b""
@@ -223,18 +222,7 @@ class Spool:
                     raise OSError(f"spool file {xact.path} is truncated")
                 remaining -= len(chunk)
                 buffer = carry + chunk if carry else chunk
-                starts: list[int] = []
-                ends: list[int] = []
-                off = 0
-                size = len(buffer)
-                while off + 4 <= size:
-                    (n,) = unpack(buffer, off)
-                    end = off + 4 + n
-                    if end > size:
-                        break
-                    starts.append(off + 4)
-                    ends.append(end)
-                    off = end
+                starts, ends, off = _records(buffer)
                 carry = buffer[off:]
                 if starts:
                     yield buffer, np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64)
@@ -243,6 +231,25 @@ class Spool:
 
     def __len__(self) -> int:
         return len(self._xacts)
+
+
+def _records(buffer: bytes) -> tuple[list[int], list[int], int]:
+    """The whole ``int32 length | message`` records at the start of ``buffer``: their messages' starts and ends,
+    and the offset where the first incomplete record (carried into the next read) begins."""
+    unpack = _LEN.unpack_from
+    starts: list[int] = []
+    ends: list[int] = []
+    off = 0
+    size = len(buffer)
+    while off + 4 <= size:
+        (n,) = unpack(buffer, off)
+        end = off + 4 + n
+        if end > size:
+            break
+        starts.append(off + 4)
+        ends.append(end)
+        off = end
+    return starts, ends, off
 
 
 def default_spool_dir() -> Path:

@@ -623,7 +623,7 @@ class ApplyWorker:
                 prepared=target.prepared_transactions(sub.subid), group_commit=self.group_commit,
                 ungrouped_until=self._ungrouped_until, bulk=self.bulk,
             )  # fmt: skip
-            applier.original_gids = sub.original_gids
+            applier.records.original_gids = sub.original_gids
             self._grouped_session = self.group_commit
             self._grouped_after = self._ungrouped_until
             watch = _CatalogWatch(self.catalog, sub.subname, self._bulk_tables)

@@ -429,7 +429,7 @@ def test_original_gids_keep_the_publishers_gid_through_prepare_and_decisions(cor
     transaction, its record, COMMIT PREPARED and ROLLBACK PREPARED; BEGIN PREPAREs are not recorded ahead (their GIDs
     may need quoting)."""
     core = core_factory()
-    core.applier.original_gids = True
+    core.applier.records.original_gids = True
     core.applier.expect_prepares([BeginPrepare(100, 108, 3000 + XID, XID, f"pub_{XID}")])
     core.feed(REL_T, *prepared(XID, 100, ins(1, 1)))
     assert core.target.names(skip=("drain", "load_local_table")) == [

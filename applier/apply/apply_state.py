@@ -1,0 +1,129 @@
+"""The mutable state of the apply core, grouped by what it describes (worker.c keeps the same in a handful of
+globals: ``in_remote_transaction``, ``remote_final_lsn``, ``stream_xid``, ``skip_xact_finish_lsn`` …).
+
+* :class:`RemoteTransaction` — the remote transaction being applied (BEGIN … COMMIT, BEGIN PREPARE … PREPARE, or a
+  spooled stream being replayed);
+* :class:`StreamChunk` — the stream chunk being spooled (STREAM START … STREAM STOP);
+* :class:`ApplyStats` — counters for tests, ``applier status`` and the metrics; a transaction's row changes count
+  once it ends (:meth:`ApplyStats.count`), so an error drops them with the transaction.
+
+Plain slotted dataclasses: the handlers read these fields for every message, so they stay cheap attributes.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from applier.apply.context import ErrorContext
+from applier.messages import BeginPrepare
+
+#: the row operations counted in :attr:`ApplyStats.rows`, in the order of :attr:`ApplyStats.pending_rows`
+OPERATIONS = ("insert", "update", "delete", "truncate")
+
+
+@dataclass(slots=True)
+class RemoteTransaction:
+    """The open remote transaction (``active``), as its first message announced it."""
+
+    active: bool = False
+    xid: int | None = None
+    #: commit LSN, or prepare LSN for two-phase: what the error context calls "finished at" and SKIP takes
+    final_lsn: int = 0
+    #: the BEGIN PREPARE of a prepared transaction being applied
+    prepare: BeginPrepare | None = None
+    #: the publisher's GID of the prepared transaction being applied (error contexts name it)
+    gid: str | None = None
+    skipping: bool = False  # the skip-LSN names this transaction (behaviours 99-100)
+    discarding: bool = False  # its changes are not applied: skipped, or a folded ROLLBACK PREPARED
+
+    def start(self, xid: int, final_lsn: int) -> None:
+        self.active = True
+        self.xid = xid
+        self.final_lsn = final_lsn
+
+    def end(self) -> None:
+        """Forget the transaction (``final_lsn`` stays: the sync-state pass and the next BEGIN replace it)."""
+        self.active = False
+        self.xid = None
+        self.gid = None
+        self.prepare = None
+        self.skipping = self.discarding = False
+
+
+@dataclass(slots=True)
+class StreamChunk:
+    """The stream chunk being spooled: the streamed transaction's xid between STREAM START and STREAM STOP."""
+
+    xid: int | None = None
+
+
+@dataclass(slots=True)
+class ApplyStats:
+    """What the core has done, for tests and metrics (the worker adds them up per session)."""
+
+    transactions: int = 0  # remote transactions finished
+    kinds: collections.Counter[str] = field(default_factory=collections.Counter)  # finished ones by kind
+    rows: collections.Counter[str] = field(default_factory=collections.Counter)  # their row changes
+    #: conflicts by PostgreSQL 18's name (``update_missing``, ``delete_missing``), counted when detected
+    conflicts: collections.Counter[str] = field(default_factory=collections.Counter)
+    #: row changes of the open transaction: insert, update, delete, truncate
+    pending_rows: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
+    bulk_transactions: int = 0  # remote transactions applied a batch at a time (applier.apply.bulk_exec)
+    records_in_group: int = 0  # prepared_xact records that rode in a group commit
+    records_batched: int = 0  # prepared_xact records written ahead, with an earlier one
+    folded_prepares: int = 0  # prepared transactions applied folded (applier.apply.fold)
+    converted_rows: int = 0  # Inserts that went into a COPY through copytext, a stretch at a time
+
+    def count(self, kind: str) -> None:
+        """A remote transaction of ``kind`` ended: its pending row changes count now."""
+        self.transactions += 1
+        self.kinds[kind] += 1
+        pending = self.pending_rows
+        if pending[0] or pending[1] or pending[2] or pending[3]:
+            rows = self.rows
+            for op, n in zip(OPERATIONS, pending, strict=True):
+                if n:
+                    rows[op] += n
+            self.pending_rows = [0, 0, 0, 0]
+
+    def count_many(self, transactions: int, kind: str, rows: dict[str, int]) -> None:
+        """``transactions`` remote transactions of ``kind`` applied together, with ``rows`` by operation."""
+        self.transactions += transactions
+        self.kinds[kind] += transactions
+        for op, n in rows.items():
+            if n:
+                self.rows[op] += n
+
+    def missing_row(self, ctx: ErrorContext | None, log: logging.Logger) -> None:
+        """An UPDATE/DELETE found no row: not an error (behaviour 47); logged as PostgreSQL 18 does, as an
+        ``update_missing``/``delete_missing`` conflict (behaviour 110), and counted."""
+        op = "update" if ctx is not None and ctx.message_type == "UPDATE" else "delete"
+        kind = f"{op}_missing"
+        self.conflicts[kind] += 1
+        log.info(
+            'conflict detected on relation "%s": conflict=%s\nDETAIL:  Could not find the row to be %sd.'
+            "\nCONTEXT:  %s", ctx.relation if ctx else "?", kind, op, ctx.describe() if ctx else "",
+        )  # fmt: skip
+
+
+class Alias:
+    """A read/write attribute that is another object's: ``remote_xid = Alias("tx", "xid")`` makes
+    ``applier.remote_xid`` read ``applier.tx.xid``. Keeps the names the worker and the tests use while the state
+    lives in the dataclasses above (not for the hot path: the handlers use the dataclasses directly)."""
+
+    __slots__ = ("part", "name")
+
+    def __init__(self, part: str, name: str) -> None:
+        self.part = part
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return getattr(getattr(obj, self.part), self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(getattr(obj, self.part), self.name, value)

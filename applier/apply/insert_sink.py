@@ -1,0 +1,168 @@
+"""Where the Inserts of a remote transaction go: row by row as prepared INSERTs, or, once a run is long, as a COPY.
+
+**Speed.** A backlog is mostly runs of Inserts into one table. :class:`InsertRuns` gathers the Inserts into one
+relation: a short run is sent as prepared INSERTs; once it reaches :data:`~applier.apply.ports.COPY_THRESHOLD` rows
+it continues as a COPY (``Target.start_copy``), which costs a fraction of an INSERT per row. While a COPY is open,
+the worker can hand over whole stretches of Inserts at once (:meth:`InsertRuns.copy_stretches`): each stretch of at
+least :data:`VECTOR_MIN` of them is converted into COPY text in one go (:mod:`applier.apply.copytext`), with no
+message objects at all — the "COPY lane".
+
+**Safety.** Order is kept: a row that COPY text cannot carry (binary, unchanged TOAST) closes the COPY first, and
+any other change, relation message or transaction end flushes the run (:meth:`InsertRuns.flush`) before it is sent.
+
+Pure: it calls the target (:class:`~applier.apply.ports.ApplyTarget`) and does no I/O of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from applier.apply.apply_state import ApplyStats, RemoteTransaction, StreamChunk
+from applier.apply.context import ErrorContext
+from applier.apply.copytext import InsertRun
+from applier.apply.ports import COPY_THRESHOLD, ApplyTarget, copy_eligible
+from applier.apply.relmap import RelationMap, RelMapEntry
+from applier.messages import KIND_BINARY, KIND_UNCHANGED_TOAST, TupleData
+
+#: Inserts in a stretch below this go row by row: converting a stretch costs a fixed ~50 µs of array calls
+VECTOR_MIN = 32
+#: pgoutput's type byte of an Insert's new tuple ('N'), the low byte of a COPY lane's key
+_NEW_TUPLE = ord("N")
+
+
+class InsertRuns:
+    """The insert sink of one apply session: the open run (its relation, buffered rows and error context)."""
+
+    __slots__ = ("target", "stats", "tx", "stream", "relmap", "entry", "rows", "ctx")
+
+    def __init__(
+        self,
+        target: ApplyTarget,
+        stats: ApplyStats,
+        tx: RemoteTransaction,
+        stream: StreamChunk,
+        relmap: RelationMap,
+    ) -> None:
+        self.target = target
+        self.stats = stats
+        self.tx, self.stream, self.relmap = tx, stream, relmap  # the core's, read by lane()
+        self.entry: RelMapEntry | None = None  # the relation of the open run
+        self.rows: list[TupleData] = []  # its rows not sent yet (fewer than COPY_THRESHOLD)
+        self.ctx: ErrorContext | None = None
+
+    def open(self, entry: RelMapEntry, ctx: ErrorContext) -> None:
+        """Start a run into ``entry`` (after :meth:`flush` of the previous one)."""
+        self.entry = entry
+        self.ctx = ctx
+
+    def add(self, new: TupleData) -> None:
+        """One Insert into the open run's relation: into the open COPY, or buffered until the run is long."""
+        target = self.target
+        copy = target.copy_run
+        if copy is not None and copy.entry is self.entry:
+            kinds = new.kinds
+            if KIND_BINARY not in kinds and KIND_UNCHANGED_TOAST not in kinds:
+                copy.add(new)
+                self.stats.pending_rows[0] += 1
+                return
+            target.end_copy()  # keep the order: this row goes after everything already copied
+        self.stats.pending_rows[0] += 1
+        rows = self.rows
+        rows.append(new)
+        if len(rows) >= COPY_THRESHOLD:
+            self._send_buffered(continue_as_copy=all(copy_eligible(r) for r in rows))
+
+    def _send_buffered(self, continue_as_copy: bool) -> None:
+        entry, rows = self.entry, self.rows
+        assert entry is not None
+        if continue_as_copy:
+            self.target.start_copy(entry, rows, self.ctx)
+        else:
+            for r in rows:
+                self.target.insert(entry, r, self.ctx)
+        rows.clear()
+
+    def flush(self) -> None:
+        """End the open run: send what is buffered as INSERTs, and close a COPY."""
+        if self.entry is None:
+            return
+        self.target.end_copy()
+        if self.rows:
+            self._send_buffered(continue_as_copy=False)
+        self.entry = None
+
+    def reset(self) -> None:
+        """After an error: the run's local transaction is gone with the session."""
+        self.entry = None
+        self.rows.clear()
+
+    def flush_if(self, relid: int) -> None:
+        """End the open run if it is into remote relation ``relid`` (its mapping is about to change)."""
+        if self.entry is not None and self.entry.remote.relid == relid:
+            self.flush()
+
+    def lane(self) -> tuple[int, int] | None:
+        """``(relid << 8 | 'N', column count)`` of the Inserts that would go straight into the open COPY, or
+        ``None`` when none would (no COPY open, its relation remapped since, discarding, inside a stream chunk)."""
+        entry = self.entry
+        if entry is None or self.tx.discarding or self.stream.xid is not None:
+            return None
+        copy = self.target.copy_run
+        relid = entry.remote.relid
+        if copy is None or copy.entry is not entry or self.relmap.entries.get(relid) is not entry:
+            return None
+        return (relid << 8) | _NEW_TUPLE, len(entry.names)
+
+    def add_to_lane(self, relid: int, new: TupleData) -> bool:
+        """An Insert decoded from its bytes: straight into the open COPY if it belongs there (no message object,
+        no dispatch; the conditions of :meth:`lane`, checked inline: this is the hot path of a backlog); returns
+        False when it must take the handler instead."""
+        entry = self.entry
+        if entry is None or entry.remote.relid != relid or self.tx.discarding or self.stream.xid is not None:
+            return False
+        copy = self.target.copy_run
+        if copy is None or copy.entry is not entry or self.relmap.entries.get(relid) is not entry:
+            return False
+        kinds = new.kinds
+        if KIND_BINARY in kinds or KIND_UNCHANGED_TOAST in kinds:
+            return False
+        copy.add(new)
+        self.stats.pending_rows[0] += 1
+        return True
+
+    def copy_stretches(self, run: InsertRun, first: int, stop: int, one: Callable[[int], None]) -> None:
+        """Messages ``first`` to ``stop - 1`` of ``run``, in arrival order, Inserts or not: every stretch of at
+        least :data:`VECTOR_MIN` Inserts that goes into the open COPY (see :meth:`lane`) is converted
+        in one go; ``one(i)`` handles the rest message by message, exactly as if they had come alone (so a
+        malformed one gets its precise error, and a new relation starts its own run and, once long enough, its
+        own COPY)."""
+        heads = run.relid_heads(first, stop).tolist()
+        i = first
+        while i < stop:
+            head = heads[i - first]
+            end = i + 1
+            while end < stop and heads[end - first] == head:
+                end += 1
+            self._stretch(run, i, end, head, one)
+            i = end
+
+    def _stretch(self, run: InsertRun, i: int, end: int, head: int, one: Callable[[int], None]) -> None:
+        """Messages ``i`` to ``end - 1``, all with the same relid head ``head`` (-1: not Inserts): one by one until
+        the rest goes into the open COPY (the first ones may open it), then the rest converted at once."""
+        while i < end:
+            open_lane = self.lane() if head != -1 and end - i >= VECTOR_MIN else None
+            if open_lane is not None and open_lane[0] == head:
+                self._convert(run, i, end, open_lane[1], one)
+                return
+            one(i)
+            i += 1
+
+    def _convert(self, run: InsertRun, i: int, end: int, columns: int, one: Callable[[int], None]) -> None:
+        text = run.copy_text(i, end, columns)
+        if text is None:  # not the simple shape: the whole stretch row by row
+            for j in range(i, end):
+                one(j)
+            return
+        self.target.copy_run.add_text(text, end - i)  # type: ignore[union-attr]
+        self.stats.pending_rows[0] += end - i
+        self.stats.converted_rows += end - i

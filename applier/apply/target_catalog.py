@@ -1,0 +1,142 @@
+"""The catalog writes of the apply session, queued on its pipeline: table states with origin progress
+(``mark_ready``), and the ``applier.prepared_xact`` records of prepared transactions (behaviour 65), one at a time
+or several in one statement (:mod:`applier.apply.prepared_records` decides which).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from psycopg import sql
+
+from applier.apply.context import ErrorContext
+from applier.lsn import format_lsn, now_pg_timestamp, parse_lsn
+
+if TYPE_CHECKING:  # (the session creates its CatalogWrites; typing only)
+    from applier.apply.target import Target
+
+#: The upsert of a prepared_xact record (a transaction prepared again after a crash replaces its record).
+_RECORD_UPSERT = (
+    b" ON CONFLICT (gid) DO UPDATE SET subid = excluded.subid, remote_xid = excluded.remote_xid,"
+    b" prepare_lsn = excluded.prepare_lsn, prepare_end_lsn = excluded.prepare_end_lsn,"
+    b" prepare_time = excluded.prepare_time, recorded_at = now()"
+    # never take over another subscription's record (gid_format=original: two may prepare the same publisher GID)
+    b" WHERE prepared_xact.subid = excluded.subid"
+)
+
+#: A GID that is a valid SQL string literal once put in single quotes (see gid_literal).
+_PLAIN_GID = re.compile(r"[A-Za-z0-9_]+")
+
+
+def gid_literal(gid: str, conn: Any) -> bytes:
+    """``gid`` as an SQL string literal; ours (``pg_gid_<subid>_<xid>``) need no escaping, so the general
+    quoting (which asks the connection for its encoding and string settings) is only for anything else."""
+    if _PLAIN_GID.fullmatch(gid):
+        return b"'" + gid.encode() + b"'"
+    return sql.Literal(gid).as_bytes(conn)
+
+
+class CatalogWrites:
+    """The catalog statements of one target session (``session``: its transactions and pipeline)."""
+
+    def __init__(self, session: Target) -> None:
+        self.session = session
+        self.pipeline = session.pipeline
+        self._record_prepared_ready = False
+        self._record_many_ready = False
+
+    def mark_ready(self, subid: int, tables: Sequence[tuple[int, str, int | None]], origin_lsn: int) -> None:
+        """Set table states and advance the session's origin to ``origin_lsn`` in one local transaction, and wait
+        for it. Only between remote transactions (nothing else may be open)."""
+        ctx = ErrorContext(f"applier_{subid}", "COMMIT")
+        self.session.begin(ctx)
+        for relid, state, lsn in tables:
+            self.pipeline.send_query(
+                b"UPDATE applier.subscription_rel SET srsubstate = $1::\"char\", srsublsn = $2::pg_catalog.pg_lsn,"
+                b" srupdated = now() WHERE subid = $3::bigint AND srrelid = $4::oid::regclass",
+                [state.encode(), None if lsn is None else format_lsn(lsn).encode(), str(subid).encode(),
+                 str(relid).encode()],
+                ctx,
+            )  # fmt: skip
+        self.session.origin_setup(origin_lsn, now_pg_timestamp(), ctx)
+        self.pipeline.send_prepared(
+            b"applier_commit", (), None, ctx, self.session.confirming(origin_lsn, None)
+        )
+        self.session.in_transaction = False
+        self.pipeline.drain()
+
+    def record_prepared(self, gid: str, subid: int, xid: int, prepare_lsn: int, end_lsn: int, prepare_time: int,
+                        ctx: ErrorContext | None) -> None:  # fmt: skip
+        """Queue the ``applier.prepared_xact`` record of a transaction about to be prepared (behaviour 65), as a
+        statement prepared once per session (no parse and plan per transaction): in a transaction of its own, or
+        in the open local transaction, whose commit the caller then sends (a group commit's)."""
+        self.session.end_copy()
+        if not self._record_prepared_ready:
+            self.pipeline.send_prepare(
+                b"applier_record_prepared",
+                b"INSERT INTO applier.prepared_xact (gid, subid, remote_xid, prepare_lsn, prepare_end_lsn,"
+                b" prepare_time) SELECT $1::text, $2::bigint, $3::bigint, $4::pg_catalog.pg_lsn, $5::pg_catalog.pg_lsn,"
+                b" $6::bigint WHERE NOT EXISTS (SELECT FROM pg_catalog.pg_prepared_xacts x WHERE x.gid = $1::text)"
+                # (a GID already prepared here is not ours to record: the PREPARE then fails, saying it is in use)
+                + _RECORD_UPSERT,
+                [], ctx,
+            )  # fmt: skip
+            self._record_prepared_ready = True
+        self._recording(
+            ctx, b"applier_record_prepared",
+            [gid.encode(), str(subid).encode(), str(xid).encode(), format_lsn(prepare_lsn).encode(),
+             format_lsn(end_lsn).encode(), str(prepare_time).encode()],
+        )  # fmt: skip
+
+    def record_prepared_many(
+        self, records: Sequence[tuple[str, int, int, int, int]], subid: int, ctx: ErrorContext | None
+    ) -> None:
+        """Queue the records of several transactions, ``(gid, remote xid, prepare LSN, prepare end LSN, prepare
+        time)`` each (distinct GIDs), as :meth:`record_prepared` does one: one statement, one transaction."""
+        if not all(_PLAIN_GID.fullmatch(r[0]) for r in records):  # pragma: no cover - gid_for makes them so
+            raise ValueError("record_prepared_many takes plain GIDs only")
+        self.session.end_copy()
+        if not self._record_many_ready:
+            self.pipeline.send_prepare(
+                b"applier_record_prepared_many",
+                b"INSERT INTO applier.prepared_xact (gid, subid, remote_xid, prepare_lsn, prepare_end_lsn,"
+                # (unqualified: the multi-array form exists only as FROM syntax; pg_catalog is searched first anyway)
+                b" prepare_time) SELECT g, $2::bigint, x, p, e, t FROM unnest($1::text[],"
+                b" $3::bigint[], $4::pg_catalog.pg_lsn[], $5::pg_catalog.pg_lsn[], $6::bigint[]) AS r(g, x, p, e, t)"
+                + _RECORD_UPSERT,
+                [], ctx,
+            )  # fmt: skip
+            self._record_many_ready = True
+
+        def array(values: Any) -> bytes:
+            # GIDs (pg_gid_<subid>_<xid>), LSNs and integers need no quoting inside an array literal
+            return b"{" + b",".join(values) + b"}"
+
+        self._recording(
+            ctx, b"applier_record_prepared_many",
+            [array(r[0].encode() for r in records), str(subid).encode(), array(str(r[1]).encode() for r in records),
+             array(format_lsn(r[2]).encode() for r in records), array(format_lsn(r[3]).encode() for r in records),
+             array(str(r[4]).encode() for r in records)],
+        )  # fmt: skip
+
+    def _recording(self, ctx: ErrorContext | None, statement: bytes, params: list[bytes | None]) -> None:
+        """Run a record statement in the open local transaction, or in one of its own."""
+        own = not self.session.in_transaction  # else it rides in the open (group commit's) transaction
+        p = self.pipeline
+        if own:
+            self.session.prepare_fixed(ctx)
+            p.send_prepared(b"applier_begin", (), None, ctx)
+        p.send_prepared(statement, params, None, ctx)
+        if own:
+            p.send_prepared(b"applier_commit", (), None, ctx)
+
+    def prepared_transactions(self, subid: int) -> dict[str, tuple[int, int]]:
+        """Our recorded prepared transactions that exist on the target: gid -> (prepare_end_lsn, prepare_time)."""
+        rows = self.session.query(
+            "SELECT p.gid, p.prepare_end_lsn::text, p.prepare_time FROM applier.prepared_xact p"
+            " JOIN pg_catalog.pg_prepared_xacts x ON x.gid = p.gid WHERE p.subid = %s",
+            (subid,),
+        )
+        return {gid: (parse_lsn(lsn), int(ts)) for gid, lsn, ts in rows}
