@@ -348,6 +348,7 @@ XLOG_ENVELOPE = 25
 BEGIN_TYPE = ord("B")
 INSERT_TYPE = ord("I")
 BEGIN_PREPARE_TYPE = ord("b")
+STREAM_START_TYPE = ord("S")
 #: The changes a stream chunk spools undecoded, decoded once at replay (Relation, Type and the row changes).
 SPOOLED_TYPES = frozenset(b"RYIUDTM")
 

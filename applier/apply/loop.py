@@ -50,6 +50,11 @@ _XLOG_POSITIONS = struct.Struct(">QQ").unpack_from
 _ENV = XLOG_ENVELOPE
 
 
+def _refused() -> bool:
+    """``bulk_ready`` after the core refused a Begin for bulk apply: go on one by one, up to the next Begin."""
+    return False
+
+
 class StreamSource(Protocol):
     """The replication stream as the loop reads it (:class:`applier.replication.ReplicationConnection`)."""
 
@@ -102,10 +107,9 @@ class ApplyLoop:
         self.pacer = pacer or ReadPacer()
         self.sleep = sleep
         self._batch: list[bytes] = []  # XLogData read undecoded, envelope included, handled together
-        self._decode = self.decoder.decode
-        self._handle = applier.handle
         self._insert = applier.handle_insert_bytes
-        self._spool_raw = applier.spool_raw
+        #: one pgoutput message, as ``apply_dispatch`` (see :meth:`_dispatcher`)
+        self.apply_one = self._dispatcher()
 
     def run(self) -> None:
         """Rounds until the context says stop (errors end the session by raising)."""
@@ -170,42 +174,49 @@ class ApplyLoop:
         if self.two_phase and has_prepares(kinds):
             self._announce_prepares(messages)
         bulk_ready = applier.bulk_ready if applier.bulk and bulk_worthwhile(kinds) else None
-        lane_open = self._lane_open
+        lane, apply_one, ONE = applier.copy_lane, self.apply_one, Route.ONE  # noqa: N806 - a local alias
         batch: Batch | None = None
         i, count = 0, len(messages)
         while i < count:
-            route, j = plan(
-                kinds, i, decoder.in_stream, applier.stream_xid is not None, bulk_ready, lane_open
-            )
-            if route is Route.ONE:
-                self.apply_one(messages[i][_ENV:])
-            elif route is Route.BULK:
+            route, j = plan(kinds, i, decoder.in_stream, applier.stream_xid is not None, bulk_ready, lane)
+            if route is Route.BULK:
                 batch = batch or Batch(messages)
                 j = applier.apply_bulk(batch, i)
-                if j == i:  # not this way after all: the Begin alone
-                    self.apply_one(messages[i][_ENV:])
-                    j = i + 1
+                if j > i:
+                    i = j
+                    continue
+                route, j = plan(
+                    kinds, i, False, False, _refused, lane
+                )  # not this way: one by one from the Begin
+            if route is ONE:
+                apply_one(messages[i][_ENV:])
+                for message in messages[i + 1 : j]:
+                    apply_one(message[_ENV:])
             elif route is Route.SPOOL:
                 applier.spool_batch(messages[i:j], _ENV)
             else:
                 self._copy_lane(messages[i:j])
             i = j
 
-    def apply_one(self, payload: bytes) -> None:
-        """One pgoutput message (``apply_dispatch``): a streamed change is spooled undecoded, an Insert outside a
-        stream goes in from its bytes, anything else is decoded and handled."""
-        if self.decoder.in_stream:
-            if payload[0] in SPOOLED_TYPES:
-                self._spool_raw(payload)
-            else:
-                self._handle(self._decode(payload), payload)
-        elif payload[0] == INSERT_TYPE:
-            self._insert(payload)
-        else:
-            self._handle(self._decode(payload), payload)
+    def _dispatcher(self) -> Callable[[bytes], None]:
+        """:meth:`apply_one` as a closure over what it calls (it runs once per message: no attribute lookups)."""
+        decoder, decode, handle = self.decoder, self.decoder.decode, self.applier.handle
+        insert, spool_raw = self.applier.handle_insert_bytes, self.applier.spool_raw
 
-    def _lane_open(self) -> bool:
-        return self.applier.copy_lane() is not None
+        def apply_one(payload: bytes) -> None:
+            """One pgoutput message (``apply_dispatch``): a streamed change is spooled undecoded, an Insert outside
+            a stream goes in from its bytes, anything else is decoded and handled."""
+            if decoder.in_stream:
+                if payload[0] in SPOOLED_TYPES:
+                    spool_raw(payload)
+                else:
+                    handle(decode(payload), payload)
+            elif payload[0] == INSERT_TYPE:
+                insert(payload)
+            else:
+                handle(decode(payload), payload)
+
+        return apply_one
 
     def _copy_lane(self, stretch: list[bytes]) -> None:
         """Inserts into the open COPY, converted into COPY text at once (applier.apply.copytext)."""

@@ -9,7 +9,9 @@ message ``i`` goes, and how far the same route reaches:
 * ``SPOOL`` — a run of changes inside a stream chunk, spooled with one write (``Applier.spool_batch``);
 * ``COPY_LANE`` — a run of at least :data:`VECTOR_MIN` Inserts while a COPY is open for their table, converted into
   COPY text at once (:mod:`applier.apply.copytext`, ``Applier.handle_insert_run``);
-* ``ONE`` — the message alone, as ``apply_dispatch`` would (worker.c).
+* ``ONE`` — each message alone, as ``apply_dispatch`` would (worker.c): a stretch of them, up to the next message
+  that may take another route (a Begin when bulk apply is possible, an Insert that starts a run long enough for the
+  COPY lane, a Stream Start), so that the planner is asked once per stretch rather than once per message.
 
 The planner is pure: it looks at the batch's message type bytes (``kinds``) and at the few facts of the core's state
 the loop hands it (in a stream, spooling one, and, only asked when the kind makes them matter, whether bulk apply is
@@ -26,7 +28,14 @@ from collections.abc import Callable, Sequence
 
 from applier.apply.bulk import MIN_TRANSACTIONS as BULK_MIN_TRANSACTIONS
 from applier.apply.handlers import VECTOR_MIN
-from applier.messages import BEGIN_PREPARE_TYPE, BEGIN_TYPE, INSERT_TYPE, SPOOLED_TYPES, XLOG_ENVELOPE
+from applier.messages import (
+    BEGIN_PREPARE_TYPE,
+    BEGIN_TYPE,
+    INSERT_TYPE,
+    SPOOLED_TYPES,
+    STREAM_START_TYPE,
+    XLOG_ENVELOPE,
+)
 
 #: per message type byte: 1 for the changes a stream chunk spools
 _SPOOLED = bytes(1 if t in SPOOLED_TYPES else 0 for t in range(256))
@@ -34,6 +43,12 @@ _SPOOLED = bytes(1 if t in SPOOLED_TYPES else 0 for t in range(256))
 _NOT_SPOOLED = re.compile(b"[^" + b"".join(re.escape(bytes([t])) for t in sorted(SPOOLED_TYPES)) + b"]")
 #: over a batch's type bytes: where a run of Inserts ends
 _NOT_INSERT = re.compile(b"[^" + re.escape(bytes([INSERT_TYPE])) + b"]")
+#: outside a stream, where a stretch of messages that go one by one ends: at the next message that may take another
+#: route (a Begin, when bulk apply is possible; the first Insert of a run long enough for the COPY lane), or that
+#: starts a stream (the routes differ inside one). The state of the core that the routes depend on matters only there.
+_B, _I, _S = (re.escape(bytes([t])) for t in (BEGIN_TYPE, INSERT_TYPE, STREAM_START_TYPE))
+_REPLAN_BULK = re.compile(b"%s|%s|%s{%d}" % (_B, _S, _I, VECTOR_MIN))
+_REPLAN = re.compile(b"%s|%s{%d}" % (_S, _I, VECTOR_MIN))
 _TYPE_BYTE = operator.itemgetter(XLOG_ENVELOPE)
 
 
@@ -70,14 +85,16 @@ def plan(
     in_stream: bool,
     spooling: bool,
     bulk_ready: Callable[[], bool] | None,
-    copy_lane_open: Callable[[], bool],
+    copy_lane: Callable[[], object | None],
 ) -> tuple[Route, int]:
     """The route of message ``i`` of a batch whose type bytes are ``kinds``, and the index after the last message
-    that takes it with it (for ``BULK`` the core decides how far it gets: ``i + 1`` is returned).
+    that takes it with it (for ``BULK`` the core decides how far it gets: ``i + 1`` is returned; ``ONE`` may cover
+    several messages, each to go alone, up to the next one that may need another route).
 
     ``in_stream``: between Stream Start and Stream Stop; ``spooling``: a stream chunk is open in the core;
     ``bulk_ready``: ``None`` when bulk apply is off or not worth it for this batch, else asked only at a Begin;
-    ``copy_lane_open``: asked only at an Insert outside a stream."""
+    ``copy_lane``: ``Applier.copy_lane`` (not ``None`` while a COPY takes the Inserts), asked only at an Insert
+    outside a stream."""
     kind = kinds[i]
     if in_stream:
         if spooling and _SPOOLED[kind]:
@@ -85,8 +102,14 @@ def plan(
         return Route.ONE, i + 1
     if kind == BEGIN_TYPE and bulk_ready is not None and bulk_ready():
         return Route.BULK, i + 1
-    if kind == INSERT_TYPE and copy_lane_open():
+    last = i  # of the stretch, at least
+    if kind == INSERT_TYPE:
         end = _run_end(_NOT_INSERT, kinds, i)
-        if end - i >= VECTOR_MIN:
-            return Route.COPY_LANE, end
-    return Route.ONE, i + 1
+        if copy_lane() is not None:
+            if end - i >= VECTOR_MIN:
+                return Route.COPY_LANE, end
+        else:  # the next VECTOR_MIN go one by one (a COPY that opens meanwhile takes them so), then ask again
+            last = min(i + VECTOR_MIN, end) - 1
+    elif kind == STREAM_START_TYPE:
+        return Route.ONE, i + 1  # alone: the routes differ inside a stream
+    return Route.ONE, _run_end(_REPLAN if bulk_ready is None else _REPLAN_BULK, kinds, last)

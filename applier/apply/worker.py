@@ -17,11 +17,9 @@ no privilege), with a message that says what to do.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
-import shlex
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,9 +29,8 @@ from typing import Any
 import psycopg
 import sqlalchemy
 import sqlalchemy.exc
-import tenacity
 
-from applier.apply.context import ApplyError, ErrorContext
+from applier.apply.context import ApplyError
 from applier.apply.coordinator import TableSyncCoordinator
 from applier.apply.feedback import FeedbackTracker
 from applier.apply.handlers import Applier, SkipState
@@ -49,6 +46,7 @@ from applier.apply.housekeeping import (
 )
 from applier.apply.lag import LagWindow
 from applier.apply.loop import ApplyLoop
+from applier.apply.retries import ApplyWorkerError, SessionRetries
 from applier.apply.spool import Spool, default_spool_dir
 from applier.apply.syncstate import CatalogTables, LiveSyncDriver
 from applier.apply.target import BULK_OK_SQL, Target, TargetConnectionError
@@ -56,8 +54,8 @@ from applier.errors import ApplierError, ProtocolError
 from applier.lsn import format_lsn
 from applier.metrics import WorkerMetrics
 from applier.replication import ReplicationConnection, ReplicationConnectionError, StreamOptions
-from applier.retry import RETRY_INITIAL, max_retry_interval_default, retry_delay
-from state.catalog import Catalog, CatalogError, Subscription
+from applier.retry import RETRY_INITIAL, max_retry_interval_default
+from state.catalog import Catalog, Subscription
 from state.twophase import TwoPhaseState, stream_two_phase
 
 log = logging.getLogger("applier.apply")
@@ -85,15 +83,6 @@ def bulk_apply_default() -> bool:
     """Bulk apply (applier.apply.bulk) is on unless the environment says ``APPLIER_BULK_APPLY=0`` (or off/false/no);
     it needs group commit."""
     return _switch("APPLIER_BULK_APPLY")
-
-
-def skip_command(subname: str, finish_lsn: int) -> str:
-    """The command that skips the remote transaction finishing at ``finish_lsn`` (behaviours 97-100)."""
-    return f"applier alter {shlex.quote(subname)} --skip-lsn {format_lsn(finish_lsn)}"
-
-
-class ApplyWorkerError(ApplierError):
-    """An error waiting will not fix; the message says what to do."""
 
 
 @dataclass
@@ -166,13 +155,9 @@ class ApplyWorker:
         self._lag_written_at = 0.0
         self._lag_table: bool | None = None  # whether the catalog has applier.apply_lag (version 3)
         self._watch: CatalogWatch | None = None  # the session's catalog watch, which writes the lag summary
-        self._failures = 0
-        #: (xid, finish LSN) of the remote transaction that failed last, while it keeps failing: the backoff grows
-        #: until a session commits past it (or another one fails)
-        self._failing: tuple[int | None, int] | None = None
-        #: the wait _apply_failed computed (and recorded) for the retry that follows it
-        self._planned_delay: float | None = None
-        self._subid: int | None = None
+        #: the backoff between sessions and the records of failed remote transactions
+        self.retries = SessionRetries(self, initial=self.retry_initial, cap=self.retry_max)
+        self.subid: int | None = None  # known once a session read the subscription
         #: tables added while streaming are copied and caught up live, through the injected coordinator
         self._live = (
             LiveSyncDriver(table_sync, target_conninfo, subname, self.log, self.stop) if table_sync else None
@@ -183,28 +168,14 @@ class ApplyWorker:
         self.bulk = bulk if bulk is not None else bulk_apply_default()
         #: decided prepared transactions applied as plain ones (docs/differences.md); ``APPLIER_FOLD_PREPARES=0``
         self.fold_prepares = fold_prepares if fold_prepares is not None else fold_prepares_default()
-        #: after a session ended by an error, remote transactions up to what it had received are applied one local
-        #: transaction each, so that an error recurring there names exactly one remote transaction
-        self._ungrouped_until = 0
-        self._grouped_session = False  # the last session grouped transactions finishing after _grouped_after
-        self._grouped_after = 0
 
     # --- the outer loop ----------------------------------------------------------------------------------------
     def run(self) -> None:
         """Stream and apply until stopped, disabled or dropped; raise :class:`ApplyWorkerError` when waiting cannot
-        help. Reconnects with exponential backoff through publisher and target restarts."""
-        retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception(self._retryable),
-            wait=self._backoff,
-            sleep=self._sleep,
-            before_sleep=self._before_sleep,
-            reraise=True,
-        )
+        help. Reconnects with exponential backoff through publisher and target restarts (applier.apply.retries)."""
         try:
-            while True:
-                outcome = retrying(self._attempt)
-                if outcome is not Outcome.RESTART:
-                    return
+            while self.retries.run(self._attempt) is Outcome.RESTART:
+                pass
         finally:
             if self._live is not None:
                 self._live.end()
@@ -220,136 +191,17 @@ class ApplyWorker:
         except Ended as end:
             return end.outcome
         except (ApplyError, ProtocolError) as exc:
-            return self._apply_failed(exc)
-
-    def _apply_failed(self, exc: ApplierError) -> Outcome:
-        """Record an apply error; disable the subscription if it says so (behaviour 101), else let it retry."""
-        ctx: ErrorContext | None = exc.context if isinstance(exc, ApplyError) else None
-        if (
-            self._grouped_session
-            and ctx is not None
-            and ctx.finish_lsn
-            and ctx.finish_lsn > self._grouped_after
-        ):
-            # the failing remote transaction may have shared its local transaction with others (group commit), which
-            # the error then rolled back too: retry at once, applying what this session received one remote
-            # transaction per local one, and let that attempt record the error (and disable the subscription) for
-            # the one transaction it concerns, with everything before it committed, as the native worker would;
-            # that attempt also counts it (once, as the native worker's apply_error_count would)
-            self.log.warning('logical replication apply worker for subscription "%s" will apply the transactions '
-                             "it received one by one after: %s", self.subname, exc)  # fmt: skip
-            self._ungrouped_until = max(self._ungrouped_until, ctx.finish_lsn)
-            return Outcome.RESTART
-        self.stats.errors += 1
-        self.stats.last_error = str(exc)
-        self.metrics.error(exc)
-        failing = (ctx.xid, ctx.finish_lsn) if ctx is not None and ctx.finish_lsn else None
-        if failing != self._failing:
-            self._failures = 0  # another transaction: its own backoff starts from the beginning
-        self._failing = failing
-        delay = self._planned_delay = self._next_delay()
-        sqlstate = exc.sqlstate if isinstance(exc, ApplyError) else None
-        disable = False
-        try:
-            sub = self.catalog.get(self.subname)
-            if sub is None:
-                return Outcome.DROPPED
-            disable = sub.subdisableonerr
-            message = exc.message if isinstance(exc, ApplyError) else str(exc)
-            self.catalog.record_error(
-                sub.subid, message, remote_xid=ctx.xid if ctx else None, finish_lsn=ctx.finish_lsn if ctx else None,
-                message_type=ctx.message_type if ctx else None, relation=ctx.relation if ctx else None,
-                sqlstate=sqlstate, gid=ctx.gid if ctx else None, retry_count=self._failures,
-                retry_in=None if disable else delay,
-            )  # fmt: skip
-        except (psycopg.Error, sqlalchemy.exc.DBAPIError) as db_exc:  # the target is down: retry anyway
-            self.log.warning("could not record the error in the catalog: %s", db_exc)
-        self._log_failure(exc, ctx, sqlstate, None if disable else delay)
-        if disable:
-            try:
-                self.catalog.update_subscription(sub.subid, subenabled=False)
-            except (psycopg.Error, sqlalchemy.exc.DBAPIError) as db_exc:  # the target is down: retry anyway
-                self.log.warning("could not disable the subscription: %s", db_exc)
-                raise exc from None
-            self.log.info('subscription "%s" has been disabled because of an error', self.subname)
-            return Outcome.DISABLED
-        raise exc
-
-    def _log_failure(self, exc: ApplierError, ctx: ErrorContext | None, sqlstate: str | None,
-                     delay: float | None) -> None:  # fmt: skip
-        """The error line of a failed remote transaction: what failed, where, when we try again and how to skip
-        it; with ``--log-format json`` each part is a field of its own."""
-        fields: dict[str, Any] = {
-            "subscription": self.subname,
-            "sqlstate": sqlstate,
-            "retry_count": self._failures,
-        }
-        text = str(exc)
-        if sqlstate:
-            text = f"{text}\nSQLSTATE: {sqlstate}"
-        if ctx is not None and ctx.finish_lsn:
-            skip = skip_command(self.subname, ctx.finish_lsn)
-            fields.update(remote_xid=ctx.xid, finish_lsn=format_lsn(ctx.finish_lsn), gid=ctx.gid,
-                          relation=ctx.relation, message_type=ctx.message_type, skip_command=skip)  # fmt: skip
-            if ctx.gid:
-                text += f"\nprepared transaction GID: {ctx.gid}"
-            text += f"\nto skip this remote transaction: {skip}"
-        if delay is not None:
-            fields["retry_in"] = round(delay, 3)
-            text += f"\nfailure {self._failures} of this transaction; next attempt in {delay:.1f} s"
-        self.log.error('logical replication apply worker for subscription "%s": %s', self.subname, text,
-                       extra={"failure": fields})  # fmt: skip
-
-    def _retryable(self, exc: BaseException) -> bool:
-        if isinstance(exc, ApplyWorkerError | CatalogError):
-            return False
-        # SQLAlchemy wraps the catalog's driver errors (a target restarting shows up there first)
-        return isinstance(exc, ApplierError | psycopg.Error | sqlalchemy.exc.DBAPIError | OSError)
-
-    def _next_delay(self) -> float:
-        """Count one more failure in a row and return the wait before the next attempt (applier.retry)."""
-        self._failures += 1
-        return retry_delay(self._failures, initial=self.retry_initial, cap=self.retry_max)
-
-    def _backoff(self, retry_state: Any) -> float:
-        """The wait before the next session: what :meth:`_apply_failed` computed and recorded for an apply error,
-        else the next step of the backoff. It grows while failures follow each other and starts again after a
-        session that made progress (past the failing remote transaction, when one failed)."""
-        planned, self._planned_delay = self._planned_delay, None
-        return planned if planned is not None else self._next_delay()
-
-    def _sleep(self, seconds: float) -> None:
-        self.stop.wait(seconds)
-
-    def _before_sleep(self, retry_state: tenacity.RetryCallState) -> None:
-        exc = retry_state.outcome.exception() if retry_state.outcome else None
-        if not isinstance(exc, ApplyError | ProtocolError):
-            self.stats.errors += 1
-            self.stats.last_error = str(exc)
-            if exc is not None:
-                self.metrics.error(exc)
-            delay = retry_state.upcoming_sleep
-            self.log.warning("logical replication apply worker for subscription \"%s\" will retry in %.1f s: %s",
-                             self.subname, delay, exc)  # fmt: skip
-            if self._subid is not None and not isinstance(
-                exc, psycopg.OperationalError | sqlalchemy.exc.DBAPIError
-            ):
-                # e.g. the publisher refused START_REPLICATION: worth showing in applier status (a target that
-                # is down cannot record anything, so connection errors are only logged)
-                with contextlib.suppress(Exception):
-                    self.catalog.record_error(
-                        self._subid, str(exc), retry_count=self._failures, retry_in=delay
-                    )
+            return self.retries.apply_failed(exc)
 
     # --- one session ---------------------------------------------------------------------------------------------
     def _session(self) -> Outcome:
         """Read the subscription, connect both sides, stream until something ends the session."""
-        self._grouped_session = False
+        self.retries.grouped_session = False
         sub = self._session_subscription()
         if isinstance(sub, Outcome):
             return sub
         self.stats.sessions += 1
-        self._subid = sub.subid
+        self.subid = sub.subid
         tables = CatalogTables(self.catalog, sub, self.log, self._live)
         target = self._connect_target(sub)
         target.lag = self.lag
@@ -418,10 +270,9 @@ class ApplyWorker:
             subid=sub.subid, subname=sub.subname, target=target, tracker=tracker, spool=spool,
             tables=tables, skip=skip, clear_skip_lsn=self.catalog.clear_skip_lsn, logger=self.log,
             prepared=target.prepared_transactions(sub.subid), group_commit=self.group_commit,
-            ungrouped_until=self._ungrouped_until, bulk=self.bulk,
+            ungrouped_until=self.retries.ungrouped_until, bulk=self.bulk,
         )  # fmt: skip
-        self._grouped_session = self.group_commit
-        self._grouped_after = self._ungrouped_until
+        self.retries.session_started(self.group_commit)
         return Session(sub, repl, target, applier, tracker, tables, skip)
 
     def _stream(self, session: Session) -> Outcome:
@@ -439,7 +290,7 @@ class ApplyWorker:
         if held.applier is not None:
             self._count(held.applier, target)
         if not clean and held.tracker is not None:
-            self._ungrouped_until = max(self._ungrouped_until, held.tracker.last_received)
+            self.retries.session_failed(held.tracker.last_received)
         if not clean and not target.closed:
             target.abort()
         target.close()
@@ -460,11 +311,7 @@ class ApplyWorker:
         stats.folded_prepares += applier.folded_prepares
         self.publish(applier, record_lag=False)
         self.metrics.session_ended()
-        if applier.transactions and (self._failing is None or target.good_origin_lsn > self._failing[1]):
-            # progress (past the transaction that failed, if one did): the next failure starts the backoff again,
-            # so an occasional one after hours of work is retried quickly
-            self._failures = 0
-            self._failing = None
+        self.retries.progress(applier.transactions, target.good_origin_lsn)
 
     def _spool_directory(self, target: Target, sub: Subscription) -> Path:
         """``<spool_dir>/<target system identifier>-<subid>``: subids are unique only within a target cluster,
@@ -526,17 +373,17 @@ class ApplyWorker:
         if (
             record_lag
             and self._lag_table
-            and self._subid is not None
+            and self.subid is not None
             and now - self._lag_written_at >= LAG_WRITE_INTERVAL
         ):
             self._lag_written_at = now
             self._lag_written = lag.added
             summary = lag.summary(time.time())
             if summary is not None and self._watch is not None:
-                self._watch.lag = (self._subid, dataclasses.asdict(summary))  # written off the apply loop
+                self._watch.lag = (self.subid, dataclasses.asdict(summary))  # written off the apply loop
             elif summary is not None:
                 try:
-                    self.catalog.record_lag(self._subid, dataclasses.asdict(summary))
+                    self.catalog.record_lag(self.subid, dataclasses.asdict(summary))
                 except Exception as exc:  # noqa: BLE001 - a live figure: never worth failing the apply for
                     self.log.debug("could not record the apply lag: %s", exc)
 
