@@ -17,7 +17,6 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -289,7 +288,3 @@ def _why_stop(fresh: Subscription | None, sub: Subscription) -> tuple[Outcome, s
     if any(getattr(fresh, attr) != getattr(sub, attr) for attr in STREAM_OPTIONS):
         return Outcome.RESTART, "of a parameter change"
     return None
-
-
-#: (for type checkers) the callable the watch and the bulk recheck use: oids -> those still fit for bulk apply
-BulkTables = Callable[[list[int]], set[int]]
