@@ -28,6 +28,10 @@ from collections.abc import Callable
 
 from applier.errors import DecodeError
 from applier.messages import (
+    KEEPALIVE_KIND,
+    STATUS_UPDATE_KIND,
+    XLOG_DATA_KIND,
+    XLOG_ENVELOPE,
     Begin,
     BeginPrepare,
     Commit,
@@ -787,28 +791,30 @@ def decode_envelope(buf: Buffer) -> XLogData | PrimaryKeepalive | StandbyStatusU
     XLogData without a message in it, raise :class:`DecodeError`.
     """
     if type(buf) is not bytes:
-        if type(buf) is memoryview and len(buf) > 25 and buf[0] == 119:
+        if type(buf) is memoryview and len(buf) > XLOG_ENVELOPE and buf[0] == XLOG_DATA_KIND:
             # what libpq hands over: copy only the message out of it, not the whole envelope and then the message
             data_start, wal_end, send_time = _XLOG_DATA_UNPACK(buf, 1)
-            return _make_xlogdata(data_start, wal_end, send_time, bytes(buf[25:]))
+            return _make_xlogdata(data_start, wal_end, send_time, bytes(buf[XLOG_ENVELOPE:]))
         buf = _as_bytes(buf)
     if not buf:
         raise DecodeError("CopyData", 0, "empty CopyData message: no type byte")
     t = buf[0]
-    if t == 119:  # 'w'
+    if t == XLOG_DATA_KIND:
         try:
             data_start, wal_end, send_time = _XLOG_DATA_UNPACK(buf, 1)
         except struct.error:
             raise _XLOG_DATA.truncated(buf, 1, "XLogData") from None
-        if len(buf) == 25:
-            raise DecodeError("XLogData", 25, "no logical replication message after the XLogData header")
-        return _make_xlogdata(data_start, wal_end, send_time, buf[25:])
-    if t == 107:  # 'k'
+        if len(buf) == XLOG_ENVELOPE:
+            raise DecodeError(
+                "XLogData", XLOG_ENVELOPE, "no logical replication message after the XLogData header"
+            )
+        return _make_xlogdata(data_start, wal_end, send_time, buf[XLOG_ENVELOPE:])
+    if t == KEEPALIVE_KIND:
         wal_end, send_time, reply = _KEEPALIVE.unpack(buf, 1, "Primary Keepalive")
         if len(buf) != 18:
             raise _trailing(buf, 18, "Primary Keepalive")
         return PrimaryKeepalive(wal_end, send_time, reply != 0)
-    if t == 114:  # 'r'
+    if t == STATUS_UPDATE_KIND:
         write, flush, apply, send_time, reply = _STATUS_UPDATE.unpack(buf, 1, "Standby Status Update")
         if len(buf) != 34:
             raise _trailing(buf, 34, "Standby Status Update")

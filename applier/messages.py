@@ -336,6 +336,22 @@ STREAMABLE = (Relation, Type, Insert, Update, Delete, Truncate, Message)
 
 # --- the streaming-replication envelope (CopyData payloads) ----------------------------------------------------
 
+#: The CopyData kinds of the streaming replication protocol: the first byte of each CopyData message.
+XLOG_DATA_KIND = ord("w")
+KEEPALIVE_KIND = ord("k")
+STATUS_UPDATE_KIND = ord("r")
+#: An XLogData's envelope (kind, dataStart, walEnd, sendTime): its pgoutput message starts at this offset, so
+#: ``raw[XLOG_ENVELOPE]`` is the message type byte of an XLogData read undecoded.
+XLOG_ENVELOPE = 25
+
+#: pgoutput message type bytes the apply loop routes on without decoding (the others: :data:`MESSAGE_TYPES`).
+BEGIN_TYPE = ord("B")
+INSERT_TYPE = ord("I")
+BEGIN_PREPARE_TYPE = ord("b")
+STREAM_START_TYPE = ord("S")
+#: The changes a stream chunk spools undecoded, decoded once at replay (Relation, Type and the row changes).
+SPOOLED_TYPES = frozenset(b"RYIUDTM")
+
 
 @dataclass(frozen=True, slots=True)
 class XLogData:

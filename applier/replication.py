@@ -35,7 +35,7 @@ from applier.decoder import decode_envelope
 from applier.encoder import encode_envelope
 from applier.errors import ApplierError
 from applier.lsn import format_lsn, now_pg_timestamp, parse_lsn
-from applier.messages import PrimaryKeepalive, StandbyStatusUpdate, XLogData
+from applier.messages import XLOG_DATA_KIND, XLOG_ENVELOPE, PrimaryKeepalive, StandbyStatusUpdate, XLogData
 
 __all__ = [
     "REPLICATION_SESSION_OPTIONS",
@@ -61,6 +61,8 @@ _NO_TYPES = bytes(256)
 _NOTHING: list[bytes] = []
 #: read_undecoded stops gathering at this many bytes, so what is handled together stays a few MB of arrays
 UNDECODED_MAX_BYTES = 1 << 20
+#: read_undecoded gathers an XLogData only when it holds at least a 5-byte message after its envelope
+_MIN_UNDECODED = XLOG_ENVELOPE + 5
 #: The receive buffer of a replication socket whose publisher is on this host (``APPLIER_RECEIVE_BUFFER`` sets
 #: another, for any TCP publisher; ``0`` leaves the kernel's autotuning). Why: the walsender sends every message
 #: with its own ``send()``, and a send into an open TCP window costs it the whole loopback round (about 1.3 µs
@@ -551,7 +553,7 @@ class ReplicationConnection:
         pgconn = self._pgconn
         if pgconn is None or not self._streaming or self._ended:
             raise ReplicationConnectionError("read_undecoded() needs a started stream")
-        get = pgconn.get_copy_data
+        get = pgconn.get_copy_data  # (an XLogData the caller wants goes into `into` undecoded)
         append = into.append
         size = 0
         while len(into) < limit and size < UNDECODED_MAX_BYTES:
@@ -559,7 +561,7 @@ class ReplicationConnection:
                 nbytes, data = get(1)
             except psycopg.OperationalError as exc:
                 raise self._lost(exc) from None
-            if nbytes >= 30 and data[0] == 119 and wanted[data[25]]:  # an XLogData the caller wants
+            if nbytes >= _MIN_UNDECODED and data[0] == XLOG_DATA_KIND and wanted[data[XLOG_ENVELOPE]]:
                 append(bytes(data))  # (frees libpq's buffer at once: holding thousands of them costs more)
                 size += nbytes
                 continue

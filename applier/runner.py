@@ -53,6 +53,7 @@ from applier.subscriptions import (
 )
 from state.catalog import Catalog, Subscription
 from tablesync import run_initial_copy
+from tablesync.live import LiveSyncCoordinator
 
 __all__ = ["WorkerOutcome", "configure_logging", "run", "worker_main"]
 
@@ -374,7 +375,7 @@ def _serve(target: str, subname: str, stop: threading.Event, wlog: logging.Logge
     try:
         wlog.info('worker for subscription "%s" (subid %d) started', subname, sub.subid)
         if _initial_copy(target, catalog, subname, stop, wlog) and not stop.is_set():
-            ApplyWorker(target, subname, stop=stop, logger=wlog).run()
+            ApplyWorker(target, subname, stop=stop, logger=wlog, table_sync=LiveSyncCoordinator()).run()
     finally:
         watchdog.finish()
         lock.release()

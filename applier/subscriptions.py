@@ -971,7 +971,7 @@ def _skip_command(subname: str, finish_lsn: int | None) -> str | None:
     """``applier alter NAME --skip-lsn X/Y`` for a failed remote transaction (None when the error had none)."""
     if not finish_lsn:
         return None
-    from applier.apply.worker import skip_command
+    from applier.apply.retries import skip_command
 
     return skip_command(subname, finish_lsn)
 

@@ -15,10 +15,12 @@ thread of the apply worker's process, so the apply loop keeps applying the other
    - P <= C: nothing of the tables' went by since C: they become ``s`` at C, and the stream applies their changes
      from C on.
    - P > C: CATCHUP (``c`` at P): on the temporary slot's own connection, START_REPLICATION from C (streaming and
-     two_phase off, behaviour 70) and apply, with the apply worker's own :class:`~applier.apply.handlers.Applier`
-     on a target session of its own, every transaction up to the first commit ending at or after P (or an idle
-     position at or after P); then SYNCDONE: ``s`` at that LSN L. Each caught-up transaction commits together with
-     the tables' ``f`` LSN moved to its end, so the rows and the LSN they are complete up to never disagree.
+     two_phase off, behaviour 70) and apply, with the apply worker's own loop (:class:`~applier.apply.loop.ApplyLoop`)
+     and core (:class:`~applier.apply.handlers.Applier`) in a sync-worker context (:class:`_CatchupContext`, as
+     PostgreSQL's ``am_tablesync_worker()``) on a target session of its own, every transaction up to the first
+     commit ending at or after P (or an idle position at or after P); then SYNCDONE: ``s`` at that LSN L. Each
+     caught-up transaction commits together with the tables' ``f`` LSN moved to its end (the target's
+     ``before_commit``), so the rows and the LSN they are complete up to never disagree.
 
    The apply loop waits for ``s`` (``wait_for_relation_state_change``), skips the tables' changes up to its LSN
    and applies the later ones; the sync-state pass turns them ``r``.
@@ -41,20 +43,19 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
 
 import psycopg
 
+from applier.apply.context import ErrorContext
 from applier.apply.feedback import FeedbackTracker
 from applier.apply.handlers import Applier, SkipState, TableStates
+from applier.apply.loop import ApplyLoop
 from applier.apply.spool import Spool
 from applier.apply.target import Target
-from applier.decoder import MessageDecoder
 from applier.lsn import format_lsn
-from applier.messages import PrimaryKeepalive, XLogData
-from applier.replication import StreamOptions
+from applier.replication import ReplicationConnection, StreamOptions
 from state.catalog import RelState
 from state.tables import SyncState, TableState, join_apply_stream
 from tablesync.initial import COPY_STATES, InitialCopy, TablesyncError
@@ -142,22 +143,55 @@ class _SyncingTables(TableStates):
             self.reached = current_lsn
 
 
-class _CatchupTarget(Target):
-    """The catch-up's target session: each commit also moves the syncing tables' ``f`` LSN to the transaction's
-    end, in the same local transaction as its rows."""
+#: what each caught-up transaction also does, in its own local transaction: move the syncing tables' ``f`` LSN to
+#: its end, so that the rows and the LSN they are complete up to never disagree
+_MOVE_SYNC_LSN = (
+    b"UPDATE applier.subscription_rel SET srsublsn = $1::pg_catalog.pg_lsn, srupdated = now()"
+    b" WHERE subid = $2::bigint AND srrelid::oid = ANY($3::oid[]) AND srsubstate = 'f'"
+)
 
-    subid = 0
-    oids = "{}"
 
-    def commit(self, end_lsn: int, ts: int, ctx: Any, on_ok: Any) -> None:
-        self.end_copy()
-        self.pipeline.send_query(
-            b"UPDATE applier.subscription_rel SET srsublsn = $1::pg_catalog.pg_lsn, srupdated = now()"
-            b" WHERE subid = $2::bigint AND srrelid::oid = ANY($3::oid[]) AND srsubstate = 'f'",
-            [format_lsn(end_lsn).encode(), str(self.subid).encode(), self.oids.encode()],
-            ctx,
-        )
-        super().commit(end_lsn, ts, ctx, on_ok)
+def _moving_sync_lsn(
+    target: Target, subid: int, oids: Iterable[int]
+) -> Callable[[int, ErrorContext | None], None]:
+    """The catch-up target's ``before_commit``: queue :data:`_MOVE_SYNC_LSN` into each commit's transaction."""
+    params = (str(subid).encode(), ("{" + ",".join(str(r) for r in oids) + "}").encode())
+
+    def before_commit(end_lsn: int, ctx: ErrorContext | None) -> None:
+        target.pipeline.send_query(_MOVE_SYNC_LSN, [format_lsn(end_lsn).encode(), *params], ctx)
+
+    return before_commit
+
+
+class _CatchupContext:
+    """The sync worker's context of the apply loop (``am_tablesync_worker()``; applier.apply.loop): the same loop
+    as the apply worker's, which stops at the end point (the first commit ending at or after P, or an idle position
+    at or after P, behaviour 78) and keeps the temporary slot's stream alive with status updates."""
+
+    def __init__(self, stop: threading.Event, repl: ReplicationConnection, target: Target, applier: Applier,
+                 tracker: FeedbackTracker, tables: _SyncingTables) -> None:  # fmt: skip
+        self.stop, self.repl, self.target, self.applier = stop, repl, target, applier
+        self.tracker, self.tables = tracker, tables
+        self.last_status = time.monotonic()
+
+    def should_stop(self) -> bool:
+        if self.stop.is_set():
+            raise LiveSyncError("stopped during catch-up")
+        return self.tables.reached is not None
+
+    def caught_up(self) -> bool:
+        return self.tables.reached is not None
+
+    def housekeeping(self, received: int, reply_requested: bool) -> None:
+        tables, tracker = self.tables, self.tracker
+        if self.target.pipeline.pending:
+            self.target.pipeline.poll()
+        if tables.reached is None and self.applier.idle and tracker.last_received >= tables.until:
+            tables.reached = tracker.last_received  # idle at or past P (behaviour 78: checked when idle too)
+        if reply_requested or time.monotonic() - self.last_status >= STATUS_INTERVAL:
+            pos = tracker.positions(None)
+            self.repl.send_status(pos.write, pos.flush, pos.apply)
+            self.last_status = time.monotonic()
 
 
 class LiveSync:
@@ -201,6 +235,15 @@ class LiveSync:
     @property
     def finished(self) -> bool:
         return self.phase in (Phase.SYNCDONE, Phase.FAILED)
+
+    @property
+    def waiting(self) -> bool:
+        """At SYNCWAIT: the apply loop is to call :meth:`proceed` at its next transaction boundary."""
+        return self.phase is Phase.SYNCWAIT
+
+    @property
+    def failed(self) -> bool:
+        return self.phase is Phase.FAILED
 
     def proceed(self, current_lsn: int) -> None:
         """The apply loop is at a transaction boundary at ``current_lsn``: join the stream there."""
@@ -354,12 +397,11 @@ class LiveSync:
             binary=sub.subbinary,
         )  # fmt: skip
         repl.start_replication(copier.slot.slot_name, c_lsn, options)
-        target = _CatchupTarget.connect(
+        target = Target.connect(
             self.target_conninfo, origin=origin, application_name=f"applier {sub.subname} tablesync",
             binary=sub.subbinary,
         )  # fmt: skip
-        target.subid = sub.subid
-        target.oids = "{" + ",".join(str(r) for r in self.tables.values()) + "}"
+        target.before_commit = _moving_sync_lsn(target, sub.subid, self.tables.values())
         spool_dir = Path(tempfile.mkdtemp(prefix=f"applier-sync-{sub.subid}-"))
         try:
             target.good_origin_lsn = target.origin_progress(origin)
@@ -370,33 +412,11 @@ class LiveSync:
                 spool=Spool(spool_dir, sub.subid), tables=tables, skip=SkipState(0, sub.subname),
                 clear_skip_lsn=lambda _subid, _lsn: False, logger=self.log,
             )  # fmt: skip
-            decoder = MessageDecoder()
-            last_received = c_lsn
-            last_status = time.monotonic()
-            while tables.reached is None:
-                if self.stop.is_set():
-                    raise LiveSyncError("stopped during catch-up")
-                item = repl.read(0.5)
-                if item is None:
-                    pass
-                elif item.__class__ is XLogData:
-                    last_received = max(last_received, item.data_start, item.wal_end)
-                    tracker.received(last_received)
-                    applier.handle(decoder.decode(item.payload), item.payload)
-                elif item.__class__ is PrimaryKeepalive:
-                    last_received = max(last_received, item.wal_end)
-                    tracker.received(item.wal_end)
-                    if item.reply_requested:
-                        last_status = 0.0
-                if target.pipeline.pending:
-                    target.pipeline.poll()
-                if tables.reached is None and applier.idle and last_received >= until:
-                    tables.reached = last_received  # idle at or past P (behaviour 78: checked when idle too)
-                if time.monotonic() - last_status >= STATUS_INTERVAL:
-                    pos = tracker.positions(None)
-                    repl.send_status(pos.write, pos.flush, pos.apply)
-                    last_status = time.monotonic()
+            context = _CatchupContext(self.stop, repl, target, applier, tracker, tables)
+            # one message per read: the catch-up stops right after its end point, never past it
+            ApplyLoop(repl, applier, tracker, context, batch_limit=1).run()
             reached = tables.reached
+            assert reached is not None  # the loop ends only there (or raises)
             target.pipeline.drain()
             self.caught_up = applier.transactions
             target.mark_ready(sub.subid, [(relid, "s", reached) for relid in self.tables.values()], reached)
@@ -411,3 +431,18 @@ class LiveSync:
         finally:
             target.close()
             shutil.rmtree(spool_dir, ignore_errors=True)
+
+
+class LiveSyncCoordinator:
+    """The :class:`applier.apply.coordinator.TableSyncCoordinator` the composition root (applier.runner) hands the
+    apply worker: each sync is a :class:`LiveSync` thread."""
+
+    def __init__(
+        self, *, spark_master: str | None = None, spark_conf: Mapping[str, str] | None = None
+    ) -> None:
+        self.spark_master, self.spark_conf = spark_master, spark_conf
+
+    def start(self, target_conninfo: str, subname: str, log: logging.Logger) -> LiveSync:
+        return LiveSync(
+            target_conninfo, subname, log=log, spark_master=self.spark_master, spark_conf=self.spark_conf
+        ).start()

@@ -85,6 +85,9 @@ class Target:
         self.good_origin_lsn = 0
         #: apply lag samples are added here when the worker attaches a window (applier.apply.lag)
         self.lag: LagWindow | None = None
+        #: queues statements into each COMMIT's local transaction, just before it (a table sync's catch-up moves
+        #: its tables' LSN there: tablesync.live); called with (end_lsn, ctx)
+        self.before_commit: Callable[[int, ErrorContext | None], None] | None = None
         self.binary = binary
         self.in_transaction = False
         self._fixed_prepared = False
@@ -300,6 +303,8 @@ class Target:
         """
         if self.copy.run is not None:
             self.end_copy()
+        if self.before_commit is not None:
+            self.before_commit(end_lsn, ctx)
         self.origin_setup(end_lsn, ts, ctx)
         self.pipeline.send_prepared(
             b"applier_commit", (), None, ctx, self.confirming(end_lsn, on_ok, ts, "commit")

@@ -133,13 +133,13 @@ def test_histogram_and_status_show_the_apply_lag(pair) -> None:  # type: ignore[
 
 
 def test_the_catalog_watch_snapshot_only_ever_says_nothing_changed() -> None:
-    """``ApplyWorker._unchanged``: a fresh snapshot equal to what the loop holds spares the synchronous re-read;
+    """``applier.apply.housekeeping.unchanged``: a fresh snapshot equal to what the loop holds spares the synchronous re-read;
     any difference (or a stale snapshot, or tables not all ready) sends the loop to re-read as before."""
     from dataclasses import replace
     from types import SimpleNamespace
 
     from applier.apply.handlers import SkipState
-    from applier.apply.worker import WATCH_STALE, ApplyWorker
+    from applier.apply.housekeeping import WATCH_STALE, unchanged
     from state.catalog import RelState, Subscription
 
     sub = Subscription(subid=7, subname="s", subenabled=True, subtwophasestate="e", substream="on", subbinary=False,
@@ -158,7 +158,6 @@ def test_the_catalog_watch_snapshot_only_ever_says_nothing_changed() -> None:
         snap.update(changes)
         return SimpleNamespace(latest=SimpleNamespace(**snap))
 
-    unchanged = ApplyWorker._unchanged
     assert unchanged(watch(), sub, skip, tables, applier, 100.5)  # type: ignore[arg-type]
     assert not unchanged(SimpleNamespace(latest=None), sub, skip, tables, applier, 100.5)  # type: ignore[arg-type]
     assert not unchanged(watch(), sub, skip, tables, applier, 100.0 + WATCH_STALE + 1)  # type: ignore[arg-type]
