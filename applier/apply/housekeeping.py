@@ -23,6 +23,7 @@ from typing import Any
 
 from applier.apply.feedback import FeedbackTracker
 from applier.apply.handlers import Applier, SkipState
+from applier.apply.pacing import StatusPacer
 from applier.apply.target import Target
 from applier.replication import ReplicationConnection, ReplicationConnectionError
 from state.catalog import Catalog, Subscription
@@ -160,6 +161,7 @@ class ApplyHousekeeping:
         self.worker, self.s = worker, session
         now = time.monotonic()
         self.last_status = self.last_published = self.last_flush_poll = 0.0
+        self.status_pacer = StatusPacer()  # shared with the loop, whose read wait it bounds
         self.last_reread = self.last_reconcile = self.last_heard = now
         self.pinged = False
         self.wal_query_open = False  # a WAL positions query in flight
@@ -267,11 +269,16 @@ class ApplyHousekeeping:
             self.last_flush_poll = now
             self.wal_query_open = True
             s.target.pipeline.poll()
+        if not self.status_pacer.due(now, reply_requested):
+            return  # owed: the loop's next read wait ends in time for it (applier.apply.pacing)
         before = s.tracker.last_sent
         pos = s.tracker.positions(self.flush_lsn or None)
         if reply_requested or pos != before or now - self.last_status >= STATUS_INTERVAL:
             s.repl.send_status(pos.write, pos.flush, pos.apply)
             self.last_status = now
+            self.status_pacer.sent(now)
+        else:
+            self.status_pacer.settled()
 
     def _on_wal_positions(self, insert_lsn: int, flush_lsn: int) -> None:
         self.s.tracker.resolve(insert_lsn)

@@ -29,7 +29,7 @@ from applier.apply.copytext import InsertRun
 from applier.apply.feedback import FeedbackTracker
 from applier.apply.fold import decided_prepares
 from applier.apply.handlers import Applier
-from applier.apply.pacing import ReadPacer
+from applier.apply.pacing import ReadPacer, StatusPacer
 from applier.apply.route import Route, bulk_worthwhile, has_prepares, kinds_of, plan
 from applier.decoder import MessageDecoder, decode_message
 from applier.messages import (
@@ -97,6 +97,7 @@ class ApplyLoop:
         fold_prepares: bool = False,
         batch_limit: int = BURST,
         pacer: ReadPacer | None = None,
+        status_pacer: StatusPacer | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.source, self.applier, self.tracker, self.context = source, applier, tracker, context
@@ -105,6 +106,9 @@ class ApplyLoop:
         self.fold_prepares = fold_prepares
         self.batch_limit = batch_limit  # 1 for a catch-up, which must stop right after its end point
         self.pacer = pacer or ReadPacer()
+        self.status_pacer = (
+            status_pacer  # an owed status update shortens the read wait (the housekeeping sends it)
+        )
         self.sleep = sleep
         self._batch: list[bytes] = []  # XLogData read undecoded, envelope included, handled together
         self._insert = applier.handle_insert_bytes
@@ -134,12 +138,19 @@ class ApplyLoop:
                 if item is None:
                     continue
             if item is None:
-                item = self.source.read(self.pacer.wait_for_data(bool(self.tracker.pending), n == 0))
+                item = self.source.read(self._wait(n == 0))
                 if item is None:
                     break
             n += 1
             reply_requested |= self._take(item)
         return n, reply_requested
+
+    def _wait(self, first_read: bool) -> float:
+        """How long this read waits for data: the read pacing's answer, less while a status update is owed."""
+        wait = self.pacer.wait_for_data(bool(self.tracker.pending), first_read)
+        if wait and self.status_pacer is not None:
+            return self.status_pacer.timeout(time.monotonic(), wait)
+        return wait
 
     def _received(self, batch: list[bytes]) -> None:
         data_start, wal_end = _XLOG_POSITIONS(batch[-1], 1)

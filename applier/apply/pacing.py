@@ -12,7 +12,15 @@ messages (a large transaction arriving). A small transaction that a steady load'
 messages; the rest follows within microseconds) is read on at once: there the pause was pure latency
 (bench/live_bench.py).
 
-Pure: :class:`ReadPacer` only answers; the loop sleeps.
+**Status pacing** (:class:`StatusPacer`): when the housekeeping sends a standby status update. Once per loop
+iteration whose positions changed was one ``send()`` per remote transaction under a steady load of small ones
+(16 % of the worker's busy time at 400 prepared transactions a second), plus a wake-up of the walsender. Now: at
+once after a quiet spell or when a keepalive asks, else at most one per ``STATUS_MIN_INTERVAL``; an update held back
+shortens the loop's next read wait (:meth:`StatusPacer.timeout`), so it still goes out on time. The publisher gains
+nothing from updates closer together: ``confirmed_flush_lsn`` only bounds the WAL it keeps. Under synchronous
+replication waiting for this subscriber a commit waits at most that much longer, only under load.
+
+Pure: :class:`ReadPacer` and :class:`StatusPacer` only answer, on the caller's clock; the loop sleeps and sends.
 """
 
 from __future__ import annotations
@@ -55,3 +63,53 @@ class ReadPacer:
         if not first_read:
             return 0.0
         return WAIT_FLUSH_PENDING if flush_pending else WAIT_IDLE
+
+
+#: The shortest time between two status updates that nobody asked for (the loop's own, on changed positions).
+STATUS_MIN_INTERVAL = 0.01
+
+
+class StatusPacer:
+    """Decides whether this iteration of the apply loop computes and sends the positions.
+
+    Use::
+
+        if pacer.due(now, force):            # else the update is owed, and pacer.timeout() says how long to wait
+            pos = tracker.positions(...)
+            if changed: send(pos); pacer.sent(now)
+            else: pacer.settled()
+    """
+
+    __slots__ = ("_last", "_owed", "min_interval")
+
+    def __init__(self, min_interval: float = STATUS_MIN_INTERVAL) -> None:
+        self.min_interval = min_interval
+        self._last = float("-inf")
+        self._owed = False
+
+    def due(self, now: float, force: bool = False) -> bool:
+        """True when an update may go out now (a reply was requested, or the last one is ``min_interval`` old);
+        else the update is owed and :meth:`timeout` bounds the loop's next wait."""
+        if force or now - self._last >= self.min_interval:
+            return True
+        self._owed = True
+        return False
+
+    def sent(self, now: float) -> None:
+        """An update went out at ``now``."""
+        self._last = now
+        self._owed = False
+
+    def settled(self) -> None:
+        """The positions were computed and had not changed: nothing is owed."""
+        self._owed = False
+
+    @property
+    def owed(self) -> bool:
+        return self._owed
+
+    def timeout(self, now: float, wait: float) -> float:
+        """The loop's next wait: ``wait``, or less while an update is owed (never negative)."""
+        if not self._owed:
+            return wait
+        return max(0.0, min(wait, self._last + self.min_interval - now))

@@ -98,11 +98,25 @@ class CatalogTables(TableStates):
         self.target: Target | None = None
         #: sends the stream's last status again (set by the session): used while waiting for a live sync
         self.keepalive: Any = None
+        #: the session's catalog watch (applier.apply.housekeeping.CatalogWatch), when it has one
+        self.watch: Any = None
         self.reload()
 
     def reload(self) -> None:
         self._last_reload = time.monotonic()
         self._set({r.relid: r for r in self.catalog.table_states(self.subid)})
+
+    def _watch_confirms(self) -> bool:
+        """True when the catalog watch read the table states after our last reload and found them as cached: the
+        periodic re-read then needs no round trip of its own (under a steady load it was a synchronous catalog
+        query on the apply loop every TABLES_REREAD_INTERVAL). Anything else re-reads synchronously, as before."""
+        snap = self.watch.latest if self.watch is not None else None
+        if snap is None or snap.at < self._last_reload:
+            return False
+        if snap.states != frozenset((r.relid, r.state, r.lsn) for r in self.by_oid.values()):
+            return False
+        self._last_reload = snap.at  # the cache is known current as of the snapshot
+        return True
 
     def _set(self, by_oid: dict[int, RelState]) -> None:
         self.by_oid = by_oid
@@ -133,7 +147,7 @@ class CatalogTables(TableStates):
 
     def after_transaction(self, current_lsn: int) -> None:
         """The sync-state pass (behaviour 76) and the two-phase restart check (57)."""
-        if time.monotonic() - self._last_reload >= TABLES_REREAD_INTERVAL:
+        if time.monotonic() - self._last_reload >= TABLES_REREAD_INTERVAL and not self._watch_confirms():
             self.reload()  # notice tables added by alter --refresh-publication even when never idle
         if self.all_ready and self.two_phase_state != TwoPhaseState.PENDING.value:
             return

@@ -17,6 +17,8 @@ no privilege), with a message that says what to do.
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import logging
 import os
@@ -214,7 +216,7 @@ class ApplyWorker:
             session = self._start_streaming(sub, target, tables, held)
             watch = CatalogWatch(self.catalog, sub.subname, self.bulk_tables)
             watch.start()
-            self._watch = session.watch = watch
+            self._watch = session.watch = tables.watch = watch
             try:
                 outcome = self._stream(session)
             finally:
@@ -278,9 +280,11 @@ class ApplyWorker:
 
     def _stream(self, session: Session) -> Outcome:
         """The apply loop in the apply worker's context, until stopped (anything else ends it by raising)."""
+        housekeeping = ApplyHousekeeping(self, session)
         loop = ApplyLoop(
-            session.repl, session.applier, session.tracker, ApplyHousekeeping(self, session),
+            session.repl, session.applier, session.tracker, housekeeping,
             two_phase=session.tables.two_phase_state != TwoPhaseState.DISABLED, fold_prepares=self.fold_prepares,
+            status_pacer=housekeeping.status_pacer,
         )  # fmt: skip
         loop.run()
         return self._stop_session(session)
@@ -424,6 +428,11 @@ class ApplyWorker:
             tracker.forget_unconfirmed()
         else:
             target.pipeline.drain()
+            if applier.finished_prepared:
+                # every queued PREPARE has run: the records of finished ones go now rather than at the next start
+                # (the idle housekeeping removes them at most once a second, and a stop can come first)
+                with contextlib.suppress(Exception):
+                    self.catalog.reconcile_prepared(applier.subid)
         try:
             if tracker.pending and not target.closed:
                 insert_lsn, flush_lsn = target.wal_positions()
