@@ -46,6 +46,7 @@ from applier.apply.feedback import FeedbackTracker
 from applier.apply.fold import decided_prepares
 from applier.apply.handlers import RAW_SPOOL_TYPES, VECTOR_MIN, Applier, SkipState, TableStates
 from applier.apply.lag import LagWindow
+from applier.apply.pacing import StatusPacer
 from applier.apply.spool import Spool, default_spool_dir
 from applier.apply.target import BULK_OK_SQL, Target, TargetConnectionError
 from applier.decoder import MessageDecoder, decode_message
@@ -800,6 +801,7 @@ class ApplyWorker:
         last_heard = time.monotonic()
         pinged = False
         wal_query: list[Any] = [False, 0]  # a positions query in flight; the last flush LSN it returned
+        pacer = StatusPacer()
 
         def on_wal_positions(insert_lsn: int, flush_lsn: int) -> None:
             tracker.resolve(insert_lsn)
@@ -810,7 +812,8 @@ class ApplyWorker:
             if self.stop.is_set():
                 return self._stop_session(repl, target, applier, tracker)
             force = False
-            timeout = 0.2 if tracker.pending else 1.0
+            # an owed status update (applier.apply.pacing) shortens the wait
+            timeout = pacer.timeout(time.monotonic(), 0.2 if tracker.pending else 1.0)
             n = 0
             while n < BURST:
                 # what libpq already holds is taken undecoded, as a batch (see dispatch_bulk)
@@ -903,11 +906,16 @@ class ApplyWorker:
                 last_flush_poll = now
                 wal_query[0] = True
                 target.pipeline.poll()
-            before = tracker.last_sent
-            pos = tracker.positions(wal_query[1] or None)
-            if force or pos != before or now - last_status >= STATUS_INTERVAL:
-                repl.send_status(pos.write, pos.flush, pos.apply)
-                last_status = now
+            # at most one update per STATUS_MIN_INTERVAL under a steady load, at once after a quiet spell
+            if pacer.due(now, force):
+                before = tracker.last_sent
+                pos = tracker.positions(wal_query[1] or None)
+                if force or pos != before or now - last_status >= STATUS_INTERVAL:
+                    repl.send_status(pos.write, pos.flush, pos.apply)
+                    last_status = now
+                    pacer.sent(now)
+                else:
+                    pacer.settled()
 
     def _publish(self, applier: Applier, *, record_lag: bool = True) -> None:
         """Counters and lag samples to the metrics; the lag summary to the catalog (not when a session ends: the
