@@ -118,6 +118,8 @@ class Pipeline:
         self.unflushed = 0
         #: called with the context of an UPDATE/DELETE that found no row (queued with ``on_ok=CHECK_ROWS``)
         self.on_missing_row: Callable[[ErrorContext | None], None] | None = None
+        #: the queue entry a flush request was last sent after (see :meth:`poll`)
+        self._flush_requested: Any = None
 
     # --- sending ---------------------------------------------------------------------------------------------
     def enter(self) -> None:
@@ -250,11 +252,16 @@ class Pipeline:
     def poll(self) -> None:
         """Read whatever results have arrived, never blocking. Raises the error of a finished segment.
 
-        Without a sync the server keeps results in its output buffer; a flush request makes it send them."""
+        Without a sync the server keeps results in its output buffer; a flush request makes it send them. One
+        request after the last queued statement is enough (the server runs the statements in order, so when it
+        reaches the request every result before it is in its buffer): a poll with nothing queued since sends
+        none, saving a write and a wake-up of the target's backend per loop iteration that only waits."""
         if not self._pending:
             return
-        if self._pending[-1] is not _SYNC:
+        last = self._pending[-1]
+        if last is not _SYNC and last is not self._flush_requested:
             self.pgconn.send_flush_request()
+            self._flush_requested = last
         self._wait(0)
         self._process_available()
 
