@@ -252,6 +252,19 @@ class _CatalogTables(TableStates):
         self._last_reload = time.monotonic()
         self._set({r.relid: r for r in self.catalog.table_states(self.subid)})
 
+    def _watch_confirms(self) -> bool:
+        """True when the catalog watch read the table states after our last reload and found them as cached: the
+        periodic re-read then needs no round trip of its own (under a steady load it was a synchronous catalog
+        query on the apply loop every TABLES_REREAD_INTERVAL). Anything else re-reads synchronously, as before."""
+        watch = self.worker._watch
+        snap = watch.latest if watch is not None else None
+        if snap is None or snap.at < self._last_reload:
+            return False
+        if snap.states != frozenset((r.relid, r.state, r.lsn) for r in self.by_oid.values()):
+            return False
+        self._last_reload = snap.at  # the cache is known current as of the snapshot
+        return True
+
     def _set(self, by_oid: dict[int, RelState]) -> None:
         self.by_oid = by_oid
         self._checked.clear()
@@ -280,7 +293,7 @@ class _CatalogTables(TableStates):
 
     def after_transaction(self, current_lsn: int) -> None:
         """The sync-state pass (behaviour 76) and the two-phase restart check (57)."""
-        if time.monotonic() - self._last_reload >= TABLES_REREAD_INTERVAL:
+        if time.monotonic() - self._last_reload >= TABLES_REREAD_INTERVAL and not self._watch_confirms():
             self.reload()  # notice tables added by alter --refresh-publication even when never idle
         if self.all_ready and self.two_phase_state != "p":
             return
