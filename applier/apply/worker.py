@@ -1044,6 +1044,11 @@ class ApplyWorker:
             tracker.forget_unconfirmed()
         else:
             target.pipeline.drain()
+            if applier.finished_prepared:
+                # every queued PREPARE has run: the records of finished ones go now rather than at the next start
+                # (the idle housekeeping removes them at most once a second, and a stop can come first)
+                with contextlib.suppress(Exception):
+                    self.catalog.reconcile_prepared(applier.subid)
         try:
             if tracker.pending and not target.closed:
                 insert_lsn, flush_lsn = target.wal_positions()
