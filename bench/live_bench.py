@@ -444,10 +444,18 @@ def _wait_slot_active(pub: Database, slot: str, timeout: float, proc: subprocess
 
 
 def _start_ours(
-    db: Database, name: str, log_path: Path, spool: Path, profile: Path | None = None
+    db: Database,
+    name: str,
+    log_path: Path,
+    spool: Path,
+    profile: Path | None = None,
+    syscalls: Path | None = None,
 ) -> subprocess.Popen[bytes]:
-    """``applier run NAME``; with ``profile``, under ``py-spy record --idle`` (wall time, raw collapsed stacks)."""
+    """``applier run NAME``; with ``profile``, under ``py-spy record --idle`` (wall time, raw collapsed stacks);
+    with ``syscalls``, under ``strace -f -c`` (a count of each system call of the whole process tree)."""
     cmd = [sys.executable, "-m", "applier.cli", "--target", db.dsn, "run", name]
+    if syscalls is not None:
+        cmd = ["strace", "-f", "-c", "-o", str(syscalls), *cmd]
     if profile is not None:
         pyspy = Path(sys.executable).with_name("py-spy")
         cmd = [str(pyspy), "record", "--subprocesses", "--idle", "--rate", "250", "--format", "raw", "-o",
@@ -458,13 +466,17 @@ def _start_ours(
         return subprocess.Popen(cmd, cwd=CODE_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
 
 
+def _is_cli(command: str) -> bool:
+    """The ``applier run`` process itself, not the py-spy or strace wrapped around it."""
+    return "applier.cli" in command and "py-spy" not in command and not command.startswith("strace")
+
+
 def _stop_ours(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM to ``applier run`` (under py-spy: to the CLI below it, so that py-spy writes its profile)."""
+    """SIGTERM to ``applier run`` (under py-spy or strace: to the CLI below it, so that the wrapper writes its
+    profile or counts)."""
     if proc.poll() is not None:
         return
-    cli = next(
-        (p for p in _tree(proc.pid) if "applier.cli" in cmdline(p) and "py-spy" not in cmdline(p)), proc.pid
-    )
+    cli = next((p for p in _tree(proc.pid) if _is_cli(cmdline(p))), proc.pid)
     os.kill(cli, signal.SIGTERM)
     try:
         proc.wait(60)
@@ -497,6 +509,7 @@ class Env:
     drain_timeout: float
     spool: Path
     profile_dir: Path | None = None
+    strace_dir: Path | None = None
 
 
 def run_side(env: Env, wl: Workload, rate: int, side: str) -> SideRun:
@@ -521,7 +534,8 @@ def run_side(env: Env, wl: Workload, rate: int, side: str) -> SideRun:
             subid = setup.sub.subid
             setup.catalog.engine.dispose()
             profile = env.profile_dir / f"{tag}.txt" if env.profile_dir else None
-            proc = _start_ours(tgt, tag, OUT_DIR / f"{tag}.log", env.spool, profile)
+            syscalls = env.strace_dir / f"{tag}.txt" if env.strace_dir else None
+            proc = _start_ours(tgt, tag, OUT_DIR / f"{tag}.log", env.spool, profile, syscalls)
         else:
             pub.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
                 sql.Identifier(tag), sql.SQL(", ").join(sql.Identifier(*t.split(".")) for t in tables)))  # fmt: skip
@@ -816,6 +830,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--pg", default="18", help="server version (15, 16, 18) or a bindir")
     ap.add_argument("--profile-dir", type=Path, help="run ours under py-spy (wall time, raw stacks); its lag is "
                     "then not comparable")  # fmt: skip
+    ap.add_argument("--strace-dir", type=Path, help="run ours under strace -f -c (system call counts per run, "
+                    "e.g. sends per transaction); its lag and CPU are then not comparable")  # fmt: skip
     ap.add_argument(
         "--code-rev", metavar="REV", help="run the applier code of this commit (a frozen git archive)"
     )
@@ -905,7 +921,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile_dir:
             args.profile_dir = args.profile_dir.resolve()
             args.profile_dir.mkdir(parents=True, exist_ok=True)
-        env = Env(pubc, tgtc, binaries.bindir, args.duration, args.drain_timeout, spool, args.profile_dir)
+        if args.strace_dir:
+            args.strace_dir = args.strace_dir.resolve()
+            args.strace_dir.mkdir(parents=True, exist_ok=True)
+        env = Env(pubc, tgtc, binaries.bindir, args.duration, args.drain_timeout, spool, args.profile_dir,
+                  args.strace_dir)  # fmt: skip
         first = [0]
         for key in args.keys:
             runs += run_workload(env, WORKLOADS[key], args.rate_map[key], args.step_up, args.max_rate, first)

@@ -18,7 +18,6 @@ no privilege), with a message that says what to do.
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 import logging
 import os
