@@ -29,11 +29,11 @@ import psycopg
 import sqlalchemy as sa
 from psycopg import sql
 
+from applier.catalog.store import Catalog, CatalogError, Subscription
 from applier.conninfo import describe, has_password, scrub, without_password
 from applier.errors import ApplierError
 from applier.lsn import format_lsn, parse_lsn
 from applier.replication import ReplicationConnection, ReplicationConnectionError
-from state.catalog import Catalog, CatalogError, Subscription
 from state.tables import SyncState, initial_sync_state
 from state.twophase import (
     TwoPhaseState,

@@ -39,10 +39,10 @@ import psycopg
 import sqlalchemy as sa
 from psycopg import sql
 
+from applier.catalog.store import Catalog, RelState, Subscription
 from applier.errors import ApplierError
 from applier.lsn import format_lsn, parse_lsn
 from applier.replication import ReplicationConnection, ReplicationConnectionError
-from state.catalog import Catalog, RelState, Subscription
 from state.tables import SyncState, TableState, settle_finished_copy
 from tablesync import job as spark_job
 from tablesync.copy import CLAIM_PART, HeadStart, connect
@@ -333,24 +333,6 @@ class InitialCopy:
         return self.tasks
 
     # 4 ----------------------------------------------------------------------------------------------------------
-    def _delete_markers(self, c: sa.Connection, relname: str) -> None:
-        c.execute(
-            sa.text("DELETE FROM applier.tablesync_partition WHERE subid = :s AND relname = :r"),
-            {"s": self.subid, "r": relname},
-        )
-
-    def _copied_before(self, c: sa.Connection, relname: str) -> bool:
-        """Whether an earlier attempt committed partitions of ``relname`` (each commits with its marker row)."""
-        return bool(
-            c.execute(
-                sa.text(
-                    "SELECT EXISTS (SELECT FROM applier.tablesync_partition"
-                    " WHERE subid = :s AND relname = :r AND part >= 0)"
-                ),
-                {"s": self.subid, "r": relname},
-            ).scalar()
-        )
-
     def claim(self) -> None:
         """Take the tables for this copy generation (see the module docstring, step 4)."""
         assert self.slot is not None
@@ -364,18 +346,14 @@ class InitialCopy:
                 # markers (``d``). Rows that were on the target before any copy stay, so a copy that failed on them
                 # (a unique violation) fails again on the retry, as PostgreSQL's table sync does, until the user
                 # deals with them.
-                ours = rs.state == "f" or (rs.state == "d" and self._copied_before(c, rs.name))
+                ours = rs.state == "f" or (
+                    rs.state == "d" and self.catalog.has_partition_markers(self.subid, rs.name, c)
+                )
                 # Deleting the old markers waits for any task of a killed run that still holds its claim row.
-                self._delete_markers(c, rs.name)
+                self.catalog.delete_partition_markers(self.subid, rs.name, c)
                 if ours:
                     self._empty(raw, plan)
-                c.execute(
-                    sa.text(
-                        "INSERT INTO applier.tablesync_partition (subid, relname, snapshot, part, rows, bytes)"
-                        " VALUES (:s, :r, :snap, :p, 0, 0)"
-                    ),
-                    {"s": self.subid, "r": rs.name, "snap": self.slot.snapshot, "p": CLAIM_PART},
-                )
+                self.catalog.claim_partitions(self.subid, rs.name, self.slot.snapshot, CLAIM_PART, c)
                 self.catalog.set_table_state(self.subid, rs.relid, "d", None, conn=c)
                 self.catalog.set_table_progress(self.subid, rs.relid, 0, 0, conn=c)
 
@@ -397,17 +375,7 @@ class InitialCopy:
     def markers(self) -> dict[str, dict[int, tuple[int, int]]]:
         """This generation's committed partitions: ``{relname: {part: (rows, bytes)}}``."""
         assert self.slot is not None
-        out: dict[str, dict[int, tuple[int, int]]] = {}
-        with self.catalog.engine.connect() as c:
-            for relname, part, rows, nbytes in c.execute(
-                sa.text(
-                    "SELECT relname, part, rows, bytes FROM applier.tablesync_partition"
-                    " WHERE subid = :s AND snapshot = :snap AND part >= 0"
-                ),
-                {"s": self.subid, "snap": self.slot.snapshot},
-            ):
-                out.setdefault(relname, {})[part] = (rows, nbytes)
-        return out
+        return self.catalog.partition_markers(self.subid, self.slot.snapshot)
 
     def _record_progress(self, markers: Mapping[str, Mapping[int, tuple[int, int]]]) -> None:
         """Write srrows/srbytes for ``applier status``, and turn finished tables ``f`` (LSN Y) at once."""

@@ -51,11 +51,12 @@ from applier.apply.feedback import FeedbackTracker
 from applier.apply.handlers import Applier, SkipState, TableStates
 from applier.apply.spool import Spool
 from applier.apply.target import Target
+from applier.catalog import sql as catalog_sql
+from applier.catalog.store import RelState
 from applier.decoder import MessageDecoder
 from applier.lsn import format_lsn
 from applier.messages import PrimaryKeepalive, XLogData
 from applier.replication import StreamOptions
-from state.catalog import RelState
 from state.tables import SyncState, TableState, join_apply_stream
 from tablesync.initial import COPY_STATES, InitialCopy, TablesyncError
 from tablesync.progress import CopyProgress
@@ -152,8 +153,7 @@ class _CatchupTarget(Target):
     def commit(self, end_lsn: int, ts: int, ctx: Any, on_ok: Any) -> None:
         self.end_copy()
         self.pipeline.send_query(
-            b"UPDATE applier.subscription_rel SET srsublsn = $1::pg_catalog.pg_lsn, srupdated = now()"
-            b" WHERE subid = $2::bigint AND srrelid::oid = ANY($3::oid[]) AND srsubstate = 'f'",
+            catalog_sql.ADVANCE_FINISHED_COPY,
             [format_lsn(end_lsn).encode(), str(self.subid).encode(), self.oids.encode()],
             ctx,
         )

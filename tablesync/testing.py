@@ -9,7 +9,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from state.catalog import Catalog, Subscription
+from applier.catalog.store import Catalog, Subscription
 
 
 def subscribe(

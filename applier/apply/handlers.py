@@ -38,6 +38,7 @@ from applier.apply.relmap import (
     remote_schema,
 )
 from applier.apply.spool import Spool
+from applier.catalog import sql as catalog_sql
 from applier.decoder import decode_message, decode_plain_insert
 from applier.errors import ProtocolError
 from applier.lsn import format_lsn
@@ -389,8 +390,7 @@ class Applier:
                 self.log.warning("%s\nDETAIL:  %s", warning, detail)
 
         self.target.pipeline.send_query(
-            b"UPDATE applier.subscription SET subskiplsn = NULL WHERE subid = $1::bigint"
-            b" AND subskiplsn = $2::pg_catalog.pg_lsn",
+            catalog_sql.CLEAR_SKIP_LSN,
             [str(self.subid).encode(), format_lsn(skip_lsn).encode()], ctx, cleared,
         )  # fmt: skip
 

@@ -37,6 +37,7 @@ from applier.apply.context import ApplyError, ErrorContext
 from applier.apply.lag import LagWindow
 from applier.apply.ports import copy_eligible
 from applier.apply.relmap import LocalColumn, LocalTable, RelMapEntry
+from applier.catalog import sql as catalog_sql
 from applier.lsn import format_lsn, now_pg_timestamp, parse_lsn
 from applier.messages import KIND_BINARY, KIND_UNCHANGED_TOAST, TupleData
 
@@ -62,13 +63,6 @@ MAX_IN_FLIGHT = 4000
 _SYNC = object()
 #: ``on_ok`` of an UPDATE/DELETE: a result of 0 rows goes to :attr:`Pipeline.on_missing_row` with its context
 CHECK_ROWS: Any = object()
-
-#: The upsert of a prepared_xact record (a transaction prepared again after a crash replaces its record).
-_RECORD_UPSERT = (
-    b" ON CONFLICT (gid) DO UPDATE SET subid = excluded.subid, remote_xid = excluded.remote_xid,"
-    b" prepare_lsn = excluded.prepare_lsn, prepare_end_lsn = excluded.prepare_end_lsn,"
-    b" prepare_time = excluded.prepare_time, recorded_at = now()"
-)
 
 #: Whether whole transactions may be applied to table ``c`` a batch at a time (applier.apply.bulk): a plain table
 #: with no trigger or rule that fires in the apply session (enabled REPLICA or ALWAYS), which could observe the order
@@ -568,8 +562,7 @@ class Target:
         self.begin(ctx)
         for relid, state, lsn in tables:
             self.pipeline.send_query(
-                b"UPDATE applier.subscription_rel SET srsubstate = $1::\"char\", srsublsn = $2::pg_catalog.pg_lsn,"
-                b" srupdated = now() WHERE subid = $3::bigint AND srrelid = $4::oid::regclass",
+                catalog_sql.SET_TABLE_STATE,
                 [state.encode(), None if lsn is None else format_lsn(lsn).encode(), str(subid).encode(),
                  str(relid).encode()],
                 ctx,
@@ -587,10 +580,7 @@ class Target:
         self.end_copy()
         if not self._record_prepared_ready:
             self.pipeline.send_prepare(
-                b"applier_record_prepared",
-                b"INSERT INTO applier.prepared_xact (gid, subid, remote_xid, prepare_lsn, prepare_end_lsn,"
-                b" prepare_time) VALUES ($1, $2::bigint, $3::bigint, $4::pg_catalog.pg_lsn, $5::pg_catalog.pg_lsn,"
-                b" $6::bigint)" + _RECORD_UPSERT,
+                b"applier_record_prepared", catalog_sql.RECORD_PREPARED,
                 [], ctx,
             )  # fmt: skip
             self._record_prepared_ready = True
@@ -610,12 +600,7 @@ class Target:
         self.end_copy()
         if not self._record_many_ready:
             self.pipeline.send_prepare(
-                b"applier_record_prepared_many",
-                b"INSERT INTO applier.prepared_xact (gid, subid, remote_xid, prepare_lsn, prepare_end_lsn,"
-                # (unqualified: the multi-array form exists only as FROM syntax; pg_catalog is searched first anyway)
-                b" prepare_time) SELECT g, $2::bigint, x, p, e, t FROM unnest($1::text[],"
-                b" $3::bigint[], $4::pg_catalog.pg_lsn[], $5::pg_catalog.pg_lsn[], $6::bigint[]) AS r(g, x, p, e, t)"
-                + _RECORD_UPSERT,
+                b"applier_record_prepared_many", catalog_sql.RECORD_PREPARED_MANY,
                 [], ctx,
             )  # fmt: skip
             self._record_many_ready = True
@@ -651,11 +636,7 @@ class Target:
 
     def prepared_transactions(self, subid: int) -> dict[str, tuple[int, int]]:
         """Our recorded prepared transactions that exist on the target: gid -> (prepare_end_lsn, prepare_time)."""
-        rows = self.query(
-            "SELECT p.gid, p.prepare_end_lsn::text, p.prepare_time FROM applier.prepared_xact p"
-            " JOIN pg_catalog.pg_prepared_xacts x ON x.gid = p.gid WHERE p.subid = %s",
-            (subid,),
-        )
+        rows = self.query(catalog_sql.PREPARED_TRANSACTIONS, (subid,))
         return {gid: (parse_lsn(lsn), int(ts)) for gid, lsn, ts in rows}
 
     def abort(self) -> None:

@@ -14,8 +14,8 @@ from typing import Any
 from psycopg import sql
 
 from applier.apply.worker import ApplyWorker, WorkerThread
+from applier.catalog.store import Catalog, Subscription
 from applier.testing.cluster import Database
-from state.catalog import Catalog, Subscription
 
 
 @dataclass

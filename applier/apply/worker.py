@@ -48,6 +48,7 @@ from applier.apply.handlers import RAW_SPOOL_TYPES, VECTOR_MIN, Applier, SkipSta
 from applier.apply.lag import LagWindow
 from applier.apply.spool import Spool, default_spool_dir
 from applier.apply.target import BULK_OK_SQL, Target, TargetConnectionError
+from applier.catalog.store import Catalog, CatalogError, RelState, Subscription
 from applier.decoder import MessageDecoder, decode_message
 from applier.errors import ApplierError, ProtocolError
 from applier.lsn import format_lsn
@@ -55,7 +56,6 @@ from applier.messages import PrimaryKeepalive, XLogData
 from applier.metrics import WorkerMetrics
 from applier.replication import ReplicationConnection, ReplicationConnectionError, StreamOptions
 from applier.retry import RETRY_INITIAL, max_retry_interval_default, retry_delay
-from state.catalog import Catalog, CatalogError, RelState, Subscription
 from state.tables import TableState, process_syncing_tables, should_apply_changes_for_rel
 from state.twophase import (
     TwoPhaseState,

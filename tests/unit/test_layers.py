@@ -13,10 +13,11 @@ PURE = (
     "state.tables", "state.twophase", "state.skip", "state.subscription",
     "applier.apply.handlers", "applier.apply.commit_policy", "applier.apply.ports", "applier.apply.bulk", "applier.apply.fold",
     "applier.apply.copytext", "applier.apply.relmap", "applier.apply.feedback", "applier.apply.spool",
-    "applier.apply.context",
+    "applier.apply.context", "applier.catalog.sql",
 )  # fmt: skip
 # (applier.testing.fake_target is pure too, statically; its package's __init__ brings the server harness, psycopg)
-FORBIDDEN = ("psycopg", "sqlalchemy", "pyspark", "tenacity", "applier.apply.worker", "applier.apply.target")
+FORBIDDEN = ("psycopg", "sqlalchemy", "pyspark", "tenacity", "applier.apply.worker", "applier.apply.target",
+             "applier.catalog.store", "applier.catalog.schema")  # fmt: skip
 
 
 def test_importing_the_pure_layers_loads_no_io():
