@@ -10,7 +10,7 @@ import sys
 
 PURE = (
     "applier.messages", "applier.decoder", "applier.encoder", "applier.lsn", "applier.errors",
-    "state.tables", "state.twophase", "state.skip", "state.subscription",
+    "state.tables", "state.twophase", "state.skip", "state.errors",
     "applier.apply.handlers", "applier.apply.commit_policy", "applier.apply.ports", "applier.apply.bulk", "applier.apply.fold",
     "applier.apply.copytext", "applier.apply.relmap", "applier.apply.feedback", "applier.apply.spool",
     "applier.apply.context", "applier.catalog.sql",
