@@ -300,7 +300,7 @@ class LiveSync:
             with copier.spark(self.spark_master, self.spark_conf) as session:
                 if not copier.copy(session):
                     raise LiveSyncError("stopped")
-            result = copier.finish_tables(SyncState.FINISHEDCOPY.value)
+            result = copier.finish_tables(SyncState.FINISHEDCOPY)
             for name, t in result.tables.items():
                 self._state_log(name, SyncState.FINISHEDCOPY, c_lsn, f" ({t.rows} rows copied)")
             # SYNCWAIT: in memory only; the apply loop decides how the tables join its stream
@@ -319,7 +319,7 @@ class LiveSync:
                 self.done_lsn = c_lsn
                 with copier.catalog.engine.begin() as c:
                     for relid in self.tables.values():
-                        copier.catalog.set_table_state(copier.subid, relid, "s", c_lsn, conn=c)
+                        copier.catalog.set_table_state(copier.subid, relid, SyncState.SYNCDONE, c_lsn, conn=c)
                 for name in self.tables:
                     self._state_log(name, SyncState.SYNCDONE, c_lsn,
                                     f" (the apply stream is at {format_lsn(self._go)}: no catch-up needed)")  # fmt: skip
@@ -399,7 +399,9 @@ class LiveSync:
             reached = tables.reached
             target.pipeline.drain()
             self.caught_up = applier.transactions
-            target.mark_ready(sub.subid, [(relid, "s", reached) for relid in self.tables.values()], reached)
+            target.mark_ready(
+                sub.subid, [(relid, SyncState.SYNCDONE, reached) for relid in self.tables.values()], reached
+            )
             with contextlib.suppress(Exception):
                 target.query("SELECT pg_catalog.pg_replication_origin_session_reset()")
                 target.query("SELECT pg_catalog.pg_replication_origin_drop(%s)", (origin,))

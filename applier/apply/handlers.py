@@ -67,7 +67,7 @@ from applier.messages import (
     Update,
 )
 from state import skip as skiprules
-from state.twophase import gid_for
+from state.twophase import TwoPhaseState, gid_for
 
 log = logging.getLogger("applier.apply")
 
@@ -357,7 +357,7 @@ class Applier:
         return (
             not self.skip.skip_lsn
             and getattr(tables, "all_ready", False)
-            and getattr(tables, "two_phase_state", "") != "p"
+            and getattr(tables, "two_phase_state", None) != TwoPhaseState.PENDING
         )
 
     def _commit_internal(self, end_lsn: int, commit_time: int, message_type: str) -> None:

@@ -40,6 +40,7 @@ from applier.apply.relmap import LocalColumn, LocalTable, RelMapEntry
 from applier.catalog import sql as catalog_sql
 from applier.lsn import format_lsn, now_pg_timestamp, parse_lsn
 from applier.messages import KIND_BINARY, KIND_UNCHANGED_TOAST, TupleData
+from state.tables import SyncState
 
 log = logging.getLogger(__name__)
 
@@ -555,7 +556,9 @@ class Target:
             verb + self._gid_literal(gid), None, ctx, self._confirming(end_lsn, on_ok, ts, kind)
         )
 
-    def mark_ready(self, subid: int, tables: Sequence[tuple[int, str, int | None]], origin_lsn: int) -> None:
+    def mark_ready(
+        self, subid: int, tables: Sequence[tuple[int, SyncState, int | None]], origin_lsn: int
+    ) -> None:
         """Set table states and advance the session's origin to ``origin_lsn`` in one local transaction, and wait
         for it. Only between remote transactions (nothing else may be open)."""
         ctx = ErrorContext(f"applier_{subid}", "COMMIT")
@@ -563,7 +566,7 @@ class Target:
         for relid, state, lsn in tables:
             self.pipeline.send_query(
                 catalog_sql.SET_TABLE_STATE,
-                [state.encode(), None if lsn is None else format_lsn(lsn).encode(), str(subid).encode(),
+                [state.value.encode(), None if lsn is None else format_lsn(lsn).encode(), str(subid).encode(),
                  str(relid).encode()],
                 ctx,
             )  # fmt: skip

@@ -56,7 +56,7 @@ from applier.messages import PrimaryKeepalive, XLogData
 from applier.metrics import WorkerMetrics
 from applier.replication import ReplicationConnection, ReplicationConnectionError, StreamOptions
 from applier.retry import RETRY_INITIAL, max_retry_interval_default, retry_delay
-from state.tables import TableState, process_syncing_tables, should_apply_changes_for_rel
+from state.tables import SyncState, TableState, process_syncing_tables, should_apply_changes_for_rel
 from state.twophase import (
     TwoPhaseState,
     restart_for_two_phase_message,
@@ -114,6 +114,8 @@ WATCH_STALE = 5.0
 LAG_WRITE_INTERVAL = 2.0
 #: How often the sync-state pass re-reads the table states while the stream is busy (when idle: REREAD_INTERVAL).
 TABLES_REREAD_INTERVAL = 2.0
+#: ``SyncState.READY`` looked up once: ``should_apply`` runs for every change, and an enum member lookup costs more
+_READY = SyncState.READY
 #: After a failed live table sync, the next attempt waits this long (wal_retrieve_retry_interval is 5 s).
 LIVE_SYNC_RETRY = 5.0
 #: wal_receiver_timeout: silence from the publisher this long ends the session (a ping is sent at half of it).
@@ -254,17 +256,19 @@ class _CatalogTables(TableStates):
     def _set(self, by_oid: dict[int, RelState]) -> None:
         self.by_oid = by_oid
         self._checked.clear()
-        self.all_ready = all(r.state == "r" for r in by_oid.values())
+        self.all_ready = all(r.state == SyncState.READY for r in by_oid.values())
 
     def table_states(self) -> list[TableState]:
         return [
-            TableState(r.name, r.state, r.lsn if r.state not in ("i", "d") else None)
+            TableState(
+                r.name, r.state, r.lsn if r.state not in (SyncState.INIT, SyncState.DATASYNC) else None
+            )
             for r in self.by_oid.values()
         ]
 
     def should_apply(self, local_oid: int, remote_final_lsn: int) -> bool:
         rel = self.by_oid.get(local_oid)
-        if rel is not None and rel.state == "r":
+        if rel is not None and rel.state is _READY:
             return True
         if self._checked.get(local_oid) != remote_final_lsn:
             self._checked[local_oid] = remote_final_lsn
@@ -281,7 +285,7 @@ class _CatalogTables(TableStates):
         """The sync-state pass (behaviour 76) and the two-phase restart check (57)."""
         if time.monotonic() - self._last_reload >= TABLES_REREAD_INTERVAL:
             self.reload()  # notice tables added by alter --refresh-publication even when never idle
-        if self.all_ready and self.two_phase_state != "p":
+        if self.all_ready and self.two_phase_state != TwoPhaseState.PENDING:
             return
         self._live_sync_pass(current_lsn)
         ready = process_syncing_tables(self.table_states(), current_lsn)
@@ -296,7 +300,7 @@ class _CatalogTables(TableStates):
             self.target.pipeline.drain()
             by_name = {r.name: r for r in self.by_oid.values()}
             self.target.mark_ready(
-                self.subid, [(by_name[t.name].relid, t.state.value, t.lsn) for t in ready], current_lsn
+                self.subid, [(by_name[t.name].relid, t.state, t.lsn) for t in ready], current_lsn
             )
             for t in ready:
                 self.worker.log.info(
@@ -320,7 +324,7 @@ class _CatalogTables(TableStates):
             if (
                 worker.live_sync_enabled
                 and time.monotonic() >= worker.live_retry_at
-                and any(r.state in ("i", "d", "f") for r in self.by_oid.values())
+                and any(r.state.needs_table_sync for r in self.by_oid.values())
             ):
                 worker.start_live_sync()
             return
@@ -611,8 +615,8 @@ class ApplyWorker:
             repl = self._connect_publisher(sub, start_lsn, two_phase)
             tables.keepalive = lambda: repl.send_status(*dataclasses.astuple(tracker.last_sent))  # type: ignore[union-attr]
             if two_phase and sub.subtwophasestate == TwoPhaseState.PENDING:
-                self.catalog.update_subscription(sub.subid, subtwophasestate=TwoPhaseState.ENABLED.value)
-                tables.two_phase_state = TwoPhaseState.ENABLED.value
+                self.catalog.update_subscription(sub.subid, subtwophasestate=TwoPhaseState.ENABLED)
+                tables.two_phase_state = TwoPhaseState.ENABLED
             self.log.info('logical replication apply worker for subscription "%s" has started streaming at %s%s',
                           sub.subname, format_lsn(start_lsn), " with two_phase" if two_phase else "")  # fmt: skip
             self.stats.started_streaming.set()
@@ -729,7 +733,7 @@ class ApplyWorker:
         spool_batch = applier.spool_batch
         bulk: list[bytes] = []  # XLogData read undecoded, envelope included, handled together
         two_phase = (
-            tables.two_phase_state != "d"
+            tables.two_phase_state != TwoPhaseState.DISABLED
         )  # (prepared transactions can come: their records are batched)
         fold = self.fold_prepares
 
@@ -890,7 +894,7 @@ class ApplyWorker:
                         applier.finished_prepared = 0
                         target.pipeline.drain()
                         self.catalog.reconcile_prepared(sub.subid)
-                if not tables.all_ready or tables.two_phase_state == "p":
+                if not tables.all_ready or tables.two_phase_state == TwoPhaseState.PENDING:
                     tables.after_transaction(tracker.last_received)
             # feedback (behaviour 9): the target's WAL positions are asked for down the pipeline and used when
             # they come back, so reading them never stalls the pipeline

@@ -41,6 +41,8 @@ from applier.catalog.schema import (
 )
 from applier.errors import ApplierError
 from applier.lsn import parse_lsn
+from state.tables import SyncState
+from state.twophase import TwoPhaseState
 
 __all__ = [
     "CATALOG_VERSION",
@@ -58,14 +60,19 @@ class CatalogError(ApplierError):
 
 
 # --- values ----------------------------------------------------------------------------------------------------
+# The catalog stores PostgreSQL's one-letter states ("char"); everything above the catalog sees the enums of
+# ``state``. The conversion happens here, once each way: rows become values with enums (``__post_init__``), and
+# :func:`_letter` turns an enum back into its letter for a write.
 
 
 @dataclass(frozen=True)
 class Subscription:
+    """A row of ``applier.subscription``; ``subtwophasestate`` as a :class:`~state.twophase.TwoPhaseState`."""
+
     subid: int
     subname: str
     subenabled: bool
-    subtwophasestate: str
+    subtwophasestate: TwoPhaseState
     substream: str
     subbinary: bool
     subdisableonerr: bool
@@ -77,6 +84,9 @@ class Subscription:
     subcopydata: bool
     subslotconsistentlsn: int | None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "subtwophasestate", TwoPhaseState(self.subtwophasestate))
+
     @property
     def origin_name(self) -> str:
         return origin_name(self.subid)
@@ -84,14 +94,19 @@ class Subscription:
 
 @dataclass(frozen=True)
 class RelState:
+    """A row of ``applier.subscription_rel``; ``state`` as a :class:`~state.tables.SyncState`."""
+
     subid: int
     relid: int  # the target table's OID
     name: str  # schema-qualified, quoted as needed: what ``regclass`` prints with an empty search_path
     remote_name: str
-    state: str
+    state: SyncState
     lsn: int | None
     rows: int
     bytes: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state", SyncState(self.state))
 
 
 @dataclass(frozen=True)
@@ -106,6 +121,11 @@ class PreparedRecord:
 
 def origin_name(subid: int) -> str:
     return f"applier_{subid}"
+
+
+def _letter(value: Any) -> Any:
+    """A state enum as the catalog's letter (``"char"``); any other column value as it is."""
+    return value.value if isinstance(value, SyncState | TwoPhaseState) else value
 
 
 # --- access ----------------------------------------------------------------------------------------------------
@@ -171,7 +191,7 @@ class Catalog:
             return CATALOG_VERSION
 
     # subscriptions -----------------------------------------------------------------------------------------
-    def create_subscription(self, *, subname: str, conninfo: str, publications: Sequence[str], two_phase_state: str,
+    def create_subscription(self, *, subname: str, conninfo: str, publications: Sequence[str], two_phase_state: TwoPhaseState,
                             streaming: str, binary: bool, disable_on_error: bool, origin: str, slot_name: str | None,
                             enabled: bool, copy_data: bool) -> Subscription:  # fmt: skip
         """Insert the subscription row with a cluster-wide unique subid and create its replication origin."""
@@ -193,7 +213,7 @@ class Catalog:
                 candidate += 1
             c.execute(
                 subscription.insert().values(
-                    subid=candidate, subname=subname, subenabled=enabled, subtwophasestate=two_phase_state,
+                    subid=candidate, subname=subname, subenabled=enabled, subtwophasestate=TwoPhaseState(two_phase_state).value,
                     substream=streaming, subbinary=binary, subdisableonerr=disable_on_error, subskiplsn=None,
                     suborigin=origin, subslotname=slot_name, subpublications=list(publications),
                     subconninfo=conninfo, subcopydata=copy_data,
@@ -239,7 +259,11 @@ class Catalog:
         if unknown:
             raise CatalogError(f"unknown subscription column(s): {', '.join(sorted(unknown))}")
         with self._conn(conn) as c:
-            c.execute(subscription.update().where(subscription.c.subid == subid).values(**values))
+            c.execute(
+                subscription.update()
+                .where(subscription.c.subid == subid)
+                .values(**{k: _letter(v) for k, v in values.items()})
+            )
 
     def clear_skip_lsn(self, subid: int, expected: int, conn: sa.Connection | None = None) -> bool:
         """Clear subskiplsn only if it still holds ``expected`` (behaviour 100: the user may have changed it)."""
@@ -283,24 +307,28 @@ class Catalog:
                 for r in rows
             ]  # fmt: skip
 
-    def add_table(self, subid: int, relid: int, remote_name: str, state: str, lsn: int | None = None,
+    def add_table(self, subid: int, relid: int, remote_name: str, state: SyncState, lsn: int | None = None,
                   conn: sa.Connection | None = None) -> None:  # fmt: skip
         with self._conn(conn) as c:
             c.execute(
                 pg.insert(subscription_rel)
                 .values(
-                    subid=subid, srrelid=str(relid), srremotename=remote_name, srsubstate=state, srsublsn=lsn
+                    subid=subid,
+                    srrelid=str(relid),
+                    srremotename=remote_name,
+                    srsubstate=SyncState(state).value,
+                    srsublsn=lsn,
                 )
                 .on_conflict_do_nothing()
             )
 
-    def set_table_state(self, subid: int, relid: int, state: str, lsn: int | None,
+    def set_table_state(self, subid: int, relid: int, state: SyncState, lsn: int | None,
                         conn: sa.Connection | None = None) -> None:  # fmt: skip
         with self._conn(conn) as c:
             c.execute(
                 subscription_rel.update()
                 .where(subscription_rel.c.subid == subid, subscription_rel.c.srrelid == str(relid))
-                .values(srsubstate=state, srsublsn=lsn, srupdated=sa.func.now())
+                .values(srsubstate=SyncState(state).value, srsublsn=lsn, srupdated=sa.func.now())
             )
 
     def set_table_progress(self, subid: int, relid: int, rows: int, nbytes: int,
