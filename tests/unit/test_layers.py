@@ -35,3 +35,15 @@ def test_the_worker_is_still_reachable_from_the_package():
     from applier.apply.worker import ApplyWorker as Direct
 
     assert ApplyWorker is Direct
+
+
+def test_the_state_machines_load_nothing_of_applier_but_the_codec_base():
+    """``state`` sits below ``applier``: importing every state machine loads ``applier.lsn`` and
+    ``applier.errors`` (the codec's LSN helpers and error base) and nothing else of the package."""
+    code = (
+        "import importlib, pkgutil, sys, state\n"
+        "for m in pkgutil.iter_modules(state.__path__): importlib.import_module('state.' + m.name)\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('applier'))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["applier", "applier.errors", "applier.lsn"]
