@@ -27,6 +27,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from applier.lsn import parse_lsn
+from state.tables import SyncState
+from state.twophase import TwoPhaseState
 
 log = logging.getLogger("applier.metrics")
 
@@ -190,15 +192,18 @@ class PositionCollector(Collector):
             gauges["up"].add_metric([name], 1 if rep.get("publisher_reachable") else 0)
             gauges["prepared"].add_metric([name], len(st["prepared"]))
             gauges["enabled"].add_metric([name], 1 if st["enabled"] else 0)
-            for state in ("d", "p", "e"):
-                gauges["two_phase"].add_metric([name, state], 1 if st["two_phase"] == state else 0)
+            for two_phase in TwoPhaseState:  # labels and the status document: the catalog's letters
+                gauges["two_phase"].add_metric(
+                    [name, two_phase.value], 1 if st["two_phase"] == two_phase.value else 0
+                )
             counts: dict[str, int] = {}
             for t in st["tables"]:
                 counts[t["state"]] = counts.get(t["state"], 0) + 1
                 gauges["copied_rows"].add_metric([name, t["name"]], t["rows"])
                 gauges["copied_bytes"].add_metric([name, t["name"]], t["bytes"])
-            for state in "idfsr":
-                gauges["tables"].add_metric([name, state], counts.get(state, 0))
+            for state in SyncState:
+                if state.persisted:
+                    gauges["tables"].add_metric([name, state.value], counts.get(state.value, 0))
         yield from gauges.values()
 
 

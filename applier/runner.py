@@ -40,6 +40,7 @@ from typing import Any
 import psycopg
 
 from applier.apply.worker import ApplyWorker
+from applier.catalog.store import Catalog, Subscription
 from applier.conninfo import scrub
 from applier.errors import ApplierError
 from applier.retry import max_retry_interval_default, retry_delay
@@ -51,7 +52,6 @@ from applier.subscriptions import (
     require_subscription,
     target_errors,
 )
-from state.catalog import Catalog, Subscription
 from tablesync import run_initial_copy
 from tablesync.live import LiveSyncCoordinator
 

@@ -29,11 +29,11 @@ import psycopg
 import sqlalchemy as sa
 from psycopg import sql
 
+from applier.catalog.store import Catalog, CatalogError, Subscription
 from applier.conninfo import describe, has_password, scrub, without_password
 from applier.errors import ApplierError
 from applier.lsn import format_lsn, parse_lsn
 from applier.replication import ReplicationConnection, ReplicationConnectionError
-from state.catalog import Catalog, CatalogError, Subscription
 from state.tables import SyncState, initial_sync_state
 from state.twophase import (
     GID_FORMATS,
@@ -453,7 +453,7 @@ def create(target: str, opts: CreateOptions, console: Console = QUIET) -> Subscr
         with target_errors(target):
             sub = catalog.create_subscription(
                 subname=opts.name, conninfo=stored_conninfo, publications=list(opts.publications),
-                two_phase_state=two_phase.value, streaming=opts.streaming, binary=opts.binary,
+                two_phase_state=two_phase, streaming=opts.streaming, binary=opts.binary,
                 disable_on_error=opts.disable_on_error, origin=opts.origin, slot_name=opts.slot,
                 enabled=opts.enabled, copy_data=opts.copy_data,
             )  # fmt: skip
@@ -462,7 +462,7 @@ def create(target: str, opts: CreateOptions, console: Console = QUIET) -> Subscr
             state = initial_sync_state(opts.copy_data)
             with target_errors(target), catalog.engine.begin() as c:
                 for name in tables:
-                    catalog.add_table(sub.subid, relids[name], name, state.value, conn=c)
+                    catalog.add_table(sub.subid, relids[name], name, state, conn=c)
             if opts.create_slot:
                 lsn = _create_slot(pub, opts.slot, slot_two_phase, console)
                 slot_created = True
@@ -485,7 +485,7 @@ def create(target: str, opts: CreateOptions, console: Console = QUIET) -> Subscr
     created = catalog.require(opts.name)
     console.info(
         f'created subscription "{created.subname}" (subid {created.subid}): {len(tables)} table(s) in state '
-        f"{state.value}, two-phase state {created.subtwophasestate}"
+        f"{state.value}, two-phase state {created.subtwophasestate.value}"
         + (
             f', slot "{opts.slot}" at {format_lsn(created.subslotconsistentlsn)}'
             if created.subslotconsistentlsn
@@ -761,7 +761,7 @@ def alter_options(target: str, name: str, items: Sequence[str], *, force: bool =
             _two_phase_off(catalog, sub, target, values, force=force, console=console)
         else:
             with target_errors(target):
-                catalog.update_subscription(sub.subid, subtwophasestate=new_state.value, **values)
+                catalog.update_subscription(sub.subid, subtwophasestate=new_state, **values)
         console.info(f'subscription "{name}" altered: two-phase state {new_state.value}')
     finally:
         lock.release()
@@ -808,7 +808,7 @@ def _two_phase_off(catalog: Catalog, sub: Subscription, target: str, values: dic
             with target_errors(target):
                 rollback_prepared(catalog, sub, console)
         with target_errors(target), catalog.engine.begin() as c:
-            catalog.update_subscription(sub.subid, c, subtwophasestate=TwoPhaseState.DISABLED.value, **values)
+            catalog.update_subscription(sub.subid, c, subtwophasestate=TwoPhaseState.DISABLED, **values)
             if pub is not None and slot_two_phase:
                 try:
                     pub.connection.execute(
@@ -860,7 +860,7 @@ def refresh_publication(target: str, name: str, *, copy_data: bool = True, conso
         state = initial_sync_state(copy_data)
         with catalog.engine.begin() as c:
             for t in added:
-                catalog.add_table(sub.subid, relids[t], t, state.value, conn=c)
+                catalog.add_table(sub.subid, relids[t], t, state, conn=c)
             for t in removed:
                 catalog.remove_table(sub.subid, t.relid, conn=c)
     console.info(
@@ -1024,7 +1024,7 @@ def _status_of(catalog: Catalog, sub: Subscription, publisher_timeout: int) -> d
         "name": sub.subname,
         "subid": sub.subid,
         "enabled": sub.subenabled,
-        "two_phase": sub.subtwophasestate,
+        "two_phase": sub.subtwophasestate.value,  # the document shows the catalog's letters
         "streaming": sub.substream,
         "binary": sub.subbinary,
         "disable_on_error": sub.subdisableonerr,
@@ -1036,7 +1036,7 @@ def _status_of(catalog: Catalog, sub: Subscription, publisher_timeout: int) -> d
         "skip_lsn": _lsn(sub.subskiplsn),
         "worker": str(holder) if holder else None,
         "tables": [
-            {"name": t.name, "state": t.state, "lsn": _lsn(t.lsn), "rows": t.rows, "bytes": t.bytes}
+            {"name": t.name, "state": t.state.value, "lsn": _lsn(t.lsn), "rows": t.rows, "bytes": t.bytes}
             for t in catalog.table_states(sub.subid)
         ],
         "prepared": [
@@ -1119,7 +1119,7 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-_TWO_PHASE_WORDS = {"d": "disabled", "p": "pending", "e": "enabled"}
+_TWO_PHASE_WORDS = {s.value: s.name.lower() for s in TwoPhaseState}
 _STATE_WORDS = {s.value: s.name.lower() for s in SyncState}
 
 

@@ -1,9 +1,12 @@
-"""The subscription's state: the catalog (``catalog``) and the pure state machines around it.
+"""The subscription's pure state machines: values and events in, decisions out; no I/O.
 
 - ``tables``: per-table sync states ``i d f [w c] s r`` and ``should_apply_changes_for_rel``.
-- ``twophase``: the two-phase tri-state ``d p e`` and the ALTER rules that touch it.
+- ``twophase``: the two-phase tri-state ``d p e``, the prepared transactions' GIDs and the ALTER rules that touch it.
 - ``skip``: the skip-LSN rules.
-- ``subscription``: ``apply_event``, the event-driven machine the worker and the command line call.
 
-Everything except ``catalog`` is free of I/O: values and events in, decisions out.
+The worker, the table sync and the command line call these rules directly; ``tests/unit/subscription_model.py``
+strings them into one subscription's life for the property tests.
+
+The catalog that persists what they decide is the I/O package :mod:`applier.catalog`. Nothing here imports from
+``applier`` but the codec's LSN helpers and its error base (``.importlinter``, contract ``state-below-applier``).
 """

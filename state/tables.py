@@ -55,6 +55,12 @@ class SyncState(StrEnum):
         in PostgreSQL's shared memory; after a restart the table is back in ``f``)."""
         return self not in (SyncState.SYNCWAIT, SyncState.CATCHUP)
 
+    @property
+    def needs_table_sync(self) -> bool:
+        """Whether a table sync still has to run for a table in this (catalog) state: ``i`` and ``d`` need their
+        copy, ``f`` its catch-up to the apply stream (PostgreSQL starts a tablesync worker for these)."""
+        return self in (SyncState.INIT, SyncState.DATASYNC, SyncState.FINISHEDCOPY)
+
 
 _NO_LSN = frozenset({SyncState.INIT, SyncState.DATASYNC})
 _NEEDS_LSN = frozenset({SyncState.FINISHEDCOPY, SyncState.SYNCWAIT, SyncState.CATCHUP, SyncState.SYNCDONE})

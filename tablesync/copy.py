@@ -46,6 +46,7 @@ from tenacity import (
     wait_exponential,
 )
 
+from applier.catalog import sql as catalog_sql
 from tablesync.planner import PartitionTask
 
 log = logging.getLogger("applier.tablesync")
@@ -77,18 +78,9 @@ class PartitionResult:
     seconds: float
 
 
-_MARKER_LOOKUP = sql.SQL(
-    "SELECT rows, bytes FROM applier.tablesync_partition"
-    " WHERE subid = %s AND relname = %s AND snapshot = %s AND part = %s"
-)
-_CLAIM_LOOKUP = sql.SQL(
-    "SELECT 1 FROM applier.tablesync_partition"
-    " WHERE subid = %s AND relname = %s AND snapshot = %s AND part = %s FOR SHARE"
-)
-_MARKER_INSERT = sql.SQL(
-    "INSERT INTO applier.tablesync_partition (subid, relname, snapshot, part, rows, bytes)"
-    " VALUES (%s, %s, %s, %s, %s, %s)"
-)
+_MARKER_LOOKUP = sql.SQL(catalog_sql.PARTITION_MARKER)
+_CLAIM_LOOKUP = sql.SQL(catalog_sql.PARTITION_CLAIM)
+_MARKER_INSERT = sql.SQL(catalog_sql.INSERT_PARTITION_MARKER)
 
 
 def connect(conninfo: str, **kwargs: Any) -> psycopg.Connection[Any]:

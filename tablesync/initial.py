@@ -39,10 +39,10 @@ import psycopg
 import sqlalchemy as sa
 from psycopg import sql
 
+from applier.catalog.store import Catalog, RelState, Subscription
 from applier.errors import ApplierError
 from applier.lsn import format_lsn, parse_lsn
 from applier.replication import ReplicationConnection, ReplicationConnectionError
-from state.catalog import Catalog, RelState, Subscription
 from state.tables import SyncState, TableState, settle_finished_copy
 from tablesync import job as spark_job
 from tablesync.copy import CLAIM_PART, HeadStart, connect
@@ -59,7 +59,7 @@ from tablesync.progress import CopyProgress
 from tablesync.remote import fetch_remote_table, fetch_target_table
 
 #: Table states whose table is (re)copied; ``s``/``r`` are done.
-COPY_STATES = ("i", "d", "f")
+COPY_STATES = frozenset(s for s in SyncState if s.needs_table_sync)
 #: How long a cancelled Spark job may take to end before the copy returns anyway (its tasks' work is rolled back
 #: or, if committed, superseded by the next run's claim).
 STOP_GRACE = 60.0
@@ -184,19 +184,23 @@ class InitialCopy:
         self.catalog.ensure()
         self.sub = self.catalog.require(self.subname)
         states = self.catalog.table_states(self.sub.subid)
-        stream_lsn = self._stream_position() if any(rs.state == "f" for rs in states) else 0
+        stream_lsn = (
+            self._stream_position() if any(rs.state == SyncState.FINISHEDCOPY for rs in states) else 0
+        )
         recopy: set[str] = set()
         with self.catalog.engine.begin() as c:
             for rs in states:
-                if rs.state != "f":
+                if rs.state != SyncState.FINISHEDCOPY:
                     continue
                 if rs.lsn is not None:
                     settled = settle_finished_copy(
                         TableState(rs.name, SyncState.FINISHEDCOPY, rs.lsn), stream_lsn
                     )
                     if settled.state is SyncState.SYNCDONE:
-                        self.catalog.set_table_state(self.sub.subid, rs.relid, "s", settled.lsn, conn=c)
-                        self._delete_markers(c, rs.name)
+                        self.catalog.set_table_state(
+                            self.sub.subid, rs.relid, SyncState.SYNCDONE, settled.lsn, conn=c
+                        )
+                        self.catalog.delete_partition_markers(self.sub.subid, rs.name, c)
                         self.resumed[rs.name] = rs.lsn
                         continue
                 recopy.add(rs.name)
@@ -205,7 +209,9 @@ class InitialCopy:
                     f"{format_lsn(stream_lsn)}: copying it again"
                 )
         self.skipped = [rs.name for rs in states if rs.state not in COPY_STATES]
-        self.to_copy = [rs for rs in states if rs.state in ("i", "d") or rs.name in recopy]
+        self.to_copy = [
+            rs for rs in states if rs.state in (SyncState.INIT, SyncState.DATASYNC) or rs.name in recopy
+        ]
         return self.to_copy
 
     def _stream_position(self) -> int:
@@ -333,24 +339,6 @@ class InitialCopy:
         return self.tasks
 
     # 4 ----------------------------------------------------------------------------------------------------------
-    def _delete_markers(self, c: sa.Connection, relname: str) -> None:
-        c.execute(
-            sa.text("DELETE FROM applier.tablesync_partition WHERE subid = :s AND relname = :r"),
-            {"s": self.subid, "r": relname},
-        )
-
-    def _copied_before(self, c: sa.Connection, relname: str) -> bool:
-        """Whether an earlier attempt committed partitions of ``relname`` (each commits with its marker row)."""
-        return bool(
-            c.execute(
-                sa.text(
-                    "SELECT EXISTS (SELECT FROM applier.tablesync_partition"
-                    " WHERE subid = :s AND relname = :r AND part >= 0)"
-                ),
-                {"s": self.subid, "r": relname},
-            ).scalar()
-        )
-
     def claim(self) -> None:
         """Take the tables for this copy generation (see the module docstring, step 4)."""
         assert self.slot is not None
@@ -364,19 +352,16 @@ class InitialCopy:
                 # markers (``d``). Rows that were on the target before any copy stay, so a copy that failed on them
                 # (a unique violation) fails again on the retry, as PostgreSQL's table sync does, until the user
                 # deals with them.
-                ours = rs.state == "f" or (rs.state == "d" and self._copied_before(c, rs.name))
+                ours = rs.state == SyncState.FINISHEDCOPY or (
+                    rs.state == SyncState.DATASYNC
+                    and self.catalog.has_partition_markers(self.subid, rs.name, c)
+                )
                 # Deleting the old markers waits for any task of a killed run that still holds its claim row.
-                self._delete_markers(c, rs.name)
+                self.catalog.delete_partition_markers(self.subid, rs.name, c)
                 if ours:
                     self._empty(raw, plan)
-                c.execute(
-                    sa.text(
-                        "INSERT INTO applier.tablesync_partition (subid, relname, snapshot, part, rows, bytes)"
-                        " VALUES (:s, :r, :snap, :p, 0, 0)"
-                    ),
-                    {"s": self.subid, "r": rs.name, "snap": self.slot.snapshot, "p": CLAIM_PART},
-                )
-                self.catalog.set_table_state(self.subid, rs.relid, "d", None, conn=c)
+                self.catalog.claim_partitions(self.subid, rs.name, self.slot.snapshot, CLAIM_PART, c)
+                self.catalog.set_table_state(self.subid, rs.relid, SyncState.DATASYNC, None, conn=c)
                 self.catalog.set_table_progress(self.subid, rs.relid, 0, 0, conn=c)
 
     @staticmethod
@@ -397,17 +382,7 @@ class InitialCopy:
     def markers(self) -> dict[str, dict[int, tuple[int, int]]]:
         """This generation's committed partitions: ``{relname: {part: (rows, bytes)}}``."""
         assert self.slot is not None
-        out: dict[str, dict[int, tuple[int, int]]] = {}
-        with self.catalog.engine.connect() as c:
-            for relname, part, rows, nbytes in c.execute(
-                sa.text(
-                    "SELECT relname, part, rows, bytes FROM applier.tablesync_partition"
-                    " WHERE subid = :s AND snapshot = :snap AND part >= 0"
-                ),
-                {"s": self.subid, "snap": self.slot.snapshot},
-            ):
-                out.setdefault(relname, {})[part] = (rows, nbytes)
-        return out
+        return self.catalog.partition_markers(self.subid, self.slot.snapshot)
 
     def _record_progress(self, markers: Mapping[str, Mapping[int, tuple[int, int]]]) -> None:
         """Write srrows/srbytes for ``applier status``, and turn finished tables ``f`` (LSN Y) at once."""
@@ -421,7 +396,9 @@ class InitialCopy:
                 nbytes = sum(b for _, b in parts.values())
                 self.catalog.set_table_progress(self.subid, plan.relid, rows, nbytes, conn=c)
                 if len(parts) >= len(plan.ranges):
-                    self.catalog.set_table_state(self.subid, plan.relid, "f", self.slot.lsn, conn=c)
+                    self.catalog.set_table_state(
+                        self.subid, plan.relid, SyncState.FINISHEDCOPY, self.slot.lsn, conn=c
+                    )
                     self._finished_tables.add(relname)
 
     def copy(self, session: Any, *, leave_rest: bool = False) -> bool:
@@ -509,9 +486,9 @@ class InitialCopy:
     # 6 ----------------------------------------------------------------------------------------------------------
     def complete(self) -> CopyResult:
         """Every copied table to ``s`` with LSN Y, markers removed, in one transaction."""
-        return self.finish_tables("s")
+        return self.finish_tables(SyncState.SYNCDONE)
 
-    def finish_tables(self, state: str) -> CopyResult:
+    def finish_tables(self, state: SyncState) -> CopyResult:
         """Every copied table to ``state`` (``s``; or ``f`` for a live sync, which joins the apply stream later)
         with LSN Y, markers removed, in one transaction."""
         assert self.slot is not None
@@ -524,7 +501,7 @@ class InitialCopy:
                 nbytes = sum(b for _, b in parts.values())
                 self.catalog.set_table_state(self.subid, plan.relid, state, self.slot.lsn, conn=c)
                 self.catalog.set_table_progress(self.subid, plan.relid, rows, nbytes, conn=c)
-                self._delete_markers(c, relname)
+                self.catalog.delete_partition_markers(self.subid, relname, c)
                 tables[relname] = TableCopy(
                     relname, rows, nbytes, len(plan.ranges), self._skipped_parts.get(relname, 0), plan.binary,
                     plan.text_reason,

@@ -54,9 +54,10 @@ from applier.apply.handlers import Applier, SkipState, TableStates
 from applier.apply.loop import ApplyLoop
 from applier.apply.spool import Spool
 from applier.apply.target import Target
+from applier.catalog import sql as catalog_sql
+from applier.catalog.store import RelState
 from applier.lsn import format_lsn
 from applier.replication import ReplicationConnection, StreamOptions
-from state.catalog import RelState
 from state.tables import SyncState, TableState, join_apply_stream
 from tablesync.initial import COPY_STATES, InitialCopy, TablesyncError
 from tablesync.progress import CopyProgress
@@ -145,10 +146,7 @@ class _SyncingTables(TableStates):
 
 #: what each caught-up transaction also does, in its own local transaction: move the syncing tables' ``f`` LSN to
 #: its end, so that the rows and the LSN they are complete up to never disagree
-_MOVE_SYNC_LSN = (
-    b"UPDATE applier.subscription_rel SET srsublsn = $1::pg_catalog.pg_lsn, srupdated = now()"
-    b" WHERE subid = $2::bigint AND srrelid::oid = ANY($3::oid[]) AND srsubstate = 'f'"
-)
+_MOVE_SYNC_LSN = catalog_sql.ADVANCE_FINISHED_COPY
 
 
 def _moving_sync_lsn(
@@ -343,7 +341,7 @@ class LiveSync:
             with copier.spark(self.spark_master, self.spark_conf) as session:
                 if not copier.copy(session):
                     raise LiveSyncError("stopped")
-            result = copier.finish_tables(SyncState.FINISHEDCOPY.value)
+            result = copier.finish_tables(SyncState.FINISHEDCOPY)
             for name, t in result.tables.items():
                 self._state_log(name, SyncState.FINISHEDCOPY, c_lsn, f" ({t.rows} rows copied)")
             # SYNCWAIT: in memory only; the apply loop decides how the tables join its stream
@@ -362,7 +360,7 @@ class LiveSync:
                 self.done_lsn = c_lsn
                 with copier.catalog.engine.begin() as c:
                     for relid in self.tables.values():
-                        copier.catalog.set_table_state(copier.subid, relid, "s", c_lsn, conn=c)
+                        copier.catalog.set_table_state(copier.subid, relid, SyncState.SYNCDONE, c_lsn, conn=c)
                 for name in self.tables:
                     self._state_log(name, SyncState.SYNCDONE, c_lsn,
                                     f" (the apply stream is at {format_lsn(self._go)}: no catch-up needed)")  # fmt: skip
@@ -419,7 +417,9 @@ class LiveSync:
             assert reached is not None  # the loop ends only there (or raises)
             target.pipeline.drain()
             self.caught_up = applier.transactions
-            target.mark_ready(sub.subid, [(relid, "s", reached) for relid in self.tables.values()], reached)
+            target.mark_ready(
+                sub.subid, [(relid, SyncState.SYNCDONE, reached) for relid in self.tables.values()], reached
+            )
             with contextlib.suppress(Exception):
                 target.query("SELECT pg_catalog.pg_replication_origin_session_reset()")
                 target.query("SELECT pg_catalog.pg_replication_origin_drop(%s)", (origin,))

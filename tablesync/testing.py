@@ -9,7 +9,9 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from state.catalog import Catalog, Subscription
+from applier.catalog.store import Catalog, Subscription
+from state.tables import SyncState
+from state.twophase import TwoPhaseState
 
 
 def subscribe(
@@ -19,14 +21,14 @@ def subscribe(
     tables: Iterable[str],
     *,
     publications: Sequence[str] = ("pub",),
-    state: str = "i",
+    state: SyncState = SyncState.INIT,
 ) -> Subscription:
     """Write a subscription and its tables (in ``state``) into the target's catalog, as ``applier create`` does,
     without creating the subscription's own slot (the copy does not need it)."""
     cat = Catalog.connect(target_conninfo)
     cat.ensure()
     sub = cat.create_subscription(
-        subname=subname, conninfo=publisher_conninfo, publications=list(publications), two_phase_state="d",
+        subname=subname, conninfo=publisher_conninfo, publications=list(publications), two_phase_state=TwoPhaseState.DISABLED,
         streaming="off", binary=False, disable_on_error=False, origin="any", slot_name=subname, enabled=True,
         copy_data=True,
     )  # fmt: skip

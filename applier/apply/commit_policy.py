@@ -30,6 +30,7 @@ from applier.apply.apply_state import ApplyStats, RemoteTransaction
 from applier.apply.context import ErrorContext
 from applier.apply.feedback import FeedbackTracker
 from applier.apply.ports import ApplyTarget
+from state.twophase import TwoPhaseState
 
 #: A group commit is sent after at most this many remote transactions (the worker also ends a group whenever the
 #: publisher has nothing more waiting, and after each burst of messages).
@@ -54,7 +55,9 @@ def groupable(skip_lsn: int, tables: Any) -> bool:
     (``tables.all_ready``: the sync-state pass runs after every commit then), two-phase not about to be enabled
     (``tables.two_phase_state`` ``p``). (``tables`` is the core's TableStates; the attributes are optional.)"""
     return (
-        not skip_lsn and getattr(tables, "all_ready", False) and getattr(tables, "two_phase_state", "") != "p"
+        not skip_lsn
+        and getattr(tables, "all_ready", False)
+        and getattr(tables, "two_phase_state", None) != TwoPhaseState.PENDING
     )
 
 

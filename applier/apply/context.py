@@ -3,7 +3,7 @@
 PostgreSQL adds to every apply error a CONTEXT line such as ``processing remote data for replication origin
 "pg_16395" during message type "INSERT" for replication target relation "public.tbl" in transaction 740, finished
 at 0/14C0378``; "finished at" is the LSN a user gives to ``SKIP``. We keep the same wording (with our origin name),
-log it with the error and store its parts with :meth:`state.catalog.Catalog.record_error`.
+log it with the error and store its parts with :meth:`applier.catalog.store.Catalog.record_error`.
 
 Statements are pipelined, so an error can come back after the handler that queued the statement has returned: each
 queued statement therefore carries its own :class:`ErrorContext`.

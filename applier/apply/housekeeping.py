@@ -25,8 +25,9 @@ from applier.apply.feedback import FeedbackTracker
 from applier.apply.handlers import Applier, SkipState
 from applier.apply.pacing import StatusPacer
 from applier.apply.target import Target
+from applier.catalog.store import Catalog, Subscription
 from applier.replication import ReplicationConnection, ReplicationConnectionError
-from state.catalog import Catalog, Subscription
+from state.twophase import TwoPhaseState
 
 log = logging.getLogger("applier.apply")
 
@@ -215,7 +216,7 @@ class ApplyHousekeeping:
                 s.applier.finished_prepared = 0
                 s.target.pipeline.drain()
                 self.worker.catalog.reconcile_prepared(s.sub.subid)
-        if not s.tables.all_ready or s.tables.two_phase_state == "p":
+        if not s.tables.all_ready or s.tables.two_phase_state == TwoPhaseState.PENDING:
             s.tables.after_transaction(s.tracker.last_received)
 
     def _may_reconcile(self, received: int, now: float) -> bool:

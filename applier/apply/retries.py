@@ -21,10 +21,10 @@ import tenacity
 
 from applier.apply.context import ApplyError, ErrorContext
 from applier.apply.housekeeping import Outcome
+from applier.catalog.store import CatalogError, Subscription
 from applier.errors import ApplierError, ProtocolError
 from applier.lsn import format_lsn
 from applier.retry import retry_delay
-from state.catalog import CatalogError, Subscription
 
 
 class ApplyWorkerError(ApplierError):

@@ -20,13 +20,11 @@ from typing import Any
 
 from applier.apply.context import ErrorContext
 from applier.apply.ports import ApplyTarget
+from applier.catalog import sql as catalog_sql
 from applier.lsn import format_lsn
 from state import skip as skiprules
 
-_CLEAR = (
-    b"UPDATE applier.subscription SET subskiplsn = NULL WHERE subid = $1::bigint"
-    b" AND subskiplsn = $2::pg_catalog.pg_lsn"
-)
+_CLEAR = catalog_sql.CLEAR_SKIP_LSN
 
 
 @dataclass

@@ -18,7 +18,7 @@ from applier.apply.coordinator import TableSync, TableSyncCoordinator
 from applier.apply.handlers import TableStates
 from applier.apply.housekeeping import Restart
 from applier.apply.target import Target
-from state.catalog import Catalog, RelState, Subscription
+from applier.catalog.store import Catalog, RelState, Subscription
 from state.tables import SyncState, TableState, process_syncing_tables, should_apply_changes_for_rel
 from state.twophase import TwoPhaseState, restart_for_two_phase_message, should_restart_for_two_phase
 
@@ -27,7 +27,9 @@ TABLES_REREAD_INTERVAL = 2.0
 #: After a failed live table sync, the next attempt waits this long (wal_retrieve_retry_interval is 5 s).
 LIVE_SYNC_RETRY = 5.0
 #: the states of a table a live sync copies (a ``d``/``f`` one was left by a live sync that failed)
-_TO_SYNC = (SyncState.INIT.value, SyncState.DATASYNC.value, SyncState.FINISHEDCOPY.value)
+_TO_SYNC = (SyncState.INIT, SyncState.DATASYNC, SyncState.FINISHEDCOPY)
+#: ``SyncState.READY`` looked up once: ``should_apply`` runs for every change, and an enum member lookup costs more
+_READY = SyncState.READY
 
 
 class LiveSyncDriver:
@@ -121,10 +123,10 @@ class CatalogTables(TableStates):
     def _set(self, by_oid: dict[int, RelState]) -> None:
         self.by_oid = by_oid
         self._checked.clear()
-        self.all_ready = all(r.state == SyncState.READY.value for r in by_oid.values())
+        self.all_ready = all(r.state == _READY for r in by_oid.values())
 
     def table_states(self) -> list[TableState]:
-        no_lsn = (SyncState.INIT.value, SyncState.DATASYNC.value)
+        no_lsn = (SyncState.INIT, SyncState.DATASYNC)
         return [
             TableState(r.name, r.state, r.lsn if r.state not in no_lsn else None)
             for r in self.by_oid.values()
@@ -132,7 +134,7 @@ class CatalogTables(TableStates):
 
     def should_apply(self, local_oid: int, remote_final_lsn: int) -> bool:
         rel = self.by_oid.get(local_oid)
-        if rel is not None and rel.state == SyncState.READY.value:
+        if rel is not None and rel.state == _READY:
             return True
         if self._checked.get(local_oid) != remote_final_lsn:
             self._checked[local_oid] = remote_final_lsn
@@ -149,7 +151,7 @@ class CatalogTables(TableStates):
         """The sync-state pass (behaviour 76) and the two-phase restart check (57)."""
         if time.monotonic() - self._last_reload >= TABLES_REREAD_INTERVAL and not self._watch_confirms():
             self.reload()  # notice tables added by alter --refresh-publication even when never idle
-        if self.all_ready and self.two_phase_state != TwoPhaseState.PENDING.value:
+        if self.all_ready and self.two_phase_state != TwoPhaseState.PENDING:
             return
         self._live_sync_pass(current_lsn)
         ready = process_syncing_tables(self.table_states(), current_lsn)
@@ -171,7 +173,7 @@ class CatalogTables(TableStates):
         self.target.pipeline.drain()
         by_name = {r.name: r for r in self.by_oid.values()}
         self.target.mark_ready(
-            self.subid, [(by_name[t.name].relid, t.state.value, t.lsn) for t in ready], current_lsn
+            self.subid, [(by_name[t.name].relid, t.state, t.lsn) for t in ready], current_lsn
         )
         for t in ready:
             self.log.info('logical replication table synchronization for subscription "%s", table "%s" has '

@@ -12,19 +12,12 @@ from typing import TYPE_CHECKING, Any
 from psycopg import sql
 
 from applier.apply.context import ErrorContext
+from applier.catalog import sql as catalog_sql
 from applier.lsn import format_lsn, now_pg_timestamp, parse_lsn
+from state.tables import SyncState
 
 if TYPE_CHECKING:  # (the session creates its CatalogWrites; typing only)
     from applier.apply.target import Target
-
-#: The upsert of a prepared_xact record (a transaction prepared again after a crash replaces its record).
-_RECORD_UPSERT = (
-    b" ON CONFLICT (gid) DO UPDATE SET subid = excluded.subid, remote_xid = excluded.remote_xid,"
-    b" prepare_lsn = excluded.prepare_lsn, prepare_end_lsn = excluded.prepare_end_lsn,"
-    b" prepare_time = excluded.prepare_time, recorded_at = now()"
-    # never take over another subscription's record (gid_format=original: two may prepare the same publisher GID)
-    b" WHERE prepared_xact.subid = excluded.subid"
-)
 
 #: A GID that is a valid SQL string literal once put in single quotes (see gid_literal).
 _PLAIN_GID = re.compile(r"[A-Za-z0-9_]+")
@@ -47,15 +40,16 @@ class CatalogWrites:
         self._record_prepared_ready = False
         self._record_many_ready = False
 
-    def mark_ready(self, subid: int, tables: Sequence[tuple[int, str, int | None]], origin_lsn: int) -> None:
+    def mark_ready(
+        self, subid: int, tables: Sequence[tuple[int, SyncState, int | None]], origin_lsn: int
+    ) -> None:
         """Set table states and advance the session's origin to ``origin_lsn`` in one local transaction, and wait
         for it. Only between remote transactions (nothing else may be open)."""
         ctx = ErrorContext(f"applier_{subid}", "COMMIT")
         self.session.begin(ctx)
         for relid, state, lsn in tables:
             self.pipeline.send_query(
-                b"UPDATE applier.subscription_rel SET srsubstate = $1::\"char\", srsublsn = $2::pg_catalog.pg_lsn,"
-                b" srupdated = now() WHERE subid = $3::bigint AND srrelid = $4::oid::regclass",
+                catalog_sql.SET_TABLE_STATE,
                 [state.encode(), None if lsn is None else format_lsn(lsn).encode(), str(subid).encode(),
                  str(relid).encode()],
                 ctx,
@@ -75,12 +69,7 @@ class CatalogWrites:
         self.session.end_copy()
         if not self._record_prepared_ready:
             self.pipeline.send_prepare(
-                b"applier_record_prepared",
-                b"INSERT INTO applier.prepared_xact (gid, subid, remote_xid, prepare_lsn, prepare_end_lsn,"
-                b" prepare_time) SELECT $1::text, $2::bigint, $3::bigint, $4::pg_catalog.pg_lsn, $5::pg_catalog.pg_lsn,"
-                b" $6::bigint WHERE NOT EXISTS (SELECT FROM pg_catalog.pg_prepared_xacts x WHERE x.gid = $1::text)"
-                # (a GID already prepared here is not ours to record: the PREPARE then fails, saying it is in use)
-                + _RECORD_UPSERT,
+                b"applier_record_prepared", catalog_sql.RECORD_PREPARED,
                 [], ctx,
             )  # fmt: skip
             self._record_prepared_ready = True
@@ -100,12 +89,7 @@ class CatalogWrites:
         self.session.end_copy()
         if not self._record_many_ready:
             self.pipeline.send_prepare(
-                b"applier_record_prepared_many",
-                b"INSERT INTO applier.prepared_xact (gid, subid, remote_xid, prepare_lsn, prepare_end_lsn,"
-                # (unqualified: the multi-array form exists only as FROM syntax; pg_catalog is searched first anyway)
-                b" prepare_time) SELECT g, $2::bigint, x, p, e, t FROM unnest($1::text[],"
-                b" $3::bigint[], $4::pg_catalog.pg_lsn[], $5::pg_catalog.pg_lsn[], $6::bigint[]) AS r(g, x, p, e, t)"
-                + _RECORD_UPSERT,
+                b"applier_record_prepared_many", catalog_sql.RECORD_PREPARED_MANY,
                 [], ctx,
             )  # fmt: skip
             self._record_many_ready = True
@@ -134,9 +118,5 @@ class CatalogWrites:
 
     def prepared_transactions(self, subid: int) -> dict[str, tuple[int, int]]:
         """Our recorded prepared transactions that exist on the target: gid -> (prepare_end_lsn, prepare_time)."""
-        rows = self.session.query(
-            "SELECT p.gid, p.prepare_end_lsn::text, p.prepare_time FROM applier.prepared_xact p"
-            " JOIN pg_catalog.pg_prepared_xacts x ON x.gid = p.gid WHERE p.subid = %s",
-            (subid,),
-        )
+        rows = self.session.query(catalog_sql.PREPARED_TRANSACTIONS, (subid,))
         return {gid: (parse_lsn(lsn), int(ts)) for gid, lsn, ts in rows}

@@ -14,8 +14,10 @@ from typing import Any
 from psycopg import sql
 
 from applier.apply.worker import ApplyWorker, WorkerThread
+from applier.catalog.store import Catalog, Subscription
 from applier.testing.cluster import Database
-from state.catalog import Catalog, Subscription
+from state.tables import SyncState
+from state.twophase import TwoPhaseState
 
 
 @dataclass
@@ -48,20 +50,23 @@ def setup_subscription(
     name: str,
     tables: Sequence[str],
     *,
-    two_phase_state: str = "d",
+    two_phase_state: TwoPhaseState | str = TwoPhaseState.DISABLED,
     streaming: str = "off",
     binary: bool = False,
     disable_on_error: bool = False,
-    table_state: str = "r",
+    table_state: SyncState | str = SyncState.READY,
 ) -> ApplySetup:
     """Publication ``name`` FOR TABLE ``tables`` (which must exist on both sides), catalog rows with every table in
-    ``table_state``, and a pgoutput slot ``name`` (two-phase when ``two_phase_state`` is ``e``)."""
+    ``table_state``, and a pgoutput slot ``name`` (two-phase when ``two_phase_state`` is ``e``). The states may be
+    given as the catalog's letters, for short tests."""
+    two_phase_state, table_state = TwoPhaseState(two_phase_state), SyncState(table_state)
     idents = [sql.Identifier(*t.split(".", 1)) for t in tables]
     publisher.execute(
         sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(sql.Identifier(name), sql.SQL(", ").join(idents))
     )
     publisher.execute(
-        "SELECT pg_create_logical_replication_slot(%s, 'pgoutput', false, %s)", (name, two_phase_state == "e")
+        "SELECT pg_create_logical_replication_slot(%s, 'pgoutput', false, %s)",
+        (name, two_phase_state == TwoPhaseState.ENABLED),
     )
     catalog = Catalog.connect(target.dsn)
     catalog.ensure()

@@ -51,12 +51,12 @@ from applier.apply.retries import ApplyWorkerError, SessionRetries
 from applier.apply.spool import Spool, default_spool_dir
 from applier.apply.syncstate import CatalogTables, LiveSyncDriver
 from applier.apply.target import BULK_OK_SQL, Target, TargetConnectionError
+from applier.catalog.store import Catalog, Subscription
 from applier.errors import ApplierError, ProtocolError
 from applier.lsn import format_lsn
 from applier.metrics import WorkerMetrics
 from applier.replication import ReplicationConnection, ReplicationConnectionError, StreamOptions
 from applier.retry import RETRY_INITIAL, max_retry_interval_default
-from state.catalog import Catalog, Subscription
 from state.twophase import TwoPhaseState, stream_two_phase
 
 log = logging.getLogger("applier.apply")
@@ -261,8 +261,8 @@ class ApplyWorker:
         held.repl = repl = self._connect_publisher(sub, start_lsn, two_phase)
         tables.keepalive = lambda: repl.send_status(*dataclasses.astuple(tracker.last_sent))
         if two_phase and sub.subtwophasestate == TwoPhaseState.PENDING:
-            self.catalog.update_subscription(sub.subid, subtwophasestate=TwoPhaseState.ENABLED.value)
-            tables.two_phase_state = TwoPhaseState.ENABLED.value
+            self.catalog.update_subscription(sub.subid, subtwophasestate=TwoPhaseState.ENABLED)
+            tables.two_phase_state = TwoPhaseState.ENABLED
         self.log.info('logical replication apply worker for subscription "%s" has started streaming at %s%s',
                       sub.subname, format_lsn(start_lsn), " with two_phase" if two_phase else "")  # fmt: skip
         self.stats.started_streaming.set()

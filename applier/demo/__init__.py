@@ -33,6 +33,7 @@ from applier.demo.view import Snapshot, Watcher, plain_line, render
 from applier.demo.workload import LiveWorkload
 from applier.subscriptions import CreateOptions, create
 from applier.testing import PostgresCluster, find_binaries, table_digest, wait_until
+from state.twophase import TwoPhaseState
 
 SUBNAME = "demo"
 DBNAME = "shop"
@@ -173,7 +174,7 @@ class Demo:
         """Remember the most telling frame for ``--capture``: two-phase enabled with transactions prepared on both
         servers at once."""
         score = (
-            snap.status["two_phase"] == "e",
+            snap.status["two_phase"] == TwoPhaseState.ENABLED,
             min(len(snap.publisher_prepared), len(snap.target_prepared)) > 0,
         )
         if self.best is None or score >= self._score:
@@ -207,7 +208,7 @@ class Demo:
                 bool(rep.get("applied_lsn"))
                 and self.publisher.scalar("SELECT %s::pg_lsn >= %s::pg_lsn", (rep["applied_lsn"], end_lsn))
                 and not snap.target_prepared
-                and snap.status["two_phase"] == "e"
+                and snap.status["two_phase"] == TwoPhaseState.ENABLED
             )
 
         wait_until(caught_up, timeout=180, interval=0.2, what="the target to apply everything")

@@ -22,17 +22,20 @@ from rich.text import Text
 from applier.demo.workload import WorkloadStats
 from applier.subscriptions import status
 from applier.testing import Database
+from state.tables import SyncState
+from state.twophase import TwoPhaseState
 
+#: What the demo calls each state; keyed by the enums, looked up with the status document's letters (equal to them)
 STATE_NAMES = {
-    "i": "init",
-    "d": "copying",
-    "f": "copied",
-    "s": "synced",
-    "r": "ready",
-    "w": "syncwait",
-    "c": "catchup",
+    SyncState.INIT: "init",
+    SyncState.DATASYNC: "copying",
+    SyncState.FINISHEDCOPY: "copied",
+    SyncState.SYNCDONE: "synced",
+    SyncState.READY: "ready",
+    SyncState.SYNCWAIT: "syncwait",
+    SyncState.CATCHUP: "catchup",
 }
-TWO_PHASE_NAMES = {"d": "disabled", "p": "pending", "e": "enabled"}
+TWO_PHASE_NAMES = {s: s.name.lower() for s in TwoPhaseState}
 
 
 @dataclass

@@ -131,7 +131,7 @@ class _Runner:
 
     def register(self, tables: SourceTables) -> mstate.Migration:
         """The migration's row: new, or the same migration again (same source and selection)."""
-        from state.catalog import Catalog
+        from applier.catalog.store import Catalog
 
         catalog = Catalog.connect(self.opts.target)
         try:
@@ -310,7 +310,7 @@ class _Runner:
     def subscription(self, m: mstate.Migration, tables: list[str]) -> None:
         """The subscription's catalog rows (every table ``i``, two-phase pending until all are ready), using the
         slot made above; one left by an interrupted start is replaced."""
-        from state.catalog import Catalog
+        from applier.catalog.store import Catalog
         from state.tables import initial_sync_state
         from state.twophase import initial_two_phase
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from applier.catalog import sql as catalog_sql
 from applier.testing.cluster import Database, PostgresBinaries, PostgresCluster, find_binaries
 
 _counter = itertools.count(1)
@@ -81,7 +82,7 @@ def _restart_if_down(cluster: PostgresCluster) -> None:
 
 def drop_our_origins(target: Database) -> None:
     """Drop the replication origins of the subscriptions in ``target``'s catalog (origins are cluster-wide)."""
-    exists = target.scalar("SELECT to_regclass('applier.subscription') IS NOT NULL")
+    exists = target.scalar(catalog_sql.CATALOG_EXISTS)
     if not exists:
         return
     with target.connect() as conn:
@@ -89,7 +90,7 @@ def drop_our_origins(target: Database) -> None:
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database()"
             " AND pid <> pg_backend_pid()"
         )
-        for (subid,) in conn.execute("SELECT subid FROM applier.subscription").fetchall():
+        for (subid,) in conn.execute(catalog_sql.SUBSCRIPTION_IDS).fetchall():
             conn.execute(
                 "SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin WHERE roname = %s",
                 (f"applier_{subid}",),

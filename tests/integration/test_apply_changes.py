@@ -6,8 +6,8 @@ import pytest
 
 from applier.apply.testing import setup_subscription
 from applier.apply.worker import start_worker
+from applier.catalog.store import Catalog
 from applier.testing import assert_tables_equal, wait_for_catchup, wait_until
-from state.catalog import Catalog
 
 pytestmark = pytest.mark.core
 

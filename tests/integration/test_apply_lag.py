@@ -12,10 +12,10 @@ import urllib.request
 import pytest
 
 from applier.apply.lag import PG_EPOCH_UNIX, LagWindow, nearest_rank, pg_time_to_unix
+from applier.catalog.store import CATALOG_VERSION, Catalog
 from applier.subscriptions import CreateOptions, create
 from applier.testing import wait_until
 from applier.testing.cluster import free_port
-from state.catalog import CATALOG_VERSION, Catalog
 
 
 def _pg_us(unix: float) -> int:
@@ -140,7 +140,7 @@ def test_the_catalog_watch_snapshot_only_ever_says_nothing_changed() -> None:
 
     from applier.apply.handlers import SkipState
     from applier.apply.housekeeping import WATCH_STALE, unchanged
-    from state.catalog import RelState, Subscription
+    from applier.catalog.store import RelState, Subscription
 
     sub = Subscription(subid=7, subname="s", subenabled=True, subtwophasestate="e", substream="on", subbinary=False,
                        subdisableonerr=False, subskiplsn=None, suborigin="any", subslotname="s",

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import sqlalchemy as sa
 
-from state.catalog import CATALOG_VERSION, Catalog, CatalogError, PreparedRecord, gid_for
+from applier.catalog.store import CATALOG_VERSION, Catalog, CatalogError, PreparedRecord
+from state.twophase import gid_for
 
 pytestmark = pytest.mark.core
 

@@ -25,10 +25,10 @@ from test_cli_common import (
     status,
 )
 
+from applier.catalog.store import Catalog
 from applier.subscriptions import LOCK_NAMESPACE
 from applier.testing import Database, assert_tables_equal, wait_until
 from applier.testing.cluster import free_port
-from state.catalog import Catalog
 
 StartRun = Callable[..., subprocess.Popen[str]]
 

@@ -12,8 +12,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from applier.catalog.store import Catalog
 from applier.testing import table_digest, wait_until
-from state.catalog import Catalog
 from tablesync import InitialCopy, run_initial_copy
 from tablesync.copy import SupersededError, copy_partition
 from tablesync.testing import local_spark, subscribe

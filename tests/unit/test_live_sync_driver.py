@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from applier.apply.syncstate import LIVE_SYNC_RETRY, LiveSyncDriver
-from state.catalog import RelState
+from applier.catalog.store import RelState
 
 
 @dataclass

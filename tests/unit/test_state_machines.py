@@ -1,6 +1,7 @@
 """The pure state machines in ``state/``, without a server.
 
-Two hypothesis state machines drive ``apply_event`` the way the worker does, with a model of everything around it
+Two hypothesis state machines drive ``apply_event`` (``subscription_model.py``: the real rules of ``state/`` strung
+together into one subscription's life) the way the worker does, with a model of everything around it
 (the catalog, the publisher's WAL, the copy, the catch-up) and a ``restart`` rule that can fire at every step: the
 process dies, and whatever was not persisted is lost. Any event can also be cut short after a few of its actions
 (``restart``), so that the order of the actions matters as it does in a real crash.
@@ -23,17 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
-from applier.errors import ApplierError
-from state.errors import AlterRefused, IllegalTransition
-from state.skip import (
-    SkipOutcome,
-    completed_skipping_message,
-    mistaken_skip_warning,
-    on_transaction_end,
-    starts_skipping,
-)
-from state.subscription import (
+from subscription_model import (
     AlterSkipLsn,
     AlterSlotTwoPhase,
     AlterTwoPhase,
@@ -65,6 +56,16 @@ from state.subscription import (
     WorkerStarted,
     apply_event,
     new_subscription,
+)
+
+from applier.errors import ApplierError
+from state.errors import AlterRefused, IllegalTransition
+from state.skip import (
+    SkipOutcome,
+    completed_skipping_message,
+    mistaken_skip_warning,
+    on_transaction_end,
+    starts_skipping,
 )
 from state.tables import (
     SyncState,

@@ -1,11 +1,5 @@
-"""The subscription catalog: SQLAlchemy Core tables in schema ``applier`` of the target database.
-
-Column names follow PostgreSQL's ``pg_subscription`` / ``pg_subscription_rel`` (fixed by DESIGN.md: other tools read
-them). Everything else here is ours: the record of each prepared transaction (``LookupGXact``'s data, which
-``pg_prepared_xacts`` does not show), error records, per-partition copy markers and the catalog version.
-
-Why the catalog lives in the target: the apply worker must change it atomically with the data it applies (a table
-turning ready, a skip-LSN cleared in the skipped transaction's commit), which only a table in the same database allows.
+"""Access to the subscription catalog (schema ``applier`` in the target, :mod:`applier.catalog.schema`): the rows as
+values, and every read and write the command line, the runner, the worker and the table sync make.
 
 **subid** must be unique across the whole target *cluster*, because it is part of every prepared-transaction GID
 (``pg_gid_<subid>_<xid>``) and GIDs are cluster-wide. Each subscription owns the replication origin
@@ -30,218 +24,55 @@ from typing import Any
 import psycopg
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg
-from sqlalchemy.types import TypeDecorator, UserDefinedType
 
+from applier.catalog.schema import (
+    CATALOG_VERSION,
+    ERROR_COLUMNS_V2,
+    MIGRATIONS,
+    SCHEMA,
+    apply_error,
+    apply_lag,
+    catalog_version,
+    metadata,
+    prepared_xact,
+    subscription,
+    subscription_rel,
+    tablesync_partition,
+)
 from applier.errors import ApplierError
-from applier.lsn import format_lsn, parse_lsn
-from state.twophase import gid_for as gid_for  # pure; re-exported for the catalog's callers
+from applier.lsn import parse_lsn
+from state.tables import SyncState
+from state.twophase import TwoPhaseState
 
-SCHEMA = "applier"
-#: Bump with a migration in :data:`_MIGRATIONS` whenever a table or column changes.
-CATALOG_VERSION = 4
+__all__ = [
+    "CATALOG_VERSION",
+    "Catalog",
+    "CatalogError",
+    "PreparedRecord",
+    "RelState",
+    "Subscription",
+    "origin_name",
+]
 
 
 class CatalogError(ApplierError):
     """The catalog is missing, newer than this release, or inconsistent."""
 
 
-# --- PostgreSQL types SQLAlchemy does not know -----------------------------------------------------------------
-
-
-class _PgType(UserDefinedType[Any]):
-    cache_ok = True
-    render_bind_cast = True
-    _spec = ""
-
-    def get_col_spec(self, **kw: Any) -> str:
-        return self._spec
-
-
-class _PgLsnType(_PgType):
-    cache_ok = True  # SQLAlchemy reads it from each class's own namespace
-    _spec = "pg_lsn"
-
-
-class PgLsn(TypeDecorator[int]):
-    """``pg_lsn`` in the database, ``int`` in Python (as on the wire)."""
-
-    impl = _PgLsnType
-    cache_ok = True
-
-    def process_bind_param(self, value: int | None, dialect: Any) -> str | None:
-        return None if value is None else format_lsn(value)
-
-    def process_result_value(self, value: Any, dialect: Any) -> int | None:
-        return None if value is None else parse_lsn(str(value))
-
-
-class PgChar(_PgType):
-    """PostgreSQL's one-byte ``"char"``, the type of pg_subscription's state columns."""
-
-    cache_ok = True
-    _spec = '"char"'
-
-
-class RegClass(_PgType):
-    cache_ok = True
-    _spec = "regclass"
-
-
-metadata = sa.MetaData(schema=SCHEMA)
-
-catalog_version = sa.Table(
-    "catalog_version",
-    metadata,
-    sa.Column("version", sa.Integer, nullable=False),
-    sa.Column("upgraded_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
-)
-
-subscription = sa.Table(
-    "subscription",
-    metadata,
-    sa.Column("subid", sa.BigInteger, primary_key=True, autoincrement=False),
-    sa.Column("subname", sa.Text, nullable=False, unique=True),
-    sa.Column("subenabled", sa.Boolean, nullable=False),
-    sa.Column("subtwophasestate", PgChar, nullable=False),
-    sa.Column("substream", sa.Text, nullable=False),
-    sa.Column("subbinary", sa.Boolean, nullable=False),
-    sa.Column("subdisableonerr", sa.Boolean, nullable=False),
-    sa.Column("subskiplsn", PgLsn, nullable=True),
-    sa.Column("suborigin", sa.Text, nullable=False),
-    sa.Column("subslotname", sa.Text, nullable=True),
-    sa.Column("subpublications", pg.ARRAY(sa.Text), nullable=False),
-    sa.Column("subconninfo", sa.Text, nullable=False),
-    # ours
-    sa.Column("subcopydata", sa.Boolean, nullable=False, server_default=sa.true()),
-    sa.Column("subslotconsistentlsn", PgLsn, nullable=True),  # X: where the slot's stream starts
-    sa.Column("subcreated", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
-    # since catalog version 4: how local prepared transactions are named (state.twophase.GID_FORMATS)
-    sa.Column("subgidformat", sa.Text, nullable=False, server_default="subscription"),
-)
-
-subscription_rel = sa.Table(
-    "subscription_rel",
-    metadata,
-    sa.Column(
-        "subid", sa.BigInteger, sa.ForeignKey(subscription.c.subid, ondelete="CASCADE"), primary_key=True
-    ),
-    sa.Column("srrelid", RegClass, primary_key=True),
-    sa.Column("srsubstate", PgChar, nullable=False),
-    sa.Column("srsublsn", PgLsn, nullable=True),
-    # ours: the publisher's schema-qualified name (the target table has the same name) and copy progress
-    sa.Column("srremotename", sa.Text, nullable=False),
-    sa.Column("srrows", sa.BigInteger, nullable=False, server_default="0"),
-    sa.Column("srbytes", sa.BigInteger, nullable=False, server_default="0"),
-    sa.Column("srupdated", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
-)
-
-#: One row per transaction prepared on the target by a subscription: what ``LookupGXact`` compares (behaviour 65).
-#: Written and committed from a second session just before ``PREPARE TRANSACTION`` (rows written inside the
-#: prepared transaction would stay invisible until it commits), removed after COMMIT/ROLLBACK PREPARED, and
-#: reconciled against ``pg_prepared_xacts`` at start-up.
-prepared_xact = sa.Table(
-    "prepared_xact",
-    metadata,
-    sa.Column("gid", sa.Text, primary_key=True),
-    sa.Column(
-        "subid", sa.BigInteger, sa.ForeignKey(subscription.c.subid, ondelete="CASCADE"), nullable=False
-    ),
-    sa.Column("remote_xid", sa.BigInteger, nullable=False),
-    sa.Column("prepare_lsn", PgLsn, nullable=False),
-    sa.Column("prepare_end_lsn", PgLsn, nullable=False),
-    sa.Column("prepare_time", sa.BigInteger, nullable=False),  # wire µs since 2000-01-01: compared exactly
-    sa.Column("recorded_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
-)
-
-#: Errors the worker met, newest last; ``status`` shows the latest one per subscription.
-apply_error = sa.Table(
-    "apply_error",
-    metadata,
-    sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
-    sa.Column(
-        "subid", sa.BigInteger, sa.ForeignKey(subscription.c.subid, ondelete="CASCADE"), nullable=False
-    ),
-    sa.Column("occurred_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
-    sa.Column("remote_xid", sa.BigInteger, nullable=True),
-    sa.Column("finish_lsn", PgLsn, nullable=True),
-    sa.Column("message_type", sa.Text, nullable=True),
-    sa.Column("relation", sa.Text, nullable=True),
-    sa.Column("message", sa.Text, nullable=False),
-    # since catalog version 2: what a user needs to act on a failing remote transaction without reading our code
-    sa.Column("sqlstate", sa.Text, nullable=True),  # the target's SQLSTATE, when the target raised it
-    sa.Column("gid", sa.Text, nullable=True),  # the publisher's GID of a prepared transaction
-    sa.Column("retry_count", sa.Integer, nullable=True),  # failures in a row of this same remote transaction
-    sa.Column(
-        "next_retry_at", sa.DateTime(timezone=True), nullable=True
-    ),  # None: no retry (disabled, stopped)
-)
-
-#: Exactly-once markers of the Spark initial copy: a partition's rows and its row here commit in one transaction.
-tablesync_partition = sa.Table(
-    "tablesync_partition",
-    metadata,
-    sa.Column(
-        "subid", sa.BigInteger, sa.ForeignKey(subscription.c.subid, ondelete="CASCADE"), primary_key=True
-    ),
-    sa.Column("relname", sa.Text, primary_key=True),
-    sa.Column("snapshot", sa.Text, primary_key=True),  # the exported snapshot (copy generation) it belongs to
-    sa.Column("part", sa.Integer, primary_key=True),
-    sa.Column("rows", sa.BigInteger, nullable=False),
-    sa.Column("bytes", sa.BigInteger, nullable=False),
-    sa.Column("done_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
-)
-
-#: apply_error's columns added by catalog version 2
-_ERROR_COLUMNS_V2 = ("sqlstate", "gid", "retry_count", "next_retry_at")
-
-#: The apply lag the worker measured recently (applier.apply.lag), one row per subscription, rewritten about every
-#: two seconds while transactions are applied; read by ``status``. UNLOGGED: a live figure, not worth WAL or fsyncs
-#: (after a crash the table is empty until the worker applies again).
-apply_lag = sa.Table(
-    "apply_lag",
-    metadata,
-    sa.Column(
-        "subid", sa.BigInteger, sa.ForeignKey(subscription.c.subid, ondelete="CASCADE"), primary_key=True
-    ),
-    sa.Column("updated_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
-    sa.Column("last_s", sa.Float, nullable=False),
-    sa.Column("last_kind", sa.Text, nullable=False),
-    sa.Column("p50_s", sa.Float, nullable=False),
-    sa.Column("p99_s", sa.Float, nullable=False),
-    sa.Column("max_s", sa.Float, nullable=False),
-    sa.Column("samples", sa.Integer, nullable=False),
-    sa.Column("window_s", sa.Float, nullable=False),
-    prefixes=["UNLOGGED"],
-)
-
-# Migrations: version -> list of SQL statements that take the catalog from version-1 to version.
-_MIGRATIONS: dict[int, list[str]] = {
-    2: [
-        f"ALTER TABLE {SCHEMA}.apply_error ADD COLUMN IF NOT EXISTS sqlstate text,"
-        " ADD COLUMN IF NOT EXISTS gid text, ADD COLUMN IF NOT EXISTS retry_count integer,"
-        " ADD COLUMN IF NOT EXISTS next_retry_at timestamptz",
-    ],
-    3: [
-        "CREATE UNLOGGED TABLE IF NOT EXISTS applier.apply_lag (subid bigint PRIMARY KEY REFERENCES applier.subscription (subid)"
-        " ON DELETE CASCADE, updated_at timestamptz NOT NULL DEFAULT now(), last_s float8 NOT NULL, last_kind text"
-        " NOT NULL, p50_s float8 NOT NULL, p99_s float8 NOT NULL, max_s float8 NOT NULL, samples integer NOT NULL,"
-        " window_s float8 NOT NULL)"
-    ],
-    4: [
-        f"ALTER TABLE {SCHEMA}.subscription ADD COLUMN IF NOT EXISTS subgidformat text NOT NULL DEFAULT 'subscription'"
-    ],
-}
-
-
 # --- values ----------------------------------------------------------------------------------------------------
+# The catalog stores PostgreSQL's one-letter states ("char"); everything above the catalog sees the enums of
+# ``state``. The conversion happens here, once each way: rows become values with enums (``__post_init__``), and
+# :func:`_letter` turns an enum back into its letter for a write.
 
 
 @dataclass(frozen=True)
 class Subscription:
+    """A row of ``applier.subscription``; ``subtwophasestate`` as a :class:`~state.twophase.TwoPhaseState`."""
+
     subid: int
     subname: str
     subenabled: bool
-    subtwophasestate: str
+    subtwophasestate: TwoPhaseState
     substream: str
     subbinary: bool
     subdisableonerr: bool
@@ -253,6 +84,9 @@ class Subscription:
     subcopydata: bool
     subslotconsistentlsn: int | None
     subgidformat: str = "subscription"  # a catalog of version < 4 has no such column: the default
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "subtwophasestate", TwoPhaseState(self.subtwophasestate))
 
     @property
     def origin_name(self) -> str:
@@ -266,14 +100,19 @@ class Subscription:
 
 @dataclass(frozen=True)
 class RelState:
+    """A row of ``applier.subscription_rel``; ``state`` as a :class:`~state.tables.SyncState`."""
+
     subid: int
     relid: int  # the target table's OID
     name: str  # schema-qualified, quoted as needed: what ``regclass`` prints with an empty search_path
     remote_name: str
-    state: str
+    state: SyncState
     lsn: int | None
     rows: int
     bytes: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state", SyncState(self.state))
 
 
 @dataclass(frozen=True)
@@ -288,6 +127,11 @@ class PreparedRecord:
 
 def origin_name(subid: int) -> str:
     return f"applier_{subid}"
+
+
+def _letter(value: Any) -> Any:
+    """A state enum as the catalog's letter (``"char"``); any other column value as it is."""
+    return value.value if isinstance(value, SyncState | TwoPhaseState) else value
 
 
 # --- access ----------------------------------------------------------------------------------------------------
@@ -347,13 +191,13 @@ class Catalog:
                     f"({CATALOG_VERSION}): upgrade applier"
                 )
             for v in range(version + 1, CATALOG_VERSION + 1):
-                for stmt in _MIGRATIONS.get(v, []):
+                for stmt in MIGRATIONS.get(v, []):
                     c.execute(sa.text(stmt))
                 c.execute(catalog_version.insert().values(version=v))
             return CATALOG_VERSION
 
     # subscriptions -----------------------------------------------------------------------------------------
-    def create_subscription(self, *, subname: str, conninfo: str, publications: Sequence[str], two_phase_state: str,
+    def create_subscription(self, *, subname: str, conninfo: str, publications: Sequence[str], two_phase_state: TwoPhaseState,
                             streaming: str, binary: bool, disable_on_error: bool, origin: str, slot_name: str | None,
                             enabled: bool, copy_data: bool, gid_format: str = "subscription") -> Subscription:  # fmt: skip
         """Insert the subscription row with a cluster-wide unique subid and create its replication origin."""
@@ -375,7 +219,7 @@ class Catalog:
                 candidate += 1
             c.execute(
                 subscription.insert().values(
-                    subid=candidate, subname=subname, subenabled=enabled, subtwophasestate=two_phase_state,
+                    subid=candidate, subname=subname, subenabled=enabled, subtwophasestate=TwoPhaseState(two_phase_state).value,
                     substream=streaming, subbinary=binary, subdisableonerr=disable_on_error, subskiplsn=None,
                     suborigin=origin, subslotname=slot_name, subpublications=list(publications),
                     subconninfo=conninfo, subcopydata=copy_data, subgidformat=gid_format,
@@ -431,7 +275,11 @@ class Catalog:
         if unknown:
             raise CatalogError(f"unknown subscription column(s): {', '.join(sorted(unknown))}")
         with self._conn(conn) as c:
-            c.execute(subscription.update().where(subscription.c.subid == subid).values(**values))
+            c.execute(
+                subscription.update()
+                .where(subscription.c.subid == subid)
+                .values(**{k: _letter(v) for k, v in values.items()})
+            )
 
     def clear_skip_lsn(self, subid: int, expected: int, conn: sa.Connection | None = None) -> bool:
         """Clear subskiplsn only if it still holds ``expected`` (behaviour 100: the user may have changed it)."""
@@ -475,24 +323,28 @@ class Catalog:
                 for r in rows
             ]  # fmt: skip
 
-    def add_table(self, subid: int, relid: int, remote_name: str, state: str, lsn: int | None = None,
+    def add_table(self, subid: int, relid: int, remote_name: str, state: SyncState, lsn: int | None = None,
                   conn: sa.Connection | None = None) -> None:  # fmt: skip
         with self._conn(conn) as c:
             c.execute(
                 pg.insert(subscription_rel)
                 .values(
-                    subid=subid, srrelid=str(relid), srremotename=remote_name, srsubstate=state, srsublsn=lsn
+                    subid=subid,
+                    srrelid=str(relid),
+                    srremotename=remote_name,
+                    srsubstate=SyncState(state).value,
+                    srsublsn=lsn,
                 )
                 .on_conflict_do_nothing()
             )
 
-    def set_table_state(self, subid: int, relid: int, state: str, lsn: int | None,
+    def set_table_state(self, subid: int, relid: int, state: SyncState, lsn: int | None,
                         conn: sa.Connection | None = None) -> None:  # fmt: skip
         with self._conn(conn) as c:
             c.execute(
                 subscription_rel.update()
                 .where(subscription_rel.c.subid == subid, subscription_rel.c.srrelid == str(relid))
-                .values(srsubstate=state, srsublsn=lsn, srupdated=sa.func.now())
+                .values(srsubstate=SyncState(state).value, srsublsn=lsn, srupdated=sa.func.now())
             )
 
     def set_table_progress(self, subid: int, relid: int, rows: int, nbytes: int,
@@ -564,6 +416,40 @@ class Catalog:
             )
             return res.rowcount
 
+    # initial copy markers (tablesync.initial; the Spark tasks use applier.catalog.sql) --------------------------
+    def delete_partition_markers(self, subid: int, relname: str, conn: sa.Connection) -> None:
+        """Forget every copy generation's markers of ``relname`` (waits for a task that still holds its claim)."""
+        m = tablesync_partition.c
+        conn.execute(tablesync_partition.delete().where(m.subid == subid, m.relname == relname))
+
+    def has_partition_markers(self, subid: int, relname: str, conn: sa.Connection) -> bool:
+        """Whether an earlier attempt committed partitions of ``relname`` (each commits with its marker row)."""
+        m = tablesync_partition.c
+        found = sa.select(sa.literal(1)).where(m.subid == subid, m.relname == relname, m.part >= 0)
+        return bool(conn.execute(sa.select(found.exists())).scalar())
+
+    def claim_partitions(self, subid: int, relname: str, snapshot: str, claim_part: int,
+                         conn: sa.Connection) -> None:  # fmt: skip
+        """Insert the claim row (part ``claim_part``) of copy generation ``snapshot`` for ``relname``."""
+        conn.execute(
+            tablesync_partition.insert().values(
+                subid=subid, relname=relname, snapshot=snapshot, part=claim_part, rows=0, bytes=0
+            )
+        )
+
+    def partition_markers(self, subid: int, snapshot: str,
+                          conn: sa.Connection | None = None) -> dict[str, dict[int, tuple[int, int]]]:  # fmt: skip
+        """Copy generation ``snapshot``'s committed partitions: ``{relname: {part: (rows, bytes)}}``."""
+        m = tablesync_partition.c
+        out: dict[str, dict[int, tuple[int, int]]] = {}
+        with self._conn(conn) as c:
+            query = sa.select(m.relname, m.part, m.rows, m.bytes).where(
+                m.subid == subid, m.snapshot == snapshot, m.part >= 0
+            )
+            for relname, part, rows, nbytes in c.execute(query):
+                out.setdefault(relname, {})[part] = (rows, nbytes)
+        return out
+
     # errors ----------------------------------------------------------------------------------------------------
     def record_error(self, subid: int, message: str, *, remote_xid: int | None = None, finish_lsn: int | None = None,
                      message_type: str | None = None, relation: str | None = None, sqlstate: str | None = None,
@@ -617,7 +503,7 @@ class Catalog:
         ``create`` upgrade it) has no sqlstate/gid/retry columns: they read as None."""
         with self._conn(conn) as c:
             version = c.execute(sa.select(sa.func.max(catalog_version.c.version))).scalar() or 0
-            columns = [col for col in apply_error.c if version >= 2 or col.name not in _ERROR_COLUMNS_V2]
+            columns = [col for col in apply_error.c if version >= 2 or col.name not in ERROR_COLUMNS_V2]
             row = (
                 c.execute(
                     sa.select(*columns).where(apply_error.c.subid == subid).order_by(apply_error.c.id.desc())
@@ -627,4 +513,4 @@ class Catalog:
             )
             if not row:
                 return None
-            return {name: None for name in _ERROR_COLUMNS_V2} | dict(row)
+            return {name: None for name in ERROR_COLUMNS_V2} | dict(row)

@@ -1,8 +1,14 @@
-"""The subscription's state machine: the one place where the two-phase, table-sync and skip rules meet.
+"""A model of one subscription's whole life, composed of the real state machines, for the property tests.
 
-``apply_event(state, event) -> (new_state, actions)`` is pure. The worker, the command line and the tablesync feed
-it events as things happen and carry out the returned actions *in order*; the actions say what to persist and
-what to do to the streams, and nothing here touches a connection.
+``apply_event(state, event) -> (new_state, actions)`` is pure. It is *not* what the worker, the table sync or the
+command line call: they call the rules of :mod:`state.tables`, :mod:`state.twophase` and :mod:`state.skip`
+directly, at the points where PostgreSQL's ``worker.c``/``tablesync.c``/``subscriptioncmds.c`` do. This module strings
+those same functions together into one event-driven machine, so that ``tests/unit/test_state_machines.py`` (hypothesis
+``RuleBasedStateMachine``) can drive a subscription through any order of copies, restarts, transactions, ALTERs and
+idle turns against a simulated publisher and check what must hold across the whole life: no change applied twice or
+lost, LSNs never going back, two-phase enabled only once every table is ready, every refusal PostgreSQL's. A bug in
+how the real rules compose shows up here as a failing sequence; docs/architecture.md ("state") says why it stays a
+model rather than driving the worker.
 
 Persistence model. ``SubscriptionState`` holds both what the catalog holds and what only a running worker knows
 (the transient table states ``w``/``c``, the position of the running stream). Every change the catalog must see
@@ -31,9 +37,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from .errors import IllegalTransition
-from .skip import SkipOutcome, completed_skipping_message, mistaken_skip_warning, on_transaction_end
-from .tables import (
+from state.errors import IllegalTransition
+from state.skip import SkipOutcome, completed_skipping_message, mistaken_skip_warning, on_transaction_end
+from state.tables import (
     SyncState,
     TableState,
     begin_catchups,
@@ -43,7 +49,7 @@ from .tables import (
     should_apply_changes_for_rel,
     transition,
 )
-from .twophase import (
+from state.twophase import (
     TwoPhaseState,
     check_alter_two_phase,
     check_refresh_publication,

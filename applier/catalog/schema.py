@@ -1,0 +1,215 @@
+"""The catalog's schema: SQLAlchemy Core tables in schema ``applier`` of the target database, its version, and the
+migrations that take an older catalog to this version.
+
+Column names follow PostgreSQL's ``pg_subscription`` / ``pg_subscription_rel`` (fixed by DESIGN.md, "Catalog": other
+tools read them). Everything else here is ours: the record of each prepared transaction (``LookupGXact``'s data,
+which ``pg_prepared_xacts`` does not show), error records, per-partition copy markers, the recent apply lag and the
+catalog version.
+
+Why the catalog lives in the target: the apply worker must change it atomically with the data it applies (a table
+turning ready, a skip-LSN cleared in the skipped transaction's commit), which only a table in the same database
+allows. The statements that the apply pipeline and the Spark tasks send themselves are in :mod:`applier.catalog.sql`,
+next to these tables; everything else goes through :class:`applier.catalog.store.Catalog`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql as pg
+from sqlalchemy.types import TypeDecorator, UserDefinedType
+
+from applier.lsn import format_lsn, parse_lsn
+
+SCHEMA = "applier"
+#: Bump with a migration in :data:`MIGRATIONS` whenever a table or column changes.
+CATALOG_VERSION = 4
+
+
+# --- PostgreSQL types SQLAlchemy does not know -----------------------------------------------------------------
+
+
+class _PgType(UserDefinedType[Any]):
+    cache_ok = True
+    render_bind_cast = True
+    _spec = ""
+
+    def get_col_spec(self, **kw: Any) -> str:
+        return self._spec
+
+
+class _PgLsnType(_PgType):
+    cache_ok = True  # SQLAlchemy reads it from each class's own namespace
+    _spec = "pg_lsn"
+
+
+class PgLsn(TypeDecorator[int]):
+    """``pg_lsn`` in the database, ``int`` in Python (as on the wire)."""
+
+    impl = _PgLsnType
+    cache_ok = True
+
+    def process_bind_param(self, value: int | None, dialect: Any) -> str | None:
+        return None if value is None else format_lsn(value)
+
+    def process_result_value(self, value: Any, dialect: Any) -> int | None:
+        return None if value is None else parse_lsn(str(value))
+
+
+class PgChar(_PgType):
+    """PostgreSQL's one-byte ``"char"``, the type of pg_subscription's state columns."""
+
+    cache_ok = True
+    _spec = '"char"'
+
+
+class RegClass(_PgType):
+    cache_ok = True
+    _spec = "regclass"
+
+
+metadata = sa.MetaData(schema=SCHEMA)
+
+catalog_version = sa.Table(
+    "catalog_version",
+    metadata,
+    sa.Column("version", sa.Integer, nullable=False),
+    sa.Column("upgraded_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
+)
+
+subscription = sa.Table(
+    "subscription",
+    metadata,
+    sa.Column("subid", sa.BigInteger, primary_key=True, autoincrement=False),
+    sa.Column("subname", sa.Text, nullable=False, unique=True),
+    sa.Column("subenabled", sa.Boolean, nullable=False),
+    sa.Column("subtwophasestate", PgChar, nullable=False),
+    sa.Column("substream", sa.Text, nullable=False),
+    sa.Column("subbinary", sa.Boolean, nullable=False),
+    sa.Column("subdisableonerr", sa.Boolean, nullable=False),
+    sa.Column("subskiplsn", PgLsn, nullable=True),
+    sa.Column("suborigin", sa.Text, nullable=False),
+    sa.Column("subslotname", sa.Text, nullable=True),
+    sa.Column("subpublications", pg.ARRAY(sa.Text), nullable=False),
+    sa.Column("subconninfo", sa.Text, nullable=False),
+    # ours
+    sa.Column("subcopydata", sa.Boolean, nullable=False, server_default=sa.true()),
+    sa.Column("subslotconsistentlsn", PgLsn, nullable=True),  # X: where the slot's stream starts
+    sa.Column("subcreated", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
+    # since catalog version 4: how local prepared transactions are named (state.twophase.GID_FORMATS)
+    sa.Column("subgidformat", sa.Text, nullable=False, server_default="subscription"),
+)
+
+subscription_rel = sa.Table(
+    "subscription_rel",
+    metadata,
+    sa.Column(
+        "subid", sa.BigInteger, sa.ForeignKey(subscription.c.subid, ondelete="CASCADE"), primary_key=True
+    ),
+    sa.Column("srrelid", RegClass, primary_key=True),
+    sa.Column("srsubstate", PgChar, nullable=False),
+    sa.Column("srsublsn", PgLsn, nullable=True),
+    # ours: the publisher's schema-qualified name (the target table has the same name) and copy progress
+    sa.Column("srremotename", sa.Text, nullable=False),
+    sa.Column("srrows", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("srbytes", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("srupdated", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
+)
+
+#: One row per transaction prepared on the target by a subscription: what ``LookupGXact`` compares (behaviour 65).
+#: Written and committed from a second session just before ``PREPARE TRANSACTION`` (rows written inside the
+#: prepared transaction would stay invisible until it commits), removed after COMMIT/ROLLBACK PREPARED, and
+#: reconciled against ``pg_prepared_xacts`` at start-up.
+prepared_xact = sa.Table(
+    "prepared_xact",
+    metadata,
+    sa.Column("gid", sa.Text, primary_key=True),
+    sa.Column(
+        "subid", sa.BigInteger, sa.ForeignKey(subscription.c.subid, ondelete="CASCADE"), nullable=False
+    ),
+    sa.Column("remote_xid", sa.BigInteger, nullable=False),
+    sa.Column("prepare_lsn", PgLsn, nullable=False),
+    sa.Column("prepare_end_lsn", PgLsn, nullable=False),
+    sa.Column("prepare_time", sa.BigInteger, nullable=False),  # wire µs since 2000-01-01: compared exactly
+    sa.Column("recorded_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
+)
+
+#: Errors the worker met, newest last; ``status`` shows the latest one per subscription.
+apply_error = sa.Table(
+    "apply_error",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
+    sa.Column(
+        "subid", sa.BigInteger, sa.ForeignKey(subscription.c.subid, ondelete="CASCADE"), nullable=False
+    ),
+    sa.Column("occurred_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
+    sa.Column("remote_xid", sa.BigInteger, nullable=True),
+    sa.Column("finish_lsn", PgLsn, nullable=True),
+    sa.Column("message_type", sa.Text, nullable=True),
+    sa.Column("relation", sa.Text, nullable=True),
+    sa.Column("message", sa.Text, nullable=False),
+    # since catalog version 2: what a user needs to act on a failing remote transaction without reading our code
+    sa.Column("sqlstate", sa.Text, nullable=True),  # the target's SQLSTATE, when the target raised it
+    sa.Column("gid", sa.Text, nullable=True),  # the publisher's GID of a prepared transaction
+    sa.Column("retry_count", sa.Integer, nullable=True),  # failures in a row of this same remote transaction
+    sa.Column(
+        "next_retry_at", sa.DateTime(timezone=True), nullable=True
+    ),  # None: no retry (disabled, stopped)
+)
+
+#: Exactly-once markers of the Spark initial copy: a partition's rows and its row here commit in one transaction.
+tablesync_partition = sa.Table(
+    "tablesync_partition",
+    metadata,
+    sa.Column(
+        "subid", sa.BigInteger, sa.ForeignKey(subscription.c.subid, ondelete="CASCADE"), primary_key=True
+    ),
+    sa.Column("relname", sa.Text, primary_key=True),
+    sa.Column("snapshot", sa.Text, primary_key=True),  # the exported snapshot (copy generation) it belongs to
+    sa.Column("part", sa.Integer, primary_key=True),
+    sa.Column("rows", sa.BigInteger, nullable=False),
+    sa.Column("bytes", sa.BigInteger, nullable=False),
+    sa.Column("done_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
+)
+
+#: apply_error's columns added by catalog version 2
+ERROR_COLUMNS_V2 = ("sqlstate", "gid", "retry_count", "next_retry_at")
+
+#: The apply lag the worker measured recently (applier.apply.lag), one row per subscription, rewritten about every
+#: two seconds while transactions are applied; read by ``status``. UNLOGGED: a live figure, not worth WAL or fsyncs
+#: (after a crash the table is empty until the worker applies again).
+apply_lag = sa.Table(
+    "apply_lag",
+    metadata,
+    sa.Column(
+        "subid", sa.BigInteger, sa.ForeignKey(subscription.c.subid, ondelete="CASCADE"), primary_key=True
+    ),
+    sa.Column("updated_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
+    sa.Column("last_s", sa.Float, nullable=False),
+    sa.Column("last_kind", sa.Text, nullable=False),
+    sa.Column("p50_s", sa.Float, nullable=False),
+    sa.Column("p99_s", sa.Float, nullable=False),
+    sa.Column("max_s", sa.Float, nullable=False),
+    sa.Column("samples", sa.Integer, nullable=False),
+    sa.Column("window_s", sa.Float, nullable=False),
+    prefixes=["UNLOGGED"],
+)
+
+# Migrations: version -> list of SQL statements that take the catalog from version-1 to version.
+MIGRATIONS: dict[int, list[str]] = {
+    2: [
+        f"ALTER TABLE {SCHEMA}.apply_error ADD COLUMN IF NOT EXISTS sqlstate text,"
+        " ADD COLUMN IF NOT EXISTS gid text, ADD COLUMN IF NOT EXISTS retry_count integer,"
+        " ADD COLUMN IF NOT EXISTS next_retry_at timestamptz",
+    ],
+    3: [
+        "CREATE UNLOGGED TABLE IF NOT EXISTS applier.apply_lag (subid bigint PRIMARY KEY REFERENCES applier.subscription (subid)"
+        " ON DELETE CASCADE, updated_at timestamptz NOT NULL DEFAULT now(), last_s float8 NOT NULL, last_kind text"
+        " NOT NULL, p50_s float8 NOT NULL, p99_s float8 NOT NULL, max_s float8 NOT NULL, samples integer NOT NULL,"
+        " window_s float8 NOT NULL)"
+    ],
+    4: [
+        f"ALTER TABLE {SCHEMA}.subscription ADD COLUMN IF NOT EXISTS subgidformat text NOT NULL DEFAULT 'subscription'"
+    ],
+}
