@@ -20,6 +20,12 @@ source (issue 17, "Speed"), at the same parallelism ``N`` (``--jobs``, default 2
   are still measured. A cutover fences the source, so ours runs against a fresh copy of the source database
   (``CREATE DATABASE ... TEMPLATE src STRATEGY FILE_COPY``, outside the timed part), dropped afterwards.
 
+* ``ours_load`` (only when asked for with ``--tools``): ours again, while ``pgbench -n -R 500 -c 4`` (``--write-rate``)
+  writes to its source from before ``start`` until the cutover's fence ends the sessions. It reports the write
+  downtime the writers saw (their last commit on the source to the migration's ``done``), the downtime ours reports
+  (fence to ``done``) and the rate pgbench achieved; the target is verified against the source as the writes left
+  it (issue 17: "cutover write downtime <= 5 s while pgbench -R 500 runs on the source").
+
 Servers: two PostgreSQL clusters from ``--pg`` (default 15, Debian's ``/usr/lib/postgresql/15/bin``: the Debian
 pgcopydb drives the system's PostgreSQL 15 client, so all client tools come from that bindir), started by
 ``applier.testing.cluster`` with ``durable=True`` (fsync on), ``autovacuum = off``, ``max_wal_size = 8GB``,
