@@ -20,6 +20,12 @@ source (issue 17, "Speed"), at the same parallelism ``N`` (``--jobs``, default 2
   are still measured. A cutover fences the source, so ours runs against a fresh copy of the source database
   (``CREATE DATABASE ... TEMPLATE src STRATEGY FILE_COPY``, outside the timed part), dropped afterwards.
 
+* ``ours_load`` (only when asked for with ``--tools``): ours again, while ``pgbench -n -R 500 -c 4`` (``--write-rate``)
+  writes to its source from before ``start`` until the cutover's fence ends the sessions. It reports the write
+  downtime the writers saw (their last commit on the source to the migration's ``done``), the downtime ours reports
+  (fence to ``done``) and the rate pgbench achieved; the target is verified against the source as the writes left
+  it (issue 17: "cutover write downtime <= 5 s while pgbench -R 500 runs on the source").
+
 Servers: two PostgreSQL clusters from ``--pg`` (default 15, Debian's ``/usr/lib/postgresql/15/bin``: the Debian
 pgcopydb drives the system's PostgreSQL 15 client, so all client tools come from that bindir), started by
 ``applier.testing.cluster`` with ``durable=True`` (fsync on), ``autovacuum = off``, ``max_wal_size = 8GB``,
@@ -91,12 +97,16 @@ from _common import descendants, loadavg, median  # noqa: E402
 from applier.testing.cluster import PostgresCluster, find_binaries  # noqa: E402
 
 OUT_DIR = ROOT / "bench" / "out"
-TOOLS = ("pgcopydb", "dump_restore", "dump_restore_z0", "native", "ours")
+TOOLS = ("pgcopydb", "dump_restore", "dump_restore_z0", "native", "ours", "ours_load")
+#: The tools a plain run measures: ``ours_load`` (ours under writes, see :class:`WriteLoad`) is asked for by name.
+DEFAULT_TOOLS = TOOLS[:-1]
 SOURCE_DB = "src"
 SAMPLE_S = 0.1
 POLL_S = 0.05
 #: The issue's goal for ours: at most this fraction of pgcopydb's time.
 GOAL_VS_PGCOPYDB = 0.75
+#: The issue's goal for the cutover under ``pgbench -R 500``: at most this many seconds of write downtime.
+GOAL_DOWNTIME_S = 5.0
 #: Top-level packages of the project that ``python -m applier.cli`` needs, copied from ``--ours-code``.
 CODE_PACKAGES = ("applier", "state", "tablesync")
 
@@ -113,31 +123,52 @@ class Step:
     returncode: int
     peak_pss_kb: int
     output_tail: str = ""
+    peak_rss_kb: int = 0
 
 
 class ToolFailed(RuntimeError):
     """A tool exited non-zero or timed out; the message carries the command and its output's tail."""
 
 
-def run_step(argv: list[str], env: dict[str, str] | None, timeout: float, cwd: str | None = None) -> Step:
+def run_step(
+    argv: list[str],
+    env: dict[str, str] | None,
+    timeout: float,
+    cwd: str | None = None,
+    log: Path | None = None,
+) -> Step:
     """Run ``argv`` in a new session, sampling its process tree's memory; raise :class:`ToolFailed` unless it exits 0.
 
     Output goes to a temporary file rather than a pipe, so a chatty tool never blocks on a full pipe and nothing
-    has to read it while it runs."""
+    has to read it while it runs. ``log`` gets all of it, each line prefixed with the seconds since the start at
+    which the sampler below saw it (to 0.1 s): ours' timeline, which copy and which build ran when."""
     with tempfile.TemporaryFile(mode="w+") as out:
         started = time.monotonic()
         proc = subprocess.Popen(
             argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
-        peak = [0]
+        peak = [0, 0]  # PSS, RSS
         done = threading.Event()
+        timeline: list[str] = []
+        read, partial = 0, b""  # bytes of the output read so far, and an unfinished last line
+
+        def stamp() -> None:
+            nonlocal read, partial
+            while chunk := os.pread(out.fileno(), 1 << 16, read):
+                read += len(chunk)
+                *lines, partial = (partial + chunk).split(b"\n")
+                at = time.monotonic() - started
+                timeline.extend(f"{at:7.1f} {line.decode(errors='replace')}" for line in lines)
 
         def sample() -> None:
             while not done.is_set():
-                total = 0
+                pss = rss = 0
                 for pid in [proc.pid, *descendants(proc.pid)]:
-                    total += _pss_kb(pid)
-                peak[0] = max(peak[0], total)
+                    p, r = _mem_kb(pid)
+                    pss, rss = pss + p, rss + r
+                peak[0], peak[1] = max(peak[0], pss), max(peak[1], rss)
+                if log is not None:
+                    stamp()
                 done.wait(SAMPLE_S)
 
         sampler = threading.Thread(target=sample, daemon=True)
@@ -157,8 +188,12 @@ def run_step(argv: list[str], env: dict[str, str] | None, timeout: float, cwd: s
         sampler.join()
         out.seek(0)
         text = out.read()
+        if log is not None:
+            stamp()
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text("\n".join([*timeline, partial.decode(errors="replace")]))
     tail = text[-4000:]
-    step = Step(argv, elapsed, rc, peak[0], tail)
+    step = Step(argv, elapsed, rc, peak[0], tail, peak[1])
     if rc != 0:
         why = f"timed out after {timeout:.0f}s" if timed_out else f"exit status {rc}"
         last = next((line for line in reversed(tail.splitlines()) if line.strip()), "")
@@ -166,21 +201,30 @@ def run_step(argv: list[str], env: dict[str, str] | None, timeout: float, cwd: s
     return step
 
 
-def _pss_kb(pid: int) -> int:
-    """Proportional set size of ``pid``: its private pages plus its share of the pages it shares with others.
-
-    Summed over a process tree it is the tree's real memory; ``VmRSS`` summed over a tree counts a page that the
-    tool's forked workers share once per worker (pgcopydb's tree showed 2 GB that way).
-    Falls back to ``VmRSS`` where ``smaps_rollup`` is missing or unreadable."""
-    for path, key in ((f"/proc/{pid}/smaps_rollup", "Pss:"), (f"/proc/{pid}/status", "VmRSS:")):
-        try:
-            with open(path) as f:
-                for line in f:
-                    if line.startswith(key):
-                        return int(line.split()[1])
-        except OSError:
-            continue
-    return 0
+def _mem_kb(pid: int) -> tuple[int, int]:
+    """(PSS, RSS) of ``pid``. PSS is its private pages plus its share of the pages it shares with others: summed
+    over a process tree it is the tree's real memory. RSS summed over a tree counts a page that the tool's forked
+    workers share once per worker (pgcopydb's tree showed 2 GB that way), and is reported too because it is what
+    most tools show. Falls back to ``VmRSS`` for both where ``smaps_rollup`` is missing or unreadable."""
+    found: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith(("Pss:", "Rss:")):
+                    found[line[:3]] = int(line.split()[1])
+    except OSError:
+        pass
+    if len(found) == 2:
+        return found["Pss"], found["Rss"]
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    kb = int(line.split()[1])
+                    return kb, kb
+    except OSError:
+        pass
+    return 0, 0
 
 
 # --- the dataset ------------------------------------------------------------------------------------------------
@@ -319,6 +363,7 @@ class Context:
     workdir: Path  # scratch space for dumps and pgcopydb's work directory, emptied after each run
     ours_code: Path | None
     ours_env: dict[str, str] = field(default_factory=dict)
+    write_rate: int = 500  # ours_load's pgbench -R
 
     def uri(self, cluster: PostgresCluster, db: str) -> str:
         return f"postgresql://postgres@127.0.0.1:{cluster.port}/{db}"
@@ -407,26 +452,91 @@ def run_native(ctx: Context, target_db: str) -> list[Step]:
     return steps
 
 
-def run_ours(ctx: Context, target_db: str) -> list[Step]:
-    """``applier migrate start --cutover`` against a fresh copy of the source (a cutover fences its source)."""
-    if ctx.ours_code is None:
-        raise ToolFailed("no code for ours")
-    src_db = f"{SOURCE_DB}_{target_db}"
+def ours_source(target_db: str) -> str:
+    return f"{SOURCE_DB}_{target_db}"
+
+
+def prepare_ours(ctx: Context, target_db: str) -> Callable[[], None]:
+    """A fresh copy of the source for ours (a cutover fences its source), made before the clock starts; returns
+    what drops it afterwards (which also drops the slot(s) the migration left there)."""
+    src_db = ours_source(target_db)
     ctx.src.execute(
         sql.SQL("CREATE DATABASE {} TEMPLATE {} STRATEGY FILE_COPY").format(
             sql.Identifier(src_db), sql.Identifier(SOURCE_DB)
         )
     )
-    with ctx.src.connect() as c, ctx.tgt.connect() as t:
-        c.execute("CHECKPOINT")
-        t.execute("CHECKPOINT")
-    try:
-        argv = [sys.executable, "-m", "applier.cli", "migrate", "start", f"migbench_{target_db}",
-                "--source", ctx.src.dsn(src_db), "--target", ctx.tgt.dsn(target_db),
-                "--table-jobs", str(ctx.jobs), "--index-jobs", str(ctx.jobs), "--cutover"]  # fmt: skip
-        return [run_step(argv, ctx.ours_env, ctx.timeout, cwd=str(ctx.workdir))]
-    finally:
-        ctx.src.drop_database(src_db)  # also drops the slot(s) the migration left there
+    return lambda: ctx.src.drop_database(src_db)
+
+
+class WriteLoad:
+    """``pgbench -n -R rate -c 4 -j 2`` (TPC-B-like) on ours' copy of the source during ``ours_load``'s whole run,
+    from before ours starts until the cutover's fence ends its sessions (every client then aborts and pgbench
+    exits by itself). Each committed transaction is logged (``pgbench -l``) with the time it completed, so the
+    write downtime the writers saw is measured from their side: from the last commit on the source to the moment
+    the migration says ``done`` (the target takes the writes from then on)."""
+
+    CLIENTS = 4
+
+    def __init__(self, ctx: Context, db: str, rate: int) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="migbench-pgbench-"))
+        self.out = open(self.dir / "pgbench.out", "w")  # noqa: SIM115 - closed in stop()
+        argv = [f"{ctx.bindir}/pgbench", "-n", "-R", str(rate), "-c", str(self.CLIENTS), "-j", "2", "-T", "7200",
+                "-l", "--log-prefix", str(self.dir / "tx"), ctx.uri(ctx.src, db)]  # fmt: skip
+        self.rate = rate
+        self.proc = subprocess.Popen(
+            argv, env=ctx.tool_env(), stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def stop(self, wait: float = 60.0) -> dict[str, Any]:
+        """Wait for pgbench to end (the fence ended its sessions), or stop it; what its log says."""
+        try:
+            self.proc.wait(wait)
+            ended = "by itself (its sessions ended by the fence)"
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the session we started for it, and only that
+            self.proc.wait()
+            ended = "killed: it was still running (its last log lines may be lost)"
+        self.out.close()
+        done: list[float] = []
+        for log in self.dir.glob("tx*"):
+            for line in log.read_text().splitlines():
+                f = line.split()
+                if len(f) >= 6 and f[2].isdigit():  # client, txno, latency us, script, epoch s, us
+                    done.append(int(f[4]) + int(f[5]) / 1e6)
+        tail = (self.dir / "pgbench.out").read_text()[-600:]
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return {
+            "rate": self.rate, "clients": self.CLIENTS, "ended": ended, "transactions": len(done),
+            "first_commit": min(done, default=None), "last_commit": max(done, default=None), "output_tail": tail,
+        }  # fmt: skip
+
+
+def write_downtime(load: dict[str, Any], details: list[Any]) -> dict[str, Any]:
+    """The downtime the writers saw (last commit on the source to the migration's ``done``) and the one ours
+    reports (its fence to ``done``), next to what pgbench did."""
+    row = next((d for d in details if isinstance(d, dict) and d.get("phase") == "done"), None)
+    out = {k: v for k, v in load.items() if k != "output_tail"}
+    if row is None or load["last_commit"] is None:
+        return out | {"error": "no done migration or no commit logged", "pgbench": load["output_tail"]}
+    done_at = datetime.fromisoformat(row["updated"]).timestamp()
+    span = load["last_commit"] - load["first_commit"]
+    return out | {
+        "writers_downtime_s": round(done_at - load["last_commit"], 3),
+        "reported_downtime_s": round(row["times"].get("cutover downtime", float("nan")), 3),
+        "achieved_tps": round(load["transactions"] / span, 1) if span > 0 else None,
+    }
+
+
+def run_ours(ctx: Context, target_db: str) -> list[Step]:
+    """``applier migrate start --cutover`` against the copy of the source :func:`prepare_ours` made."""
+    if ctx.ours_code is None:
+        raise ToolFailed("no code for ours")
+    argv = [sys.executable, "-m", "applier.cli", "migrate", "start", f"migbench_{target_db}",
+            "--source", ctx.src.dsn(ours_source(target_db)), "--target", ctx.tgt.dsn(target_db),
+            "--table-jobs", str(ctx.jobs), "--index-jobs", str(ctx.jobs), "--cutover"]  # fmt: skip
+    log = OUT_DIR / f"ours-{target_db}.log"
+    return [run_step(argv, ctx.ours_env, ctx.timeout, cwd=str(ctx.workdir), log=log)]
 
 
 RUNNERS: dict[str, Callable[[Context, str], list[Step]]] = {
@@ -435,6 +545,12 @@ RUNNERS: dict[str, Callable[[Context, str], list[Step]]] = {
     "dump_restore_z0": run_dump_restore_z0,
     "native": run_native,
     "ours": run_ours,
+    "ours_load": run_ours,
+}
+#: What a tool needs made before its clock starts: returns what undoes it after the run.
+PREPARE: dict[str, Callable[[Context, str], Callable[[], None]]] = {
+    "ours": prepare_ours,
+    "ours_load": prepare_ours,
 }
 LABELS = {
     "pgcopydb": "pgcopydb clone",
@@ -442,6 +558,7 @@ LABELS = {
     "dump_restore_z0": "the same with pg_dump -Z 0",
     "native": "native (pre-data, subscription copy, post-data -j N, setval)",
     "ours": "applier migrate start --cutover",
+    "ours_load": "the same under pgbench -R on the source",
 }
 
 
@@ -508,6 +625,9 @@ class RunResult:
     load: float = 0.0
     #: ours: its rows of ``applier.migration`` after the run
     details: list[Any] = field(default_factory=list)
+    peak_rss_mb: float | None = None
+    #: ours_load: what the writers did and saw (:func:`write_downtime`)
+    writes: dict[str, Any] | None = None
 
 
 def one_run(ctx: Context, tool: str, rep: int, expected: dict[str, Any], schemas: list[str]) -> RunResult:
@@ -515,9 +635,11 @@ def one_run(ctx: Context, tool: str, rep: int, expected: dict[str, Any], schemas
     ctx.tgt.create_database(target_db)
     shutil.rmtree(ctx.workdir, ignore_errors=True)
     ctx.workdir.mkdir(parents=True)
+    cleanup = PREPARE[tool](ctx, target_db) if tool in PREPARE else None
     with ctx.src.connect() as s, ctx.tgt.connect() as t:
         s.execute("CHECKPOINT")
         t.execute("CHECKPOINT")
+    load = WriteLoad(ctx, ours_source(target_db), ctx.write_rate) if tool == "ours_load" else None
     started = time.monotonic()
     try:
         steps = RUNNERS[tool](ctx, target_db)
@@ -528,18 +650,26 @@ def one_run(ctx: Context, tool: str, rep: int, expected: dict[str, Any], schemas
         error = head[:1000] + ("\n" + rest[-2500:] if rest else "")
         result = RunResult(tool, rep, None, None, False, error=error, load=os.getloadavg()[0])
     else:
+        if load is not None:  # the writes changed the source: the target must equal it as it is now
+            with ctx.src.connect(ours_source(target_db)) as s:
+                expected = snapshot(s, schemas)
         with ctx.tgt.connect(target_db) as t:
             got = snapshot(t, schemas)
         diff = differences(expected, got)
         result = RunResult(
             tool, rep, seconds, max(s.peak_pss_kb for s in steps) / 1024, not diff,
             [asdict(s) | {"output_tail": s.output_tail[-500:]} for s in steps],
-            "; ".join(diff), os.getloadavg()[0],
+            "; ".join(diff), os.getloadavg()[0], peak_rss_mb=max(s.peak_rss_kb for s in steps) / 1024,
         )  # fmt: skip
     finally:
+        writes = load.stop() if load is not None else None
         shutil.rmtree(ctx.workdir, ignore_errors=True)
-    if tool == "ours":
+        if cleanup is not None:
+            cleanup()
+    if tool.startswith("ours"):
         result.details = migration_rows(ctx.tgt, target_db)
+    if writes is not None:
+        result.writes = write_downtime(writes, result.details)
     ctx.tgt.drop_database(target_db)
     return result
 
@@ -549,7 +679,12 @@ def migration_rows(cluster: PostgresCluster, db: str) -> list[Any]:
     exit from a slow migration. Best effort: the table belongs to ``applier migrate`` and may change."""
     try:
         with cluster.connect(db) as c:
-            return [r[0] for r in c.execute("SELECT to_jsonb(m) FROM applier.migration m").fetchall()]
+            rows = [r[0] for r in c.execute("SELECT to_jsonb(m) FROM applier.migration m").fetchall()]
+            slow = c.execute(
+                "SELECT step, round(seconds::numeric, 2)::float8, finished::text FROM applier.migration_step"
+                " WHERE seconds >= 0.3 ORDER BY finished"
+            ).fetchall()
+            return [*rows, {"post-data steps of 0.3 s or more (step, s, finished)": [list(r) for r in slow]}]
     except psycopg.Error as exc:
         return [f"(no applier.migration: {str(exc).strip()[:200]})"]
 
@@ -570,6 +705,8 @@ class ToolSummary:
     peak_pss_mb: float | None
     unavailable: str = ""
     errors: list[str] = field(default_factory=list)
+    peak_rss_mb: float | None = None
+    writes: list[dict[str, Any]] = field(default_factory=list)  # ours_load: one per good run
 
 
 def summarize(tool: str, results: list[RunResult], unavailable: str | None) -> ToolSummary:
@@ -583,6 +720,8 @@ def summarize(tool: str, results: list[RunResult], unavailable: str | None) -> T
         max((r.peak_pss_mb or 0.0) for r in good) if good else None,
         unavailable or "",
         [f"run {r.rep}: " + (r.error or "verification failed").strip().splitlines()[0][:300] for r in bad],
+        max((r.peak_rss_mb or 0.0) for r in good) if good else None,
+        [r.writes for r in good if r.writes is not None],
     )
 
 
@@ -600,7 +739,7 @@ def render(summaries: list[ToolSummary], header: str) -> str:
             lines.append(f"| {LABELS[s.tool]} | not run: {s.unavailable} | | | |")
             continue
         ratio = ""
-        if ours and ours.median_s and s.median_s and s.tool != "ours":
+        if ours and ours.median_s and s.median_s and not s.tool.startswith("ours"):
             ratio = f"{ours.median_s / s.median_s:.2f}"
         med = f"{s.median_s:.1f}" if s.median_s is not None else "FAILED"
         runs = ", ".join(f"{x:.1f}" for x in s.runs_s) + (f" ({s.failed} failed)" if s.failed else "")
@@ -616,10 +755,37 @@ def render(summaries: list[ToolSummary], header: str) -> str:
             "",
             "Goal ours <= 0.75x pgcopydb: not measured (" + (ours.unavailable or "see above") + ").",
         ]
+    lines += render_writes(by.get("ours_load"))
     problems = [f"{s.tool}: {e}" for s in summaries for e in s.errors]
     if problems:
         lines += ["", "Problems:"] + [f"- {p}" for p in problems]
     return "\n".join(lines)
+
+
+def render_writes(s: ToolSummary | None) -> list[str]:
+    """ours_load's lines: the write downtime of each run, seen by the writers and as ours reports it."""
+    if s is None or not s.writes:
+        return []
+    w0 = s.writes[0]
+    lines = [
+        "",
+        f"Ours under writes (pgbench -n -R {w0.get('rate')} -c {w0.get('clients')} on the source for the whole run), "
+        f"peak memory of ours' processes: PSS {s.peak_pss_mb or 0:.0f} MB, RSS {s.peak_rss_mb or 0:.0f} MB:",
+        "",
+        "| run | s | write downtime seen by the writers s | reported by ours (fence to done) s | pgbench tps |",
+        "|---|---|---|---|---|",
+    ]
+    for i, (secs, w) in enumerate(zip(s.runs_s, s.writes, strict=False)):
+        seen = w.get("writers_downtime_s")
+        lines.append(
+            f"| {i} | {secs:.1f} | {seen if seen is not None else w.get('error')} | {w.get('reported_downtime_s')}"
+            f" | {w.get('achieved_tps')} |"
+        )
+    worst = max((w["writers_downtime_s"] for w in s.writes if "writers_downtime_s" in w), default=None)
+    if worst is not None:
+        verdict = "met" if worst <= GOAL_DOWNTIME_S else "NOT met"
+        lines += ["", f"Goal write downtime <= {GOAL_DOWNTIME_S:.0f} s: worst run {worst:.2f} s, {verdict}."]
+    return lines
 
 
 def rotation(tools: Sequence[str], rep: int) -> list[str]:
@@ -650,7 +816,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--small-tables", type=int, help="number of small tables (default 200)")
     ap.add_argument("--jobs", type=int, default=2, help="parallelism N of every tool (table and index jobs)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per tool, in rotating order")
-    ap.add_argument("--tools", default=",".join(TOOLS), help="comma-separated subset of: " + ", ".join(TOOLS))
+    ap.add_argument(
+        "--tools", default=",".join(DEFAULT_TOOLS), help="comma-separated subset of: " + ", ".join(TOOLS)
+    )
+    ap.add_argument(
+        "--write-rate", type=int, default=500, help="ours_load: pgbench -R on the source (transactions/s)"
+    )
     ap.add_argument(
         "--pg", default="15", help="server version or bindir (default 15: Debian, as pgcopydb needs)"
     )
@@ -697,12 +868,13 @@ def main(argv: list[str] | None = None) -> int:
     ctx: Context | None = None
     results: list[RunResult] = []
     try:
-        if "ours" in args.tools:
+        if "ours" in args.tools or "ours_load" in args.tools:
             ours_code = prepare_ours_code(args.ours_code.resolve(), args.code_rev)
             ours_rev = args.code_rev or git_rev(args.ours_code)
             env = dict(os.environ, PYTHONPATH=str(ours_code), PYSPARK_PYTHON=sys.executable)
             if why := ours_unavailable(env, ours_code):
-                unavailable["ours"] = f"{why} (code of {args.ours_code} at {ours_rev})"
+                for t in ("ours", "ours_load"):
+                    unavailable[t] = f"{why} (code of {args.ours_code} at {ours_rev})"
         for tool, why in unavailable.items():
             print(f"note: {tool}: {why}", file=sys.stderr, flush=True)
         src.start()
@@ -721,7 +893,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{time.monotonic() - t0:.0f}s; jobs {args.jobs}; load {load_at_start[0]:.1f}", file=sys.stderr,
               flush=True)  # fmt: skip
         ctx = Context(src, tgt, bindir, args.jobs, args.timeout, scratch / "work", ours_code,
-                      dict(os.environ, PYTHONPATH=str(ours_code or ""), PYSPARK_PYTHON=sys.executable))  # fmt: skip
+                      dict(os.environ, PYTHONPATH=str(ours_code or ""), PYSPARK_PYTHON=sys.executable),
+                      args.write_rate)  # fmt: skip
         tools = [t for t in args.tools if t not in unavailable]
         for rep in range(args.repeat):
             for tool in rotation(tools, rep):

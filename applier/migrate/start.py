@@ -334,25 +334,43 @@ class _Runner:
             catalog.engine.dispose()
 
     # --- copy and post-data ------------------------------------------------------------------------------------
-    def copied(self) -> set[str]:
-        with psycopg.connect(self.opts.target, autocommit=True) as conn:
-            return {
-                r[0]
-                for r in conn.execute(
-                    "SELECT format('%%I.%%I', n.nspname, c.relname) FROM applier.subscription_rel r"
-                    " JOIN applier.subscription s USING (subid) JOIN pg_class c ON c.oid = r.srrelid"
-                    " JOIN pg_namespace n ON n.oid = c.relnamespace"
-                    " WHERE s.subname = %s AND r.srsubstate IN ('f', 's', 'r')",
-                    (self.opts.name,),
-                )
-            }
+    def copied(self, conn: psycopg.Connection[Any]) -> set[str]:
+        """The tables whose copy is finished (read through ``conn``, polled a few times a second)."""
+        return {
+            r[0]
+            for r in conn.execute(
+                "SELECT format('%%I.%%I', n.nspname, c.relname) FROM applier.subscription_rel r"
+                " JOIN applier.subscription s USING (subid) JOIN pg_class c ON c.oid = r.srrelid"
+                " JOIN pg_namespace n ON n.oid = c.relnamespace"
+                " WHERE s.subname = %s AND r.srsubstate IN ('f', 's', 'r')",
+                (self.opts.name,),
+            )
+        }
+
+    def source_pages(self, steps: list[postdata.Step]) -> dict[str, int]:
+        """Each table's size in pages on the source (now, not at the snapshot: an estimate that orders the work)."""
+        tables = sorted({r for s in steps for r in s.relnames})
+        with psycopg.connect(self.opts.source, autocommit=True) as src:
+            rows = src.execute(
+                "SELECT t, pg_relation_size(t::regclass) / current_setting('block_size')::int"
+                " FROM unnest(%s::text[]) AS t WHERE to_regclass(t) IS NOT NULL",
+                (tables,),
+            ).fetchall()
+        return {t: int(n) for t, n in rows}
 
     def copy_and_post_data(self, m: mstate.Migration) -> bool:
-        """The copy (this thread) and post-data (a thread, as tables land); True when both completed."""
+        """The copy (this thread) and post-data (a thread, as tables land); True when both completed.
+
+        Critical path first: the copy takes the table with the most work behind it first (its pages plus its
+        builds, :func:`postdata.table_weights`) and post-data starts the most expensive ready build first, so the
+        biggest table's builds overlap the copy of all the others instead of following it."""
         from tablesync.initial import InitialCopy, _SnapshotSlot
         from tablesync.progress import CopyProgress
 
         steps = [s for s in postdata.load_steps(self.target, m.name) if not s.kind.startswith("cutover")]
+        pages = self.source_pages(steps)
+        cost = postdata.step_costs(steps, pages)
+        weights = postdata.table_weights(steps, pages)
         copying = threading.Event()
         copying.set()
         outcome: dict[str, Any] = {}
@@ -360,10 +378,11 @@ class _Runner:
         def post() -> None:
             started = time.monotonic()
             try:
-                outcome["ok"] = postdata.run_steps(
-                    self.opts.target, m.name, steps, self.copied, jobs=self.opts.index_jobs,
-                    copy_running=copying.is_set, stop=self.stop, say=self.say,
-                )  # fmt: skip
+                with psycopg.connect(self.opts.target, autocommit=True) as conn:
+                    outcome["ok"] = postdata.run_steps(
+                        self.opts.target, m.name, steps, lambda: self.copied(conn), jobs=self.opts.index_jobs,
+                        copy_running=copying.is_set, stop=self.stop, say=self.say, cost=cost,
+                    )  # fmt: skip
             except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
                 outcome["error"] = exc
                 self.stop.set()
@@ -374,6 +393,16 @@ class _Runner:
             held = _SnapshotSlot(self.slot_conn, m.slot, self.snapshot_lsn or 0, self.snapshot)
 
         class SnapshotCopy(InitialCopy):
+            def plan(inner) -> list[Any]:  # noqa: N805
+                """The heaviest table's partitions first. The copy runs on the driver (a local Spark is not
+                started, see InitialCopy.run), whose streams take the tasks from the *end* of this list (they are
+                meant to take the smallest while a Spark job takes the biggest): so the order is reversed here. A
+                Spark job packs the tasks by size itself and ignores this order."""
+                tasks = super().plan()
+                first = sorted(tasks, key=lambda t: (-weights.get(t.relname, 0.0), t.relname, t.part))
+                inner.tasks = first[::-1]
+                return inner.tasks
+
             def open_snapshot(inner) -> _SnapshotSlot:  # noqa: N805
                 if held is None:
                     return super().open_snapshot()

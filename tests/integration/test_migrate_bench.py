@@ -1,6 +1,6 @@
-"""bench/migrate_bench.py at a tiny scale: every installed competitor produces a verified result, our column says
-why it is missing when ``applier migrate start --cutover`` is not usable, and the verification catches a copy that
-lost a row, an index or a sequence value.
+"""bench/migrate_bench.py at a tiny scale: every installed competitor produces a verified result (ours also under
+pgbench writes, with the write downtime measured), our column says why it is missing when ``applier migrate start
+--cutover`` is not usable, and the verification catches a copy that lost a row, an index or a sequence value.
 
 Marked ``bench`` and so left out of a plain ``pytest`` run (pyproject's ``addopts``): it starts PostgreSQL 15
 servers, runs every tool once (~1 minute) and measures nothing that CI needs. Run it with
@@ -54,7 +54,7 @@ def pg15() -> Iterator[PostgresCluster]:
 
 
 def test_bench_runs_every_installed_tool_and_verifies_it(tmp_path: Path) -> None:
-    tools = ["dump_restore", "dump_restore_z0", "native", "ours"]
+    tools = ["dump_restore", "dump_restore_z0", "native", "ours", "ours_load"]
     if shutil.which("pgcopydb"):
         tools.insert(0, "pgcopydb")
     out = tmp_path / "r.json"
@@ -69,13 +69,18 @@ def test_bench_runs_every_installed_tool_and_verifies_it(tmp_path: Path) -> None
     assert set(by_tool) == set(tools)
     for tool in tools:
         s = by_tool[tool]
-        if tool == "ours" and s["unavailable"]:
+        if tool.startswith("ours") and s["unavailable"]:
             # this tree has no `applier migrate start --cutover` yet: the report must say so, not fail silently
             assert "migrate" in s["unavailable"]
             assert "not run: " in (tmp_path / "r.md").read_text()
             continue
         assert s["failed"] == 0 and s["median_s"] is not None, (tool, s, res.stderr[-3000:])
-        assert s["peak_pss_mb"] > 0
+        assert s["peak_pss_mb"] > 0 and s["peak_rss_mb"] >= s["peak_pss_mb"]
+    if not by_tool["ours_load"]["unavailable"]:
+        # pgbench wrote to ours' source until the fence; the target equals the source as the writes left it
+        (writes,) = by_tool["ours_load"]["writes"]
+        assert writes["transactions"] > 0 and writes["writers_downtime_s"] >= 0, writes
+        assert "under writes" in (tmp_path / "r.md").read_text()
     runs = [r for r in data["results"] if r["tool"] in tools]
     assert all(r["verified"] for r in runs), runs
     # 5 pgbench/big tables (pgbench_* and big) + 3 small ones, all counted on the source

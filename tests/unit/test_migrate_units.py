@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from applier.migrate.plan import SourceFacts, TableFacts, TargetFacts, assess
-from applier.migrate.postdata import Step, ready
+from applier.migrate.postdata import Step, ready, step_costs, table_weights
 from applier.migrate.schema import edit_script, pattern
 from applier.migrate.selection import Selection
 from applier.migrate.state import PHASES, MigrationError, advance
@@ -208,6 +208,59 @@ def test_any_schedule_respects_every_dependency_and_finishes(arrival: list[str],
             running.remove(what)
             done.append(what)
     assert sorted(done) == sorted(s.step for s in steps)
+
+
+def test_index_builds_share_a_table_but_an_attach_waits_until_nothing_runs_on_it() -> None:
+    """An attach queued behind a long build would hold a job slot and block the builds queued behind its lock."""
+    steps = _steps()
+    done = {"key a.pk"}
+    assert [s.step for s in ready(steps, {"a"}, done, {"index a.v"})] == []  # attach a.pk waits for the build
+    assert [s.step for s in ready(steps, {"a"}, done, set())] == ["attach a.pk", "index a.v"]
+    assert [s.step for s in ready(steps, {"a"}, done, {"attach a.pk"})] == []  # and no build joins the attach
+    assert [s.step for s in ready(steps, {"a"}, set(), {"index a.v"})] == ["key a.pk"]  # builds run together
+    everything = {"key a.pk", "attach a.pk", "index a.v", "key b.pk", "attach b.pk", "fk b.a"}
+    assert [
+        s.step for s in ready(steps, {"a", "b"}, everything, {"trigger b.t"})
+    ] == []  # validate: both free
+
+
+def test_the_costliest_build_goes_first_and_the_heaviest_table_is_copied_first() -> None:
+    steps = [
+        Step("key s.pk", "key", ("s",), (), ("CREATE UNIQUE INDEX s_pkey ON public.s USING btree (id)",), 0),
+        Step("attach s.pk", "attach", ("s",), ("key s.pk",), ("ALTER TABLE ... USING INDEX s_pkey",), 1),
+        Step(
+            "key big.pk",
+            "key",
+            ("big",),
+            (),
+            ("CREATE UNIQUE INDEX big_pkey ON public.big USING btree (id)",),
+            2,
+        ),
+        Step(
+            "index big.doc", "index", ("big",), (), ("CREATE INDEX big_doc ON public.big USING gin (doc)",), 3
+        ),
+        Step(
+            "key acc.pk",
+            "key",
+            ("acc",),
+            (),
+            ("CREATE UNIQUE INDEX acc_pkey ON public.acc USING btree (id)",),
+            4,
+        ),
+    ]
+    pages = {"s": 10, "big": 1000, "acc": 1200}
+    cost = step_costs(steps, pages)
+    assert cost == {
+        "key s.pk": 10,
+        "attach s.pk": 0,
+        "key big.pk": 1000,
+        "index big.doc": 4000,
+        "key acc.pk": 1200,
+    }
+    order = [s.step for s in ready(steps, {"s", "big", "acc"}, {"key s.pk"}, set(), cost)]
+    assert order == ["attach s.pk", "index big.doc", "key acc.pk", "key big.pk"]
+    # big (1000 pages, a GIN index) has more work behind its copy than acc (1200 pages, one btree)
+    assert table_weights(steps, pages) == {"s": 20, "big": 6000, "acc": 2400}
 
 
 # --- phases ------------------------------------------------------------------------------------------------------
