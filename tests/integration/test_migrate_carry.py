@@ -20,8 +20,6 @@ from test_migrate_start import exit_status, phase, procs, start, wait_phase  # n
 
 from applier.testing import Database, wait_until
 
-pytestmark = pytest.mark.core
-
 ODD_GID = "app'tx 1"  # a GID that needs quoting
 
 
@@ -40,6 +38,7 @@ def _two_phase_on(tgt: Database) -> bool:
     return tgt.scalar("SELECT subtwophasestate FROM applier.subscription WHERE subname = 'mig'") == "e"
 
 
+@pytest.mark.core
 def test_carry_keeps_open_prepared_transactions_under_their_gids(pair, procs, tmp_path) -> None:  # noqa: F811
     pub, tgt = pair.publisher, pair.target
     pub.execute(SCHEMA)
@@ -197,6 +196,7 @@ def _reverse_round_trip(pair, src: Database, procs, tmp_path) -> None:  # noqa: 
     assert tgt.scalar("SELECT count(*) FROM pg_replication_slots") == 0
 
 
+@pytest.mark.core
 def test_reverse_leaves_the_old_server_following_the_new_one(pair, procs, tmp_path) -> None:  # noqa: F811
     pair.publisher.execute(SCHEMA)
     _reverse_round_trip(pair, pair.publisher, procs, tmp_path)
