@@ -34,7 +34,7 @@ from psycopg import sql
 
 from applier.conninfo import describe, without_password
 from applier.lsn import format_lsn
-from applier.migrate import largeobjects, matviews, partitions, postdata, schema
+from applier.migrate import largeobjects, matviews, objects, partitions, postdata, schema
 from applier.migrate import state as mstate
 from applier.migrate.selection import Selection
 from applier.migrate.state import MigrationError
@@ -261,10 +261,13 @@ class _Runner:
         quoted: list[str],
         steps: list[postdata.Step],
     ) -> list[postdata.Step]:
-        """The post-data steps of the partitioned tables and materialized views (their own modules say how)."""
+        """The post-data steps of the partitioned tables, materialized views, rules, policies and statistics objects
+        (their own modules say how)."""
         extra = partitions.steps(src, self._quoted(src, tables.partitioned), quoted, steps, len(steps))
-        first = len(steps) + len(extra)
-        return extra + matviews.steps(src, tables.schemas, quoted, first)
+        extra += matviews.steps(src, tables.schemas, quoted, len(steps) + len(extra))
+        return extra + objects.steps(
+            src, tables.schemas, tables.exclude, quoted, steps, len(steps) + len(extra)
+        )
 
     def identity_always(self, tables: list[str]) -> list[postdata.Step]:
         """Make the target's ``GENERATED ALWAYS`` identity columns ``BY DEFAULT`` until the cutover, which puts them

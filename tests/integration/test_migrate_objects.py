@@ -259,3 +259,70 @@ def test_a_kill_while_following_with_prepared_open_applies_nothing_twice(pair, p
     ):
         assert tgt.query(q) == pub.query(q)
     assert tgt.scalar("SELECT count(*) FROM pg_prepared_xacts WHERE database = current_database()") == 0
+
+
+TELLER = "DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'teller') THEN CREATE ROLE teller; END IF; END $$"
+
+RULES = """
+CREATE TABLE acct (id int PRIMARY KEY, owner text NOT NULL, a int, b int);
+CREATE TABLE audit (id int, note text);
+CREATE TABLE note (id int PRIMARY KEY, body text);
+CREATE FUNCTION allowed(text) RETURNS bool LANGUAGE sql IMMUTABLE AS $$ SELECT $1 <> 'nobody' $$;
+ALTER TABLE acct ENABLE ROW LEVEL SECURITY;
+ALTER TABLE acct FORCE ROW LEVEL SECURITY;
+CREATE POLICY own ON acct USING (owner = current_user);
+CREATE POLICY ins ON acct AS RESTRICTIVE FOR INSERT TO teller WITH CHECK (allowed(owner) AND EXISTS (SELECT FROM note));
+COMMENT ON POLICY own ON acct IS 'owners see their rows';
+CREATE RULE log_del AS ON DELETE TO acct DO ALSO INSERT INTO audit VALUES (old.id, 'deleted ' || old.owner);
+CREATE RULE keep AS ON UPDATE TO note WHERE new.body = 'forbidden' DO INSTEAD NOTHING;
+CREATE RULE loud AS ON INSERT TO note DO ALSO NOTIFY note_added;
+ALTER TABLE note DISABLE RULE loud;
+COMMENT ON RULE log_del ON acct IS 'deletions are kept';
+CREATE VIEW note_view AS SELECT id, body FROM note;
+CREATE RULE view_ins AS ON INSERT TO note_view DO INSTEAD INSERT INTO note VALUES (new.id, new.body);
+CREATE STATISTICS acct_ab (dependencies, ndistinct) ON a, b FROM acct;
+CREATE STATISTICS acct_expr ON (a + b), owner FROM acct;
+ALTER STATISTICS acct_ab SET STATISTICS 500;
+COMMENT ON STATISTICS acct_ab IS 'a and b move together';
+ALTER TABLE note CLUSTER ON note_pkey;
+INSERT INTO note SELECT g, 'n' || g FROM generate_series(1, 50) g;
+INSERT INTO acct SELECT g, 'u' || g % 7, g % 10, g % 10 * 2 FROM generate_series(1, 500) g;
+"""
+
+
+@pytest.mark.core
+def test_rules_policies_and_statistics_are_created_and_leave_the_apply_alone(pair, procs, tmp_path) -> None:  # noqa: F811
+    """Rules, row-level security (enabled and forced) with its policies, statistics objects and ``CLUSTER ON`` are
+    made after the copy; while following, a rule on a migrated table does not fire for the applied rows (the
+    source's own rule writes the audit rows, which arrive replicated) and the policies do not hold the apply back."""
+    pub, tgt = pair.publisher, pair.target
+    for db in (pub, tgt):  # roles are not migrated
+        db.execute(TELLER)
+    pub.execute(RULES)
+    log = tmp_path / "start.log"
+    proc = start(pair, "mig", log=log)
+    procs.append(proc)
+    wait_phase(tgt, "mig", "following", proc, log)
+    kinds = [r[0] for r in tgt.query("SELECT kind FROM applier.migration_step WHERE name = 'mig' AND done"
+                                     " AND kind IN ('rule', 'policy', 'row_security', 'statistics', 'cluster')")]  # fmt: skip
+    assert sorted(kinds) == sorted(
+        ["rule"] * 4 + ["policy"] * 2 + ["row_security", "cluster"] + ["statistics"] * 2
+    )
+    assert tgt.query("SELECT relrowsecurity, relforcerowsecurity FROM pg_class WHERE relname = 'acct'") == [
+        (True, True)
+    ]
+
+    # while following: deletions fire the source's rule only; inserts and updates pass the policies
+    pub.execute("DELETE FROM acct WHERE id <= 20")
+    pub.execute("INSERT INTO acct SELECT g, 'nobody', 1, 2 FROM generate_series(501, 520) g")
+    pub.execute("UPDATE acct SET a = a + 1 WHERE id > 400; UPDATE note SET body = 'forbidden' WHERE id = 1")
+    pub.execute("INSERT INTO note_view VALUES (51, 'via the view')")
+    res = migrate(tgt, "cutover", "mig", "--timeout", "90")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert exit_status(proc, log) == 0, log.read_text()
+    assert pub.scalar("SELECT count(*) FROM audit") == 20
+    assert_tables_equal(pub, tgt, "acct", "audit", "note")
+    assert schema_dump(tgt) == schema_dump(pub)
+    # the target's rules work for its own writes after the cutover
+    tgt.execute("DELETE FROM acct WHERE id = 21")
+    assert tgt.scalar("SELECT note FROM audit WHERE id = 21") == "deleted u0"

@@ -1,0 +1,182 @@
+"""The rest of pg_dump's post-data: rules, row-level security, extended statistics, ``CLUSTER ON``.
+
+``pg_dump --section=post-data`` (compare ``pg_restore -l`` of a ``-Fc`` dump) emits, besides the indexes,
+constraints and triggers of :mod:`applier.migrate.postdata`: ``RULE`` (with ``ALTER TABLE … ENABLE ALWAYS|REPLICA
+RULE`` or ``DISABLE RULE``), ``ROW SECURITY`` (``ALTER TABLE … ENABLE ROW LEVEL SECURITY``; the ``FORCE`` is in the
+pre-data table definition, and has no effect until the ``ENABLE``), ``POLICY``, ``STATISTICS`` (with ``ALTER
+STATISTICS … SET STATISTICS`` and its owner), the ``CLUSTER ON`` of an index, and the comments of each; also event
+triggers and publications, which a dump restricted with ``--schema`` (as ours always is) leaves out.
+
+They are read from the source's catalogs inside the migration's snapshot, like every other step, with the
+functions PostgreSQL gives (``pg_get_ruledef``, ``pg_get_expr`` of ``pg_policy``'s expressions,
+``pg_get_statisticsobjdef``), with an empty ``search_path`` so every name comes qualified. Not pg_dump's own text
+through a TOC list: that would be a second dump at the snapshot and a parse of its output into objects, while the
+catalogs give each object's table (what its step waits for) directly.
+
+Each object is one step (its own transaction with its done mark, resumable), made once **every** migrated table is
+copied: a rule or a policy may name other tables and functions, and a rule enabled ``ALWAYS`` would fire on the
+copy's rows; ``ENABLE ROW LEVEL SECURITY`` after the copy also keeps the policies away from it. None of them changes
+what the apply does: it runs with ``session_replication_role = replica``, so an ordinary rule does not fire
+(behaviour 51), and the target role the migration connects as must bypass row-level security (a superuser or
+``BYPASSRLS``), as a native subscription's owner must (behaviour 50).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from applier.migrate.postdata import Step
+
+__all__ = ["relations", "steps"]
+
+# every relation of the dumped schemas that the dump keeps: tables, partitioned tables, views, materialized views
+_RELATIONS = """
+SELECT c.oid FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE c.relkind IN ('r', 'p', 'v', 'm', 'f') AND n.nspname = ANY(%s)
+  AND (n.nspname, c.relname) NOT IN (SELECT * FROM unnest(%s::text[], %s::text[]))
+ORDER BY c.oid
+"""
+
+_RULES = """
+SELECT r.ev_class::regclass::text, r.rulename, pg_get_ruledef(r.oid), r.ev_enabled,
+       obj_description(r.oid, 'pg_rewrite')
+FROM pg_rewrite r WHERE r.ev_class = ANY(%s::oid[]) AND r.rulename <> '_RETURN' ORDER BY r.ev_class, r.oid
+"""
+
+_SECURED = (
+    "SELECT oid::regclass::text FROM pg_class WHERE oid = ANY(%s::oid[]) AND relrowsecurity ORDER BY oid"
+)
+
+_POLICIES = """
+SELECT p.polrelid::regclass::text, p.polname, p.polpermissive, p.polcmd,
+       ARRAY(SELECT pg_get_userbyid(r) FROM unnest(p.polroles) r WHERE r <> 0 ORDER BY 1),
+       pg_get_expr(p.polqual, p.polrelid), pg_get_expr(p.polwithcheck, p.polrelid), obj_description(p.oid, 'pg_policy')
+FROM pg_policy p WHERE p.polrelid = ANY(%s::oid[]) ORDER BY p.polrelid, p.oid
+"""
+
+# stxstattarget: -1 (before 17) or NULL (17+) when not set
+_STATISTICS = """
+SELECT format('%%I.%%I', n.nspname, s.stxname), pg_get_statisticsobjdef(s.oid), coalesce(s.stxstattarget::int, -1),
+       pg_get_userbyid(s.stxowner), obj_description(s.oid, 'pg_statistic_ext')
+FROM pg_statistic_ext s JOIN pg_namespace n ON n.oid = s.stxnamespace
+WHERE s.stxrelid = ANY(%s::oid[]) ORDER BY s.oid
+"""
+
+_CLUSTERED = """
+SELECT x.indrelid::regclass::text, i.relname, format('%%I.%%I', n.nspname, i.relname), k.conname
+FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid JOIN pg_namespace n ON n.oid = i.relnamespace
+LEFT JOIN pg_constraint k ON k.conindid = x.indexrelid AND k.conrelid = x.indrelid AND k.contype IN ('p', 'u', 'x')
+WHERE x.indisclustered AND x.indrelid = ANY(%s::oid[]) ORDER BY x.indrelid
+"""
+
+_RULE_STATE = {"A": "ENABLE ALWAYS RULE", "R": "ENABLE REPLICA RULE", "D": "DISABLE RULE"}
+_COMMAND = {"r": "SELECT", "a": "INSERT", "w": "UPDATE", "d": "DELETE", "*": "ALL"}
+
+
+def relations(
+    src: psycopg.Connection[Any], schemas: Sequence[str], exclude: Sequence[tuple[str, str]]
+) -> list[int]:
+    """The OIDs of the relations whose post-data objects move: those of ``schemas`` that the pre-data keeps (not
+    in ``exclude``, ``(schema, table)``)."""
+    rows = src.execute(_RELATIONS, (list(schemas), [s for s, _ in exclude], [t for _, t in exclude]))
+    return [r[0] for r in rows]
+
+
+def _comment(src: psycopg.Connection[Any], what: sql.Composable, text: str | None) -> list[str]:
+    if text is None:
+        return []
+    return [(sql.SQL("COMMENT ON ") + what + sql.SQL(" IS {}").format(sql.Literal(text))).as_string(src)]
+
+
+def _rules(src: psycopg.Connection[Any], rels: list[int]) -> list[tuple[str, str, tuple[str, ...]]]:
+    out = []
+    for table, name, ruledef, enabled, comment in src.execute(_RULES, (rels,)):
+        statements = [ruledef]
+        if enabled in _RULE_STATE:
+            statements.append(sql.SQL("ALTER TABLE {} {} {}").format(sql.SQL(table), sql.SQL(_RULE_STATE[enabled]),
+                                                                     sql.Identifier(name)).as_string(src))  # fmt: skip
+        rule = sql.SQL("RULE {} ON {}").format(sql.Identifier(name), sql.SQL(table))
+        out.append((f"rule {table}.{name}", "rule", (*statements, *_comment(src, rule, comment))))
+    return out
+
+
+def _policies(src: psycopg.Connection[Any], rels: list[int]) -> list[tuple[str, str, tuple[str, ...]]]:
+    out = []
+    for (table,) in src.execute(_SECURED, (rels,)):
+        enable = sql.SQL("ALTER TABLE {} ENABLE ROW LEVEL SECURITY").format(sql.SQL(table)).as_string(src)
+        out.append((f"row_security {table}", "row_security", (enable,)))
+    for table, name, permissive, cmd, roles, qual, check, comment in src.execute(_POLICIES, (rels,)):
+        policy = sql.SQL("POLICY {} ON {}").format(sql.Identifier(name), sql.SQL(table))
+        text = (
+            sql.SQL("CREATE ")
+            + policy
+            + sql.SQL(" AS {} FOR {}").format(
+                sql.SQL("PERMISSIVE" if permissive else "RESTRICTIVE"), sql.SQL(_COMMAND[cmd])
+            )
+        )
+        if roles:
+            text += sql.SQL(" TO {}").format(sql.SQL(", ").join(sql.Identifier(r) for r in roles))
+        if qual is not None:
+            text += sql.SQL(" USING ({})").format(sql.SQL(qual))
+        if check is not None:
+            text += sql.SQL(" WITH CHECK ({})").format(sql.SQL(check))
+        out.append(
+            (f"policy {table}.{name}", "policy", (text.as_string(src), *_comment(src, policy, comment)))
+        )
+    return out
+
+
+def _statistics(src: psycopg.Connection[Any], rels: list[int]) -> list[tuple[str, str, tuple[str, ...]]]:
+    out = []
+    for name, definition, target, owner, comment in src.execute(_STATISTICS, (rels,)):
+        stat = sql.SQL("STATISTICS {}").format(sql.SQL(name))
+        statements = [definition]
+        if target >= 0:
+            statements.append(
+                (
+                    sql.SQL("ALTER ") + stat + sql.SQL(" SET STATISTICS {}").format(sql.Literal(target))
+                ).as_string(src)
+            )
+        statements.append((sql.SQL("ALTER ") + stat + sql.SQL(" OWNER TO {}").format(sql.Identifier(owner))
+                           ).as_string(src))  # fmt: skip
+        out.append((f"statistics {name}", "statistics", (*statements, *_comment(src, stat, comment))))
+    return out
+
+
+def _cluster(src: psycopg.Connection[Any], rels: list[int], built: set[str]) -> list[Step]:
+    """``ALTER TABLE … CLUSTER ON`` of each clustered index, after the step that builds the index."""
+    out = []
+    for table, index_name, index, conname in src.execute(_CLUSTERED, (rels,)):
+        after = tuple(a for a in (f"index {index}", f"attach {table}.{conname}", f"constraint {table}.{conname}")
+                      if a in built)  # fmt: skip
+        statement = sql.SQL("ALTER TABLE {} CLUSTER ON {}").format(sql.SQL(table), sql.Identifier(index_name))
+        out.append(Step(f"cluster {table}", "cluster", (table,), after, (statement.as_string(src),)))
+    return out
+
+
+def steps(
+    src: psycopg.Connection[Any],
+    schemas: Sequence[str],
+    exclude: Sequence[tuple[str, str]],
+    tables: Sequence[str],
+    built: Sequence[Step],
+    first: int,
+) -> list[Step]:
+    """The steps of the objects this module covers. ``src`` is inside the snapshot with an empty ``search_path``;
+    ``tables``: every migrated table (quoted; the rules, policies and statistics wait for all of them); ``built``:
+    the other post-data steps (a ``CLUSTER ON`` follows its index's); ``first``: the first step's ``ord``."""
+    rels = relations(src, schemas, exclude)
+    if not rels:
+        return []
+    names = {s.step for s in built}
+    clustered = [s for s in _cluster(src, rels, names) if s.after and s.relnames[0] in tables]
+    made = [*_rules(src, rels), *_policies(src, rels), *_statistics(src, rels)]
+    out = [Step(name, kind, tuple(tables), (), statements) for name, kind, statements in made]
+    return [
+        Step(s.step, s.kind, s.relnames, s.after, s.statements, first + i)
+        for i, s in enumerate([*clustered, *out])
+    ]
