@@ -315,14 +315,17 @@ class _Cutover:
                carried: list[str], deferred: list[str]) -> float:  # fmt: skip
         """One target transaction: identity columns back to ``ALWAYS`` (those on tables a carried prepared
         transaction locks are left for later, into ``deferred``: the ``ACCESS EXCLUSIVE`` lock would wait for it),
-        the subscription disabled, the migration ``done``. Returns the write downtime."""
+        then the event triggers (last: they would fire on the DDL before them; after a deferred statement, deferred
+        too), the subscription disabled, the migration ``done``. Returns the write downtime."""
         with target.transaction():
-            for step, relnames, statements in target.execute(
-                "SELECT step, relnames, statements FROM applier.migration_step WHERE name = %s AND NOT done"
-                " AND kind = 'cutover_identity'",
+            for step, kind, relnames, statements in target.execute(
+                "SELECT step, kind, relnames, statements FROM applier.migration_step WHERE name = %s AND NOT done"
+                " AND kind IN ('cutover_identity', 'cutover_event_trigger') ORDER BY ord",
                 (m.name,),
             ).fetchall():
-                if carried and carrying.locked_by_prepared(target, relnames):
+                if (kind == "cutover_event_trigger" and deferred) or (
+                    carried and carrying.locked_by_prepared(target, relnames)
+                ):
                     deferred.extend(statements)
                     continue
                 for s in statements:

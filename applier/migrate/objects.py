@@ -31,7 +31,7 @@ from psycopg import sql
 
 from applier.migrate.postdata import Step
 
-__all__ = ["relations", "steps"]
+__all__ = ["event_triggers", "relations", "steps"]
 
 # every relation of the dumped schemas that the dump keeps: tables, partitioned tables, views, materialized views
 _RELATIONS = """
@@ -73,6 +73,20 @@ LEFT JOIN pg_constraint k ON k.conindid = x.indexrelid AND k.conrelid = x.indrel
 WHERE x.indisclustered AND x.indrelid = ANY(%s::oid[]) ORDER BY x.indrelid
 """
 
+# the database's event triggers, not an extension's (no parameters: a single % as the server reads it)
+_EVENT_TRIGGERS = """
+SELECT e.evtname, e.evtevent, format('%I.%I', n.nspname, p.proname), e.evttags, e.evtenabled,
+       pg_get_userbyid(e.evtowner), obj_description(e.oid, 'pg_event_trigger')
+FROM pg_event_trigger e JOIN pg_proc p ON p.oid = e.evtfoid JOIN pg_namespace n ON n.oid = p.pronamespace
+WHERE NOT EXISTS (SELECT FROM pg_depend d WHERE d.classid = 'pg_event_trigger'::regclass AND d.objid = e.oid
+                  AND d.deptype = 'e')
+ORDER BY e.oid
+"""
+
+#: The ``ord`` of the first event trigger step (after the identity steps, from 10,000: they run in ``ord`` order).
+EVENT_TRIGGER_ORD = 20_000
+
+_EVENT_STATE = {"A": "ENABLE ALWAYS", "R": "ENABLE REPLICA", "D": "DISABLE"}
 _RULE_STATE = {"A": "ENABLE ALWAYS RULE", "R": "ENABLE REPLICA RULE", "D": "DISABLE RULE"}
 _COMMAND = {"r": "SELECT", "a": "INSERT", "w": "UPDATE", "d": "DELETE", "*": "ALL"}
 
@@ -180,3 +194,28 @@ def steps(
         Step(s.step, s.kind, s.relnames, s.after, s.statements, first + i)
         for i, s in enumerate([*clustered, *out])
     ]
+
+
+def event_triggers(src: psycopg.Connection[Any]) -> list[Step]:
+    """The source's event triggers as steps of kind ``cutover_event_trigger``, made by the cutover after its own
+    DDL (the identity columns' ``ALTER TABLE``) and nothing before: an event trigger fires on DDL, and the post-data
+    steps and the cutover are DDL the source never ran. Only for a migration of the whole database (as pg_dump
+    dumps them only without ``--schema``/``--table``): they are database-wide."""
+    out = []
+    for name, event, function, tags, enabled, owner, comment in src.execute(_EVENT_TRIGGERS):
+        trigger = sql.SQL("EVENT TRIGGER {}").format(sql.Identifier(name))
+        text = sql.SQL("CREATE ") + trigger + sql.SQL(" ON {}").format(sql.Identifier(event))
+        if tags:
+            text += sql.SQL(" WHEN TAG IN ({})").format(sql.SQL(", ").join(sql.Literal(t) for t in tags))
+        text += sql.SQL(" EXECUTE FUNCTION {}()").format(sql.SQL(function))
+        statements = [text.as_string(src)]
+        if enabled in _EVENT_STATE:
+            statements.append(
+                (sql.SQL("ALTER ") + trigger + sql.SQL(" " + _EVENT_STATE[enabled])).as_string(src)
+            )
+        statements.append((sql.SQL("ALTER ") + trigger + sql.SQL(" OWNER TO {}").format(sql.Identifier(owner))
+                           ).as_string(src))  # fmt: skip
+        statements += _comment(src, trigger, comment)
+        out.append(Step(f"event_trigger {name}", "cutover_event_trigger", (), (), tuple(statements),
+                        EVENT_TRIGGER_ORD + len(out)))  # fmt: skip
+    return out

@@ -265,9 +265,9 @@ class _Runner:
         (their own modules say how)."""
         extra = partitions.steps(src, self._quoted(src, tables.partitioned), quoted, steps, len(steps))
         extra += matviews.steps(src, tables.schemas, quoted, len(steps) + len(extra))
-        return extra + objects.steps(
-            src, tables.schemas, tables.exclude, quoted, steps, len(steps) + len(extra)
-        )
+        extra += objects.steps(src, tables.schemas, tables.exclude, quoted, steps, len(steps) + len(extra))
+        whole = not self.opts.selection.schemas and not self.opts.selection.tables
+        return extra + (objects.event_triggers(src) if whole else [])
 
     def identity_always(self, tables: list[str]) -> list[postdata.Step]:
         """Make the target's ``GENERATED ALWAYS`` identity columns ``BY DEFAULT`` until the cutover, which puts them

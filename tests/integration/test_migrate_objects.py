@@ -287,13 +287,18 @@ COMMENT ON STATISTICS acct_ab IS 'a and b move together';
 ALTER TABLE note CLUSTER ON note_pkey;
 INSERT INTO note SELECT g, 'n' || g FROM generate_series(1, 50) g;
 INSERT INTO acct SELECT g, 'u' || g % 7, g % 10, g % 10 * 2 FROM generate_series(1, 500) g;
+CREATE TABLE ddl_log (tag text);
+CREATE FUNCTION log_ddl() RETURNS event_trigger LANGUAGE plpgsql AS $$
+    BEGIN INSERT INTO public.ddl_log VALUES (tg_tag); END $$;
+CREATE EVENT TRIGGER log_ddl ON ddl_command_end WHEN TAG IN ('CREATE TABLE', 'CREATE INDEX', 'ALTER TABLE')
+    EXECUTE FUNCTION log_ddl();
 """
 
 
 @pytest.mark.core
 def test_rules_policies_and_statistics_are_created_and_leave_the_apply_alone(pair, procs, tmp_path) -> None:  # noqa: F811
     """Rules, row-level security (enabled and forced) with its policies, statistics objects and ``CLUSTER ON`` are
-    made after the copy; while following, a rule on a migrated table does not fire for the applied rows (the
+    made after the copy, event triggers at the end of the cutover; while following, a rule on a migrated table does not fire for the applied rows (the
     source's own rule writes the audit rows, which arrive replicated) and the policies do not hold the apply back."""
     pub, tgt = pair.publisher, pair.target
     for db in (pub, tgt):  # roles are not migrated
@@ -321,8 +326,11 @@ def test_rules_policies_and_statistics_are_created_and_leave_the_apply_alone(pai
     assert res.returncode == 0, res.stdout + res.stderr
     assert exit_status(proc, log) == 0, log.read_text()
     assert pub.scalar("SELECT count(*) FROM audit") == 20
-    assert_tables_equal(pub, tgt, "acct", "audit", "note")
+    # the event trigger came last: the post-data's CREATE INDEX and the cutover's DDL did not fire it
+    assert_tables_equal(pub, tgt, "acct", "audit", "note", "ddl_log")
     assert schema_dump(tgt) == schema_dump(pub)
-    # the target's rules work for its own writes after the cutover
+    # the target's rules and event trigger work for its own writes after the cutover
     tgt.execute("DELETE FROM acct WHERE id = 21")
     assert tgt.scalar("SELECT note FROM audit WHERE id = 21") == "deleted u0"
+    tgt.execute("CREATE TABLE later (id int)")
+    assert tgt.query("SELECT tag FROM ddl_log") == [*pub.query("SELECT tag FROM ddl_log"), ("CREATE TABLE",)]
