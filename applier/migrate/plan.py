@@ -99,6 +99,8 @@ class SourceFacts:
     publications: list[str]
     materialized_views: list[str]
     roles: list[str]  # owners and grantees of the selected objects
+    row_security: list[str] = field(default_factory=list)  # selected tables with row-level security enabled
+    event_triggers: list[str] = field(default_factory=list)  # the database's (not an extension's)
 
     @property
     def major(self) -> int:
@@ -113,6 +115,7 @@ class TargetFacts:
     roles: list[str]
     existing_tables: list[str]  # selected tables (schema.name) that the target already has
     free_bytes: int | None  # None: cannot be told from here
+    bypass_rls: bool = True  # the role we connect as is a superuser or has BYPASSRLS
 
     @property
     def major(self) -> int:
@@ -248,7 +251,7 @@ def _blockers(
     return out
 
 
-def _warnings(s: SourceFacts, t: TargetFacts) -> list[Finding]:
+def _warnings(s: SourceFacts, t: TargetFacts, selection: Selection) -> list[Finding]:
     out: list[Finding] = []
     if not s.tables:
         out.append(Finding("no_tables", "the selection covers no table"))
@@ -277,11 +280,31 @@ def _warnings(s: SourceFacts, t: TargetFacts) -> list[Finding]:
         if avail is not None and version not in avail:
             out.append(Finding("extension_version", f"extension {name} is {version} on the source; the target "
                                f"offers {', '.join(sorted(avail))}: the target's default version is created"))  # fmt: skip
+    out += _object_warnings(s, t, selection)
     if t.major < s.major:
         out.append(Finding("downgrade", f"the target (PostgreSQL {t.major}) is older than the source ({s.major}): "
                            "the source's schema may use what the target cannot restore"))  # fmt: skip
     out.append(Finding("ddl", "DDL is not replicated: do not change the schema of selected tables on the source "
                        "until the cutover"))  # fmt: skip
+    return out
+
+
+def _object_warnings(s: SourceFacts, t: TargetFacts, selection: Selection) -> list[Finding]:
+    """Row-level security and event triggers: both are made late (applier.migrate.objects), and both can get in
+    the way of what the migration does on the target."""
+    out = []
+    if s.row_security and not t.bypass_rls:
+        out.append(Finding("row_security", f"row-level security is enabled on {', '.join(s.row_security)}: once it "
+                           "is enabled on the target (after the copy), its policies apply to the apply's writes, "
+                           "because the target role is not a superuser and has no BYPASSRLS",
+                           "migrate as a superuser or a role with BYPASSRLS, as a native subscription's owner "
+                           "must"))  # fmt: skip
+    if s.event_triggers and (selection.schemas or selection.tables):
+        out.append(Finding("event_trigger", f"event trigger(s) {', '.join(s.event_triggers)} are database-wide: "
+                           "not migrated with --schema or --table, as pg_dump"))  # fmt: skip
+    elif s.event_triggers:
+        out.append(Finding("event_trigger", f"event trigger(s) {', '.join(s.event_triggers)}: created on the target "
+                           "at the end of the cutover (they would fire on the migration's own DDL before)"))  # fmt: skip
     return out
 
 
@@ -295,7 +318,7 @@ def assess(
     """The plan: blockers, warnings and the rough time estimate."""
     plan = Plan(source, target, selection, tools)
     plan.blockers = _blockers(source, target, tools, found)
-    plan.warnings = _warnings(source, target)
+    plan.warnings = _warnings(source, target, selection)
     plan.copy_seconds = sum(tf.heap_bytes for tf in source.tables) / COPY_BYTES_PER_SECOND
     plan.index_seconds = sum(tf.index_bytes for tf in source.tables) / INDEX_BYTES_PER_SECOND
     return plan
@@ -349,6 +372,9 @@ WHERE c.relkind IN ('r', 'p', 'S', 'v', 'm', 'f') AND a.grantee <> 0
 UNION ALL
 SELECT n.nspname, NULL, NULL, pg_get_userbyid(n.nspowner) FROM pg_namespace n
 """
+
+# one row when the role we connect as does not see row-level security policies
+_BYPASS_RLS = "SELECT 1 FROM pg_roles WHERE rolname = current_user AND (rolsuper OR rolbypassrls)"
 
 _KINDS = {"p": "primary_key", "u": "unique", "f": "foreign_key", "c": "check", "x": "exclusion"}
 
@@ -445,6 +471,21 @@ def gather_source(conninfo: str, selection: Selection) -> SourceFacts:
             publications=[r[0] for r in q("SELECT pubname FROM pg_publication ORDER BY 1")],
             materialized_views=matviews,
             roles=sorted(roles),
+            row_security=[
+                f"{r[0]}.{r[1]}"
+                for r in q(
+                    "SELECT n.nspname, c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+                    " WHERE c.relrowsecurity ORDER BY 1, 2"
+                )
+                if selection.covers(r[0], r[1])
+            ],
+            event_triggers=[
+                r[0]
+                for r in q(
+                    "SELECT evtname FROM pg_event_trigger e WHERE NOT EXISTS (SELECT FROM pg_depend d WHERE"
+                    " d.classid = 'pg_event_trigger'::regclass AND d.objid = e.oid AND d.deptype = 'e') ORDER BY 1"
+                )
+            ],
         )
         conn.rollback()
     return facts
@@ -485,6 +526,7 @@ def gather_target(conninfo: str, tables: Sequence[TableFacts]) -> TargetFacts:
             roles=[r[0] for r in q("SELECT rolname FROM pg_roles ORDER BY 1")],
             existing_tables=[tf.qualified for tf in tables if tf.qualified in existing],
             free_bytes=_local_free_bytes(conninfo, conn),
+            bypass_rls=bool(q(_BYPASS_RLS).fetchone()),
         )
         conn.rollback()
     return facts

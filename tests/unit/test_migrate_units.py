@@ -103,6 +103,19 @@ def test_warnings() -> None:
                                     "downgrade", "ddl"]  # fmt: skip
 
 
+def test_row_security_and_event_trigger_warnings() -> None:
+    rls = source(row_security=["public.acct"], event_triggers=["log_ddl"])
+    plan = assess(rls, target(bypass_rls=False), Selection(), PG18)
+    assert plan.ok and codes(plan.warnings)[:2] == ["row_security", "event_trigger"]
+    assert "BYPASSRLS" in plan.warnings[0].hint and "end of the cutover" in plan.warnings[1].message
+    # a superuser (or BYPASSRLS) target role is not held back; with --schema the event triggers stay behind
+    plan = assess(rls, target(), Selection.of(["public"], None, None), PG18)
+    assert "row_security" not in codes(plan.warnings)
+    assert [w.message for w in plan.warnings if w.code == "event_trigger"] == [
+        "event trigger(s) log_ddl are database-wide: not migrated with --schema or --table, as pg_dump"
+    ]
+
+
 def test_the_estimate_is_bytes_over_rate() -> None:
     plan = assess(source(tables=[table(), table("u")]), target(), Selection(), PG18)
     assert plan.copy_seconds == 2 * 80_000_000 / 30e6
