@@ -87,6 +87,32 @@ ORDER BY e.oid
 EVENT_TRIGGER_ORD = 20_000
 
 _EVENT_STATE = {"A": "ENABLE ALWAYS", "R": "ENABLE REPLICA", "D": "DISABLE"}
+# comments on the other post-data objects: indexes (not a constraint's), constraints made after the copy, triggers
+_COMMENTS = """
+SELECT 'INDEX', x.indrelid::regclass::text, format('%%I.%%I', n.nspname, i.relname), NULL,
+       obj_description(i.oid, 'pg_class')
+FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid JOIN pg_namespace n ON n.oid = i.relnamespace
+WHERE x.indrelid = ANY(%s::oid[]) AND obj_description(i.oid, 'pg_class') IS NOT NULL
+  AND NOT EXISTS (SELECT FROM pg_constraint k WHERE k.conindid = i.oid AND k.conrelid = x.indrelid)
+UNION ALL
+SELECT 'CONSTRAINT', k.conrelid::regclass::text, k.conname, k.contype::text, obj_description(k.oid, 'pg_constraint')
+FROM pg_constraint k WHERE k.conrelid = ANY(%s::oid[]) AND obj_description(k.oid, 'pg_constraint') IS NOT NULL
+  AND (k.contype IN ('p', 'u', 'x', 'f') OR (k.contype = 'c' AND NOT k.convalidated)) AND k.conparentid = 0
+UNION ALL
+SELECT 'TRIGGER', t.tgrelid::regclass::text, t.tgname, NULL, obj_description(t.oid, 'pg_trigger')
+FROM pg_trigger t WHERE t.tgrelid = ANY(%s::oid[]) AND NOT t.tgisinternal AND t.tgparentid = 0
+  AND obj_description(t.oid, 'pg_trigger') IS NOT NULL
+ORDER BY 1, 2, 3
+"""
+
+#: the steps (of postdata and partitions) that may make a commented object, in the order tried
+_MAKERS = {
+    "INDEX": ("index {name}", "pindex {name}"),
+    "CONSTRAINT": ("attach {table}.{name}", "constraint {table}.{name}", "fk {table}.{name}", "pkey {table}.{name}",
+                   "pfk {table}.{name}"),
+    "TRIGGER": ("trigger {table}.{name}", "ptrigger {table}.{name}"),
+}  # fmt: skip
+
 _RULE_STATE = {"A": "ENABLE ALWAYS RULE", "R": "ENABLE REPLICA RULE", "D": "DISABLE RULE"}
 _COMMAND = {"r": "SELECT", "a": "INSERT", "w": "UPDATE", "d": "DELETE", "*": "ALL"}
 
@@ -172,6 +198,25 @@ def _cluster(src: psycopg.Connection[Any], rels: list[int], built: set[str]) -> 
     return out
 
 
+def _comments(src: psycopg.Connection[Any], rels: list[int], built: dict[str, Step]) -> list[Step]:
+    """``COMMENT ON`` the indexes, constraints and triggers that other steps make, each after its object's step (an
+    object left out, such as a foreign key to a table not migrated, keeps no comment)."""
+    out = []
+    for what, table, name, _, text in src.execute(_COMMENTS, (rels, rels, rels)):
+        after = [a for a in (m.format(table=table, name=name) for m in _MAKERS[what]) if a in built][:1]
+        if not after:
+            continue
+        target = (
+            sql.SQL(name)
+            if what == "INDEX"
+            else sql.SQL("{} ON {}").format(sql.Identifier(name), sql.SQL(table))
+        )
+        statement = sql.SQL("COMMENT ON {} {} IS {}").format(sql.SQL(what), target, sql.Literal(text))
+        out.append(Step(f"comment {what.lower()} {table}.{name}", "comment", built[after[0]].relnames, tuple(after),
+                        (statement.as_string(src),)))  # fmt: skip
+    return out
+
+
 def steps(
     src: psycopg.Connection[Any],
     schemas: Sequence[str],
@@ -188,6 +233,7 @@ def steps(
         return []
     names = {s.step for s in built}
     clustered = [s for s in _cluster(src, rels, names) if s.after and s.relnames[0] in tables]
+    clustered += _comments(src, rels, {s.step: s for s in built})
     made = [*_rules(src, rels), *_policies(src, rels), *_statistics(src, rels)]
     out = [Step(name, kind, tuple(tables), (), statements) for name, kind, statements in made]
     return [

@@ -265,7 +265,9 @@ class _Runner:
         (their own modules say how)."""
         extra = partitions.steps(src, self._quoted(src, tables.partitioned), quoted, steps, len(steps))
         extra += matviews.steps(src, tables.schemas, quoted, len(steps) + len(extra))
-        extra += objects.steps(src, tables.schemas, tables.exclude, quoted, steps, len(steps) + len(extra))
+        extra += objects.steps(
+            src, tables.schemas, tables.exclude, quoted, [*steps, *extra], len(steps) + len(extra)
+        )
         whole = not self.opts.selection.schemas and not self.opts.selection.tables
         return extra + (objects.event_triggers(src) if whole else [])
 
