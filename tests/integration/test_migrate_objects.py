@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import threading
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 from psycopg import sql
 from test_migrate_cutover import migrate
+from test_migrate_plan import pg15  # noqa: F401 - a fixture
 from test_migrate_start import exit_status, phase, procs, schema_dump, start, wait_phase  # noqa: F401 - a fixture
 
 from applier.migrate.tools import find_dump_tools
@@ -304,10 +306,29 @@ CREATE EVENT TRIGGER log_ddl ON ddl_command_end WHEN TAG IN ('CREATE TABLE', 'CR
 
 @pytest.mark.core
 def test_rules_policies_and_statistics_are_created_and_leave_the_apply_alone(pair, procs, tmp_path) -> None:  # noqa: F811
-    """Rules, row-level security (enabled and forced) with its policies, statistics objects and ``CLUSTER ON`` are
-    made after the copy, event triggers at the end of the cutover; while following, a rule on a migrated table does not fire for the applied rows (the
-    source's own rule writes the audit rows, which arrive replicated) and the policies do not hold the apply back."""
-    pub, tgt = pair.publisher, pair.target
+    """Rules, row-level security (enabled and forced) with its policies, statistics objects, ``CLUSTER ON`` and
+    comments are made after the copy, event triggers at the end of the cutover; while following, a rule on a
+    migrated table does not fire for the applied rows (the source's own rule writes the audit rows, which arrive
+    replicated) and the policies do not hold the apply back."""
+    _rules_round_trip(pair, pair.publisher, procs, tmp_path)
+
+
+def test_rules_policies_and_statistics_from_a_postgresql_15_source(pair, pg15, procs, tmp_path) -> None:  # noqa: F811
+    """The same from a PostgreSQL 15 source into the 18 target (``stxstattarget`` is -1 there, not NULL)."""
+    src = pg15.create_database(pair.name)
+    try:
+        _rules_round_trip(pair, src, procs, tmp_path)
+    finally:
+        with pg15.connect() as c:
+            c.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(pair.name)))
+
+
+def _major(db: Database) -> int:
+    return int(db.scalar("SELECT current_setting('server_version_num')::int / 10000"))
+
+
+def _rules_round_trip(pair, pub: Database, procs, tmp_path: Path) -> None:  # noqa: F811
+    tgt = pair.target
     for db in (pub, tgt):  # roles are not migrated
         db.execute(TELLER)
     pub.execute(RULES)
@@ -315,7 +336,7 @@ def test_rules_policies_and_statistics_are_created_and_leave_the_apply_alone(pai
     warned = {w["code"] for w in plan["warnings"]}
     assert "event_trigger" in warned and "row_security" not in warned  # the harness connects as a superuser
     log = tmp_path / "start.log"
-    proc = start(pair, "mig", log=log)
+    proc = start(pair, "mig", log=log, source=pub)
     procs.append(proc)
     wait_phase(tgt, "mig", "following", proc, log)
     ours = ["rule", "policy", "row_security", "statistics", "cluster", "comment"]
@@ -339,7 +360,9 @@ def test_rules_policies_and_statistics_are_created_and_leave_the_apply_alone(pai
     assert pub.scalar("SELECT count(*) FROM audit") == 20
     # the event trigger came last: the post-data's CREATE INDEX and the cutover's DDL did not fire it
     assert_tables_equal(pub, tgt, "acct", "audit", "note", "ddl_log")
-    assert schema_dump(tgt) == schema_dump(pub)
+    # PostgreSQL 16 stopped qualifying the columns of a one-table view when it prints one (pre-data, not ours)
+    same = (lambda d: re.sub(r"\bnote\.(id|body)\b", r"\1", d)) if _major(pub) != _major(tgt) else str
+    assert same(schema_dump(tgt)) == same(schema_dump(pub))
     # the target's rules and event trigger work for its own writes after the cutover
     tgt.execute("DELETE FROM acct WHERE id = 21")
     assert tgt.scalar("SELECT note FROM audit WHERE id = 21") == "deleted u0"
