@@ -361,7 +361,8 @@ FROM pg_constraint k JOIN pg_class t ON t.oid = k.conrelid JOIN pg_namespace n O
 WHERE k.contype IN ('p', 'u', 'f', 'c', 'x') AND t.relkind IN ('r', 'p')
 """
 
-# owners and grantees of selected schemas' relations, plus the schemas' own owners
+# owners and grantees of selected schemas' relations, the schemas' own owners, the roles of the relations' policies
+# and the owners of their statistics objects (post-data names them: applier.migrate.objects)
 _ROLES = """
 SELECT n.nspname, c.relname, c.relkind, pg_get_userbyid(c.relowner) FROM pg_class c
 JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.relkind IN ('r', 'p', 'S', 'v', 'm', 'f')
@@ -371,6 +372,12 @@ JOIN pg_namespace n ON n.oid = c.relnamespace, aclexplode(c.relacl) a
 WHERE c.relkind IN ('r', 'p', 'S', 'v', 'm', 'f') AND a.grantee <> 0
 UNION ALL
 SELECT n.nspname, NULL, NULL, pg_get_userbyid(n.nspowner) FROM pg_namespace n
+UNION ALL
+SELECT n.nspname, c.relname, c.relkind, pg_get_userbyid(r) FROM pg_policy p JOIN pg_class c ON c.oid = p.polrelid
+JOIN pg_namespace n ON n.oid = c.relnamespace, unnest(p.polroles) r WHERE r <> 0
+UNION ALL
+SELECT n.nspname, c.relname, c.relkind, pg_get_userbyid(x.stxowner) FROM pg_statistic_ext x
+JOIN pg_class c ON c.oid = x.stxrelid JOIN pg_namespace n ON n.oid = c.relnamespace
 """
 
 # one row when the role we connect as does not see row-level security policies
