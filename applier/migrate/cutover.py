@@ -83,7 +83,8 @@ def status(target_conninfo: str, name: str) -> dict[str, Any]:
             origin = row[0] if row else None
         carried = carrying.prepared_on_target(target, sub[0]) if sub is not None else []
         pending = [s for r in target.execute(
-            "SELECT statements FROM applier.migration_step WHERE name = %s AND NOT done AND kind = 'cutover_identity'"
+            "SELECT statements FROM applier.migration_step WHERE name = %s AND NOT done"
+            " AND kind IN ('cutover_identity', 'cutover_event_trigger')"
             " AND %s = 'done' ORDER BY ord", (name, m.phase)) for s in r[0]]  # fmt: skip
     doc: dict[str, Any] = {
         "name": name, "phase": m.phase, "source": m.source, "selection": m.selection, "tables": tables,

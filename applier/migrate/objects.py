@@ -1,11 +1,13 @@
-"""The rest of pg_dump's post-data: rules, row-level security, extended statistics, ``CLUSTER ON``.
+"""The rest of pg_dump's post-data: rules, row-level security, statistics, ``CLUSTER ON``, comments, event triggers.
 
 ``pg_dump --section=post-data`` (compare ``pg_restore -l`` of a ``-Fc`` dump) emits, besides the indexes,
 constraints and triggers of :mod:`applier.migrate.postdata`: ``RULE`` (with ``ALTER TABLE … ENABLE ALWAYS|REPLICA
 RULE`` or ``DISABLE RULE``), ``ROW SECURITY`` (``ALTER TABLE … ENABLE ROW LEVEL SECURITY``; the ``FORCE`` is in the
 pre-data table definition, and has no effect until the ``ENABLE``), ``POLICY``, ``STATISTICS`` (with ``ALTER
-STATISTICS … SET STATISTICS`` and its owner), the ``CLUSTER ON`` of an index, and the comments of each; also event
-triggers and publications, which a dump restricted with ``--schema`` (as ours always is) leaves out.
+STATISTICS … SET STATISTICS`` and its owner), the ``CLUSTER ON`` of an index, the comments of each and of the
+indexes, constraints and triggers (each after the step that makes its object); also event triggers and publications,
+which a dump restricted with ``--schema`` (as ours always is) leaves out. Publications stay the source's own; event
+triggers are database-wide and move with a whole-database migration, made by the cutover (:func:`event_triggers`).
 
 They are read from the source's catalogs inside the migration's snapshot, like every other step, with the
 functions PostgreSQL gives (``pg_get_ruledef``, ``pg_get_expr`` of ``pg_policy``'s expressions,
