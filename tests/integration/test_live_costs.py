@@ -80,8 +80,11 @@ def test_status_updates_are_paced_under_a_steady_load_and_still_report_catchup(p
         w.stop()
     unasked = [t for t, reply in sent if not reply]
     gaps = [b - a for a, b in zip(unasked, unasked[1:], strict=False)]
-    # keepalive replies and the final update at stop may come sooner; the loop's own updates may not
-    assert sum(g < STATUS_MIN_INTERVAL * 0.99 for g in gaps) <= 3, sorted(gaps)[:10]
+    # keepalive replies and the final update at stop may come sooner; the loop's own updates may not. The pacer
+    # dates an update by the housekeeping's clock reading, taken a little before the send this wrapper times, so two
+    # paced sends can be timed up to a few hundred microseconds closer than STATUS_MIN_INTERVAL (seen: 9.76 ms);
+    # unpaced, they came one per transaction, well under a millisecond apart
+    assert sum(g < STATUS_MIN_INTERVAL * 0.8 for g in gaps) <= 3, sorted(gaps)[:10]
     assert len(unasked) >= 2
 
 
