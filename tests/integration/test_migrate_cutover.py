@@ -12,7 +12,7 @@ import psycopg
 import pytest
 from psycopg import sql
 from test_cli_common import APPLIER
-from test_migrate_plan import pg15  # noqa: F401 - a fixture
+from test_migrate_plan import pg15, pg16  # noqa: F401 - fixtures
 from test_migrate_start import exit_status, phase, procs, start, wait_phase  # noqa: F401 - procs is a fixture
 
 from applier.testing import Database, wait_until
@@ -158,9 +158,17 @@ def test_a_failed_verification_unfences_and_keeps_following(pair, procs, tmp_pat
 
 
 def test_a_postgresql_15_source_into_this_target(pair, pg15, procs, tmp_path) -> None:  # noqa: F811
+    _an_older_source_into_this_target(pair, pg15, procs, tmp_path)
+
+
+def test_a_postgresql_16_source_into_this_target(pair, pg16, procs, tmp_path) -> None:  # noqa: F811
+    _an_older_source_into_this_target(pair, pg16, procs, tmp_path)
+
+
+def _an_older_source_into_this_target(pair, old, procs, tmp_path) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
     """The major-version upgrade: pg_dump of the target's version reads the old server; identity, generated
     columns and sequences come across; a cutover completes."""
-    src = pg15.create_database(pair.name)
+    src = old.create_database(pair.name)
     try:
         src.execute(SCHEMA + "ALTER TABLE log ADD COLUMN n2 int GENERATED ALWAYS AS (length(note) * 2) STORED;"
                     "CREATE INDEX log_note ON log (note)")  # fmt: skip
@@ -179,7 +187,7 @@ def test_a_postgresql_15_source_into_this_target(pair, pg15, procs, tmp_path) ->
         assert pair.target.scalar("SELECT indexdef FROM pg_indexes WHERE indexname = 'log_note'") is not None
         assert pair.target.scalar("SELECT nextval('acc_id_seq')") == 502
     finally:
-        with pg15.connect() as c:
+        with old.connect() as c:
             c.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(pair.name)))
 
 

@@ -192,6 +192,16 @@ def pg15() -> Iterator[PostgresCluster]:
         yield cluster
 
 
+@pytest.fixture(scope="module")
+def pg16() -> Iterator[PostgresCluster]:
+    try:
+        find_binaries(16)
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"no PostgreSQL 16: {exc}")
+    with running_cluster(16, name="src16") as cluster:
+        yield cluster
+
+
 def test_a_pg15_source_with_an_extension_the_target_lacks(pair, pg15: PostgresCluster) -> None:
     """The major-version upgrade case: PostgreSQL 15's contrib has pgcrypto, the embedded 18 does not."""
     if "pgcrypto" in {r[0] for r in pair.target.query("SELECT name FROM pg_available_extensions")}:
