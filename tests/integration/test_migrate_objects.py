@@ -125,7 +125,6 @@ PARTS = (
 )
 
 
-@pytest.mark.core
 def test_range_and_list_partitioned_tables_migrate_with_their_keys(pair, procs, tmp_path) -> None:  # noqa: F811
     pub, tgt = pair.publisher, pair.target
     pub.execute(PARTITIONED)
