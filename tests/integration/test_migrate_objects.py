@@ -160,15 +160,17 @@ def test_range_and_list_partitioned_tables_migrate_with_their_keys(pair, procs, 
 
 
 def _slow_pg_dump(tmp_path: Path, source: Database) -> Path:
-    """A bin directory whose pg_dump answers ``--version`` at once and otherwise waits (and says so in a file)
-    before running the real one: the schema phase held open long enough to be killed in it."""
+    """A bin directory whose pg_dump answers ``--version`` at once and otherwise says so in a file and blocks on a
+    FIFO nobody writes (the test kills it there): the schema phase held open until the kill."""
     tools, _ = find_dump_tools(source.scalar("SELECT current_setting('server_version_num')::int") // 10000)
     assert tools is not None
     bindir = tmp_path / "slowbin"
     bindir.mkdir()
     script = bindir / "pg_dump"
+    hold = tmp_path / "hold"
+    os.mkfifo(hold)
     script.write_text(f'#!/bin/sh\n[ "$1" = --version ] && exec {tools.pg_dump} "$@"\ntouch {tmp_path}/dumping\n'
-                      f'sleep 60\nexec {tools.pg_dump} "$@"\n')  # fmt: skip
+                      f'cat {hold} >/dev/null\nexec {tools.pg_dump} "$@"\n')  # fmt: skip
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     (bindir / "pg_restore").symlink_to(tools.pg_restore)
     return bindir

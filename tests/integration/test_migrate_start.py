@@ -233,22 +233,31 @@ def test_a_kill_during_the_copy_resumes_without_copying_a_finished_table_twice(p
 
 
 def test_a_kill_during_post_data_builds_nothing_twice(pair, procs, tmp_path) -> None:
-    """An index whose build takes seconds (its expression sleeps per row): killed while it builds, the next start
-    builds it again (its transaction rolled back) and only it; the steps done before stay done."""
+    """An index whose build is held (its expression takes a shared advisory lock per row, which the test holds
+    exclusively): killed while it builds, the next start builds it again (its transaction rolled back) and only it;
+    the steps done before stay done."""
     pub, tgt = pair.publisher, pair.target
     pub.execute(
-        "CREATE FUNCTION slow(int) RETURNS int IMMUTABLE LANGUAGE sql AS 'SELECT $1 FROM pg_sleep(0.02)';"
+        "CREATE FUNCTION slow(int) RETURNS int IMMUTABLE LANGUAGE sql"
+        " AS 'SELECT $1 FROM pg_advisory_xact_lock_shared(4242)';"
         "CREATE TABLE a (id int PRIMARY KEY, v int); INSERT INTO a SELECT g, g FROM generate_series(1, 400) g;"
         "CREATE INDEX a_slow ON a (slow(v)); CREATE INDEX a_v ON a (v)"
     )
     log = tmp_path / "start.log"
-    proc = start(pair, "mig", "--index-jobs", "1", log=log)
-    procs.append(proc)
-    wait_until(lambda: proc.poll() is not None or "post-data: index public.a_slow started" in log.read_text(),
-               timeout=180, what="the slow index build")  # fmt: skip
-    assert proc.poll() is None, log.read_text()
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    with tgt.connect() as holder:
+        holder.execute("SELECT pg_advisory_lock(4242)")  # the build of a_slow waits for it
+        proc = start(pair, "mig", "--index-jobs", "1", log=log)
+        procs.append(proc)
+        wait_until(lambda: proc.poll() is not None or tgt.scalar(
+                       "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted") > 0,
+                   timeout=180, what="the index build waiting for the held lock")  # fmt: skip
+        assert proc.poll() is None, log.read_text()
+        assert "post-data: index public.a_slow started" in log.read_text()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        holder.execute(
+            "SELECT pg_advisory_unlock(4242)"
+        )  # the orphaned build goes on, finds its client gone, aborts
     done_before = dict(tgt.query("SELECT step, finished FROM applier.migration_step WHERE done"))
     assert "index public.a_slow" not in done_before and "key public.a.a_pkey" in done_before
     assert tgt.scalar("SELECT to_regclass('a_slow')") is None  # rolled back with its transaction
