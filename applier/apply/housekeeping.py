@@ -17,6 +17,7 @@ import enum
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -25,7 +26,7 @@ from applier.apply.feedback import FeedbackTracker
 from applier.apply.handlers import Applier, SkipState
 from applier.apply.pacing import StatusPacer
 from applier.apply.target import Target
-from applier.catalog.store import Catalog, Subscription
+from applier.catalog.store import Catalog, RelState, Subscription
 from applier.replication import ReplicationConnection, ReplicationConnectionError
 from state.twophase import TwoPhaseState
 
@@ -50,6 +51,12 @@ WATCH_STALE = 5.0
 RECEIVER_TIMEOUT = 60.0
 #: the subscription options the stream depends on: a change restarts the session
 STREAM_OPTIONS = ("subconninfo", "subslotname", "subbinary", "substream", "suborigin", "subpublications")
+
+
+def state_set(rels: Iterable[RelState]) -> frozenset[tuple[int, str, int | None]]:
+    """Table states as a comparable value: what the catalog watch snapshots, and what the caches are checked
+    against."""
+    return frozenset((r.relid, r.state, r.lsn) for r in rels)
 
 
 class Outcome(enum.Enum):
@@ -98,11 +105,7 @@ class CatalogWatch(threading.Thread):
 
     def _snapshot(self) -> None:
         sub = self.catalog.get(self.subname)
-        states = (
-            frozenset((r.relid, r.state, r.lsn) for r in self.catalog.table_states(sub.subid))
-            if sub is not None
-            else frozenset()
-        )
+        states = state_set(self.catalog.table_states(sub.subid)) if sub is not None else frozenset()
         oids = self.oids
         bulk_ok = frozenset(self._bulk_tables(sorted(oids))) if oids else frozenset()
         self.latest = SimpleNamespace(at=time.monotonic(), sub=sub, states=states, oids=oids, bulk_ok=bulk_ok)
@@ -130,7 +133,7 @@ def unchanged(watch: CatalogWatch, sub: Subscription, skip: SkipState, tables: A
         return False
     if (fresh.subskiplsn or 0) != skip.skip_lsn or fresh.subtwophasestate != tables.two_phase_state:
         return False
-    if snap.states != frozenset((r.relid, r.state, r.lsn) for r in tables.by_oid.values()):
+    if snap.states != state_set(tables.by_oid.values()):
         return False
     if not applier.bulk:
         return True

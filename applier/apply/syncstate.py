@@ -16,7 +16,7 @@ from typing import Any
 
 from applier.apply.coordinator import TableSync, TableSyncCoordinator
 from applier.apply.handlers import TableStates
-from applier.apply.housekeeping import Restart
+from applier.apply.housekeeping import Restart, state_set
 from applier.apply.target import Target
 from applier.catalog.store import Catalog, RelState, Subscription
 from state.tables import SyncState, TableState, process_syncing_tables, should_apply_changes_for_rel
@@ -115,7 +115,7 @@ class CatalogTables(TableStates):
         snap = self.watch.latest if self.watch is not None else None
         if snap is None or snap.at < self._last_reload:
             return False
-        if snap.states != frozenset((r.relid, r.state, r.lsn) for r in self.by_oid.values()):
+        if snap.states != state_set(self.by_oid.values()):
             return False
         self._last_reload = snap.at  # the cache is known current as of the snapshot
         return True
