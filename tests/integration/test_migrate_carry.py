@@ -38,15 +38,21 @@ def _two_phase_on(tgt: Database) -> bool:
     return tgt.scalar("SELECT subtwophasestate FROM applier.subscription WHERE subname = 'mig'") == "e"
 
 
+def _following_with_two_phase(pair, running, tmp_path):  # type: ignore[no-untyped-def]
+    """``migrate start`` of the shared schema, until it follows the source with two-phase on: (process, its log)."""
+    pair.publisher.execute(SCHEMA)
+    log = tmp_path / "start.log"
+    proc = start(pair, "mig", log=log)
+    running.append(proc)
+    wait_phase(pair.target, "mig", "following", proc, log)
+    wait_until(lambda: _two_phase_on(pair.target), timeout=60, what="two-phase on for the migration's stream")
+    return proc, log
+
+
 @pytest.mark.core
 def test_carry_keeps_open_prepared_transactions_under_their_gids(pair, procs, tmp_path) -> None:  # noqa: F811
     pub, tgt = pair.publisher, pair.target
-    pub.execute(SCHEMA)
-    log = tmp_path / "start.log"
-    proc = start(pair, "mig", log=log)
-    procs.append(proc)
-    wait_phase(tgt, "mig", "following", proc, log)
-    wait_until(lambda: _two_phase_on(tgt), timeout=60, what="two-phase on for the migration's stream")
+    proc, log = _following_with_two_phase(pair, procs, tmp_path)
     assert tgt.scalar("SELECT subgidformat FROM applier.subscription WHERE subname = 'mig'") == "original"
 
     # while following, the source's decisions reach the target's copies by their original GIDs
@@ -101,12 +107,7 @@ def test_carry_keeps_open_prepared_transactions_under_their_gids(pair, procs, tm
 
 def test_a_gid_in_use_on_the_target_fails_clearly_then_recovers(pair, procs, tmp_path) -> None:  # noqa: F811
     pub, tgt = pair.publisher, pair.target
-    pub.execute(SCHEMA)
-    log = tmp_path / "start.log"
-    proc = start(pair, "mig", log=log)
-    procs.append(proc)
-    wait_phase(tgt, "mig", "following", proc, log)
-    wait_until(lambda: _two_phase_on(tgt), timeout=60, what="two-phase on for the migration's stream")
+    proc, log = _following_with_two_phase(pair, procs, tmp_path)
     tgt.execute("CREATE TABLE target_only (x int)")
     _prepare(tgt, "dup", "INSERT INTO target_only VALUES (1)")  # the target's own application
     _prepare(pub, "dup", "INSERT INTO acc (v) VALUES (4242)")
@@ -215,12 +216,7 @@ def test_reverse_from_a_postgresql_15_source(pair, pg15, procs, tmp_path) -> Non
 
 def test_reverse_with_prepared_transactions_to_carry_is_refused(pair, procs, tmp_path) -> None:  # noqa: F811
     pub, tgt = pair.publisher, pair.target
-    pub.execute(SCHEMA)
-    log = tmp_path / "start.log"
-    proc = start(pair, "mig", log=log)
-    procs.append(proc)
-    wait_phase(tgt, "mig", "following", proc, log)
-    wait_until(lambda: _two_phase_on(tgt), timeout=60, what="two-phase on")
+    proc, log = _following_with_two_phase(pair, procs, tmp_path)
     _prepare(pub, "open_one", "INSERT INTO acc (v) VALUES (1)")
     res = migrate(tgt, "cutover", "mig", "--prepared", "carry", "--reverse", "--timeout", "60")
     assert (
