@@ -4,7 +4,10 @@ Most catalog access goes through :class:`applier.catalog.store.Catalog` (SQLAlch
 the caller's). These few cannot: the apply pipeline sends its catalog writes down the libpq pipeline, in the same
 local transaction as the changes they belong to and without a round trip (a table turning ready, a skip-LSN cleared
 in the skipped transaction's commit, a prepared transaction's record); the Spark tasks write their exactly-once
-markers on plain psycopg connections of their own. Keeping the text here means a change to a table or column
+markers on plain psycopg connections of their own; ``applier migrate`` reads and writes the catalog on the psycopg
+session that also carries its own ``applier.migration`` rows, inside that session's transactions (the cutover
+disables the subscription in the transaction that marks the migration done, the abort in the one that marks it
+failed). Keeping the text here means a change to a table or column
 (:mod:`applier.catalog.schema`, with a migration) finds every statement that names it in this package.
 
 This module is text only and imports nothing, so the pure apply core may import it (the import-linter layers put it
@@ -98,3 +101,57 @@ CATALOG_EXISTS = "SELECT to_regclass('applier.subscription') IS NOT NULL"
 
 #: Every subscription's id (no parameters).
 SUBSCRIPTION_IDS = "SELECT subid FROM applier.subscription"
+
+# --- applier migrate (psycopg execute, %s placeholders, the caller's session and transaction) -------------------
+
+#: The subscription named %s: its subid and slot name (no row: it does not exist).
+SUBSCRIPTION_ID_AND_SLOT = "SELECT subid, subslotname FROM applier.subscription WHERE subname = %s"
+
+#: How subscription %s (subid) names its prepared transactions: ``subscription`` or ``original``.
+SUBSCRIPTION_GID_FORMAT = "SELECT subgidformat FROM applier.subscription WHERE subid = %s"
+
+#: Disable subscription %s (subid): a running worker sees it and stops.
+DISABLE_SUBSCRIPTION = "UPDATE applier.subscription SET subenabled = false WHERE subid = %s"
+
+#: Delete subscription %s's row (subid; the rows of its tables, prepared transactions,
+#: errors and lag go with it: ON DELETE CASCADE). The caller drops the
+#: origin, in the same transaction.
+DELETE_SUBSCRIPTION = "DELETE FROM applier.subscription WHERE subid = %s"
+
+#: The tables of the subscription named %s, as ``format('%I.%I')`` prints them, in that order.
+SUBSCRIPTION_TABLE_NAMES = (
+    "SELECT format('%%I.%%I', n.nspname, c.relname) FROM applier.subscription_rel r"
+    " JOIN applier.subscription s USING (subid) JOIN pg_class c ON c.oid = r.srrelid"
+    " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE s.subname = %s ORDER BY 1"
+)
+
+#: The tables of the subscription named %s whose initial copy is finished (state ``f``, ``s`` or ``r``), as
+#: ``format('%I.%I')`` prints them.
+SUBSCRIPTION_COPIED_TABLE_NAMES = (
+    "SELECT format('%%I.%%I', n.nspname, c.relname) FROM applier.subscription_rel r"
+    " JOIN applier.subscription s USING (subid) JOIN pg_class c ON c.oid = r.srrelid"
+    " JOIN pg_namespace n ON n.oid = c.relnamespace"
+    " WHERE s.subname = %s AND r.srsubstate IN ('f', 's', 'r')"
+)
+
+#: The tables of the subscription named %s with their sync state letter, rows and bytes copied: name (as
+#: ``format('%I.%I')`` prints it), srsubstate, srrows, srbytes, ordered by name.
+SUBSCRIPTION_TABLE_PROGRESS = (
+    "SELECT format('%%I.%%I', n.nspname, c.relname), r.srsubstate, r.srrows, r.srbytes"
+    " FROM applier.subscription_rel r JOIN applier.subscription s USING (subid)"
+    " JOIN pg_class c ON c.oid = r.srrelid JOIN pg_namespace n ON n.oid = c.relnamespace"
+    " WHERE s.subname = %s ORDER BY 1"
+)
+
+#: The total size (``pg_table_size``, int8, 0 when none) of the tables of the subscription named %s.
+SUBSCRIPTION_TABLES_SIZE = (
+    "SELECT coalesce(sum(pg_table_size(r.srrelid)), 0)::int8 FROM applier.subscription_rel r"
+    " JOIN applier.subscription s USING (subid) WHERE s.subname = %s"
+)
+
+#: The GIDs of subscription %s's (subid) transactions prepared on the target: its ``prepared_xact`` records whose
+#: transaction exists, oldest first.
+PREPARED_ON_TARGET = (
+    "SELECT x.gid FROM pg_prepared_xacts x JOIN applier.prepared_xact p ON p.gid = x.gid WHERE p.subid = %s"
+    " ORDER BY x.prepared, x.gid"
+)

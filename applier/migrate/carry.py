@@ -24,6 +24,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from applier.catalog import sql as catalog_sql
 from applier.migrate.state import MigrationError
 
 __all__ = [
@@ -41,9 +42,7 @@ __all__ = [
 def check_gid_format(target: psycopg.Connection[Any], subid: int) -> None:
     """Refuse a carry for a subscription that names its prepared transactions ``pg_gid_<subid>_<xid>``: the cutover
     cannot rename a prepared transaction."""
-    row = target.execute(
-        "SELECT subgidformat FROM applier.subscription WHERE subid = %s", (subid,)
-    ).fetchone()
+    row = target.execute(catalog_sql.SUBSCRIPTION_GID_FORMAT, (subid,)).fetchone()
     if row is None or row[0] != "original":
         raise MigrationError(
             "--prepared carry needs the migration's subscription to keep the source's GIDs (gid_format=original, "
@@ -55,9 +54,7 @@ def check_gid_format(target: psycopg.Connection[Any], subid: int) -> None:
 
 def prepared_on_target(target: psycopg.Connection[Any], subid: int) -> list[str]:
     """The subscription's transactions prepared on the target (its ``prepared_xact`` records that exist)."""
-    return [r[0] for r in target.execute(
-        "SELECT x.gid FROM pg_prepared_xacts x JOIN applier.prepared_xact p ON p.gid = x.gid WHERE p.subid = %s"
-        " ORDER BY x.prepared, x.gid", (subid,))]  # fmt: skip
+    return [r[0] for r in target.execute(catalog_sql.PREPARED_ON_TARGET, (subid,))]
 
 
 def source_prepared(src: psycopg.Connection[Any]) -> list[str]:

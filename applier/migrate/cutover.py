@@ -26,6 +26,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from applier.catalog import sql as catalog_sql
 from applier.lsn import parse_lsn
 from applier.migrate import carry as carrying
 from applier.migrate import fence as fencing
@@ -44,9 +45,7 @@ def _require(target: psycopg.Connection[Any], name: str) -> mstate.Migration:
 
 
 def _subscription(target: psycopg.Connection[Any], m: mstate.Migration) -> tuple[int, str] | None:
-    row = target.execute(
-        "SELECT subid, subslotname FROM applier.subscription WHERE subname = %s", (m.subname,)
-    ).fetchone()
+    row = target.execute(catalog_sql.SUBSCRIPTION_ID_AND_SLOT, (m.subname,)).fetchone()
     return None if row is None else (int(row[0]), str(row[1]))
 
 
@@ -59,13 +58,7 @@ def status(target_conninfo: str, name: str) -> dict[str, Any]:
         m = _require(target, name)
         tables = [
             {"name": r[0], "state": r[1], "rows": r[2], "bytes": r[3]}
-            for r in target.execute(
-                "SELECT format('%%I.%%I', n.nspname, c.relname), r.srsubstate, r.srrows, r.srbytes"
-                " FROM applier.subscription_rel r JOIN applier.subscription s USING (subid)"
-                " JOIN pg_class c ON c.oid = r.srrelid JOIN pg_namespace n ON n.oid = c.relnamespace"
-                " WHERE s.subname = %s ORDER BY 1",
-                (m.subname,),
-            )
+            for r in target.execute(catalog_sql.SUBSCRIPTION_TABLE_PROGRESS, (m.subname,))
         ]
         done, total = target.execute(
             "SELECT count(*) FILTER (WHERE done), count(*) FROM applier.migration_step"
@@ -136,13 +129,11 @@ def _cutover_estimate(
 
     progress = "SELECT pg_replication_origin_progress(%s, false) - '0/0'::pg_lsn FROM pg_replication_origin WHERE roname = %s"
     with psycopg.connect(target_conninfo, autocommit=True) as target:
-        tables, sequences, matviews, los = target.execute(
-            "SELECT (SELECT coalesce(sum(pg_table_size(r.srrelid)), 0)::int8 FROM applier.subscription_rel r"
-            " JOIN applier.subscription s USING (subid) WHERE s.subname = %s),"
-            " (SELECT count(*) FROM pg_sequences WHERE schemaname <> 'applier'),"
+        tables = target.execute(catalog_sql.SUBSCRIPTION_TABLES_SIZE, (m.subname,)).fetchone()[0]  # type: ignore[index]
+        sequences, matviews, los = target.execute(
+            "SELECT (SELECT count(*) FROM pg_sequences WHERE schemaname <> 'applier'),"
             " (SELECT coalesce(sum(pg_relation_size(oid)), 0)::int8 FROM pg_class WHERE relkind = 'm'),"
-            " pg_table_size('pg_largeobject')",
-            (m.subname,),
+            " pg_table_size('pg_largeobject')"
         ).fetchone()  # type: ignore[misc]
         rate = None
         if (doc["lag_bytes"] or 0) > SAMPLE_OVER_BYTES:
@@ -275,10 +266,7 @@ class _Cutover:
     @staticmethod
     def tables(target: psycopg.Connection[Any], subname: str) -> list[str]:
         """The migrated tables, schema-qualified and quoted."""
-        return [r[0] for r in target.execute(
-            "SELECT format('%%I.%%I', n.nspname, c.relname) FROM applier.subscription_rel r"
-            " JOIN applier.subscription s USING (subid) JOIN pg_class c ON c.oid = r.srrelid"
-            " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE s.subname = %s ORDER BY 1", (subname,))]  # fmt: skip
+        return [r[0] for r in target.execute(catalog_sql.SUBSCRIPTION_TABLE_NAMES, (subname,))]
 
     def counts(self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], subname: str) -> None:
         tables = self.tables(target, subname)
@@ -334,7 +322,7 @@ class _Cutover:
                 target.execute("UPDATE applier.migration_step SET done = true, finished = now()"
                                " WHERE name = %s AND step = %s", (m.name, step))  # fmt: skip
             downtime = time.monotonic() - fenced_at
-            target.execute("UPDATE applier.subscription SET subenabled = false WHERE subid = %s", (subid,))
+            target.execute(catalog_sql.DISABLE_SUBSCRIPTION, (subid,))
             mstate.set_phase(target, m.name, "done", seconds={"cutover downtime": downtime})
         return downtime
 
@@ -471,9 +459,7 @@ def abort(target_conninfo: str, name: str, say: Callable[[str], None], *, patien
             )
             sub = _subscription(target, m)
             if sub is not None:
-                target.execute(
-                    "UPDATE applier.subscription SET subenabled = false WHERE subid = %s", (sub[0],)
-                )
+                target.execute(catalog_sql.DISABLE_SUBSCRIPTION, (sub[0],))
         say(f'migration "{name}" aborted; stopping start')
         with fencing.open_source(m.source) as src:
             fencing.unfence(src)
@@ -485,7 +471,7 @@ def abort(target_conninfo: str, name: str, say: Callable[[str], None], *, patien
                 say(f"publication {m.publication} dropped from the source")
         if sub is not None:
             with target.transaction():
-                target.execute("DELETE FROM applier.subscription WHERE subid = %s", (sub[0],))
+                target.execute(catalog_sql.DELETE_SUBSCRIPTION, (sub[0],))
                 target.execute(
                     "SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin WHERE roname = %s",
                     (f"applier_{sub[0]}",),

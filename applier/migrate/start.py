@@ -32,6 +32,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from applier.catalog import sql as catalog_sql
 from applier.conninfo import describe, without_password
 from applier.lsn import format_lsn
 from applier.migrate import largeobjects, matviews, objects, partitions, postdata, schema
@@ -341,16 +342,7 @@ class _Runner:
     # --- copy and post-data ------------------------------------------------------------------------------------
     def copied(self, conn: psycopg.Connection[Any]) -> set[str]:
         """The tables whose copy is finished (read through ``conn``, polled a few times a second)."""
-        return {
-            r[0]
-            for r in conn.execute(
-                "SELECT format('%%I.%%I', n.nspname, c.relname) FROM applier.subscription_rel r"
-                " JOIN applier.subscription s USING (subid) JOIN pg_class c ON c.oid = r.srrelid"
-                " JOIN pg_namespace n ON n.oid = c.relnamespace"
-                " WHERE s.subname = %s AND r.srsubstate IN ('f', 's', 'r')",
-                (self.opts.name,),
-            )
-        }
+        return {r[0] for r in conn.execute(catalog_sql.SUBSCRIPTION_COPIED_TABLE_NAMES, (self.opts.name,))}
 
     def source_pages(self, steps: list[postdata.Step]) -> dict[str, int]:
         """Each table's size in pages on the source (now, not at the snapshot: an estimate that orders the work)."""

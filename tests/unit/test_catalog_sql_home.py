@@ -1,0 +1,117 @@
+"""The catalog's SQL lives in one place (issue 18, step 3): no module of ``applier``, ``tablesync`` or ``state``
+outside ``applier/catalog/`` names a table of the catalog in SQL text, nor builds statements from its SQLAlchemy
+tables. A change to a catalog table or column (``applier.catalog.schema``, with a migration) then finds every
+statement that touches it in that package: :class:`applier.catalog.store.Catalog` for what runs on a connection of
+its own or a SQLAlchemy one, :mod:`applier.catalog.sql` for the text that a caller sends on its own session.
+
+The check reads the source (``ast``), not the running code: every string and bytes constant that is not
+documentation (a bare string statement, i.e. a docstring) and that names ``applier.<catalog table>`` next to SQL
+words. Docstrings, comments and log messages may name the tables; SQL may not. Tests and benchmarks are not
+checked: they read the catalog to check it.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from applier.catalog.schema import SCHEMA, metadata
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("applier", "tablesync", "state")
+HOME = ROOT / "applier" / "catalog"
+
+#: The catalog's tables, from its schema, so that a new table is covered without touching this test.
+TABLES = sorted(t.name for t in metadata.tables.values() if t.schema == SCHEMA)
+
+_NAMES = re.compile(rf"\b{re.escape(SCHEMA)}\.({'|'.join(TABLES)})\b", re.IGNORECASE)
+# SQL words: these in any case; the ones that are English words too only in capitals, as our SQL writes them
+_SQL = re.compile(
+    r"\b(?i:select|insert|update|delete|join|where|truncate|returning|to_regclass|regclass)\b"
+    r"|\b(FROM|INTO|TABLE|SET|USING|COPY|LOCK|ALTER|VALUES)\b"
+)
+
+
+def _documentation(tree: ast.AST) -> set[int]:
+    """The ids of the constants that are bare string statements: docstrings, never sent to a server."""
+    return {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+    }
+
+
+def catalog_sql_in(source: str, filename: str = "<source>") -> list[str]:
+    """Where ``source`` names a catalog table in SQL text or imports the catalog's SQLAlchemy tables, one line
+    each (``file:line: what``)."""
+    tree = ast.parse(source, filename)
+    docs = _documentation(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "applier.catalog.schema":
+            used = sorted({a.name for a in node.names} & set(TABLES))
+            if used:
+                found.append(f"{filename}:{node.lineno}: imports the catalog table(s) {', '.join(used)}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str | bytes) and id(node) not in docs:
+            text = node.value if isinstance(node.value, str) else node.value.decode("utf-8", "replace")
+            names = _NAMES.findall(text)
+            if names and _SQL.search(text):
+                found.append(
+                    f"{filename}:{node.lineno}: SQL on {', '.join(sorted(set(names)))}: {text[:80]!r}"
+                )
+    return found
+
+
+def _modules() -> list[Path]:
+    paths = [p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))]
+    return [p for p in paths if HOME not in p.parents]
+
+
+def test_no_catalog_sql_outside_the_catalog_package():
+    modules = _modules()
+    assert len(modules) > 50  # the walk found the code
+    found = [f for p in modules for f in catalog_sql_in(p.read_text(), str(p.relative_to(ROOT)))]
+    assert not found, (
+        "catalog SQL outside applier/catalog/ (move it to a Catalog method in applier/catalog/store.py, or to "
+        "applier/catalog/sql.py when the caller must send it on its own session):\n" + "\n".join(found)
+    )
+
+
+def test_the_catalog_package_is_where_its_sql_is():
+    """The check is not vacuous: it finds the catalog's own statements."""
+    found = [f for p in sorted(HOME.glob("*.py")) for f in catalog_sql_in(p.read_text(), p.name)]
+    assert any(f.startswith("sql.py:") for f in found)
+    assert any(f.startswith("store.py:") for f in found)
+    assert {"subscription", "subscription_rel", "prepared_xact"} <= set(TABLES)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        'X = "SELECT subid FROM applier.subscription WHERE subname = %s"\n',
+        'c.execute("update applier.subscription set subenabled = false")\n',
+        'Q = (b"UPDATE applier.subscription_rel SET srsubstate = $1"\n     b" WHERE subid = $2")\n',
+        'rows = t.execute(" FROM applier.prepared_xact p WHERE p.subid = %s", (1,))\n',
+        "from applier.catalog.schema import SCHEMA, subscription_rel\n",
+    ],
+)
+def test_the_check_finds_catalog_sql(code: str):
+    assert catalog_sql_in(code)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        '"""Stored in ``applier.subscription.subconninfo``; SELECT it from applier.subscription."""\n',
+        'def f():\n    """Reads applier.subscription_rel: SELECT ... FROM it."""\n',
+        'log.warning("cannot add applier.apply_lag: %s", exc)\n',
+        'X = "SELECT subname FROM applier.subscriptions_view"\n',  # not a catalog table
+        "from applier.subscriptions import status\n",
+        "from applier.catalog.schema import SCHEMA, metadata\n",
+    ],
+)
+def test_the_check_lets_documentation_pass(code: str):
+    assert not catalog_sql_in(code)
