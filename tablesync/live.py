@@ -311,70 +311,89 @@ class LiveSync:
             self._set_phase(Phase.FAILED)
 
     def _sync(self) -> None:
+        """The three steps of the module docstring, each on the one copier (its temporary slot stays open from
+        the copy to the end of the catch-up: its snapshot point C is where the catch-up streams from)."""
         copier = LiveCopy(
             self.target_conninfo, self.subname, stop=self.stop, reporter=_LogProgress(self.log, self.subname)
         )
         try:
-            to_copy = copier.load()
-            if not to_copy:
+            c_lsn = self._copy(copier)
+            if c_lsn is None:
                 return
-            self.tables = {rs.name: rs.relid for rs in to_copy}
-            for rs in to_copy:
-                self.log.info('logical replication table synchronization worker for subscription "%s", table "%s" '
-                              "has started", self.subname, rs.name)  # fmt: skip
-            try:
-                copier.open_snapshot()
-            except TablesyncError as exc:
-                raise LiveSyncError(
-                    f"cannot get a temporary slot on the publisher: {explain(exc.__cause__ or exc)}"
-                ) from exc
-            assert copier.slot is not None
-            c_lsn = copier.slot.lsn
-            copier.plan()
-            copier.claim()
-            for name in self.tables:
-                self._state_log(
-                    name, SyncState.DATASYNC, None, f" (copying at snapshot point {format_lsn(c_lsn)})"
-                )
-            if self.stop.is_set():
-                raise LiveSyncError("stopped")
-            with copier.spark(self.spark_master, self.spark_conf) as session:
-                if not copier.copy(session):
-                    raise LiveSyncError("stopped")
-            result = copier.finish_tables(SyncState.FINISHEDCOPY)
-            for name, t in result.tables.items():
-                self._state_log(name, SyncState.FINISHEDCOPY, c_lsn, f" ({t.rows} rows copied)")
-            # SYNCWAIT: in memory only; the apply loop decides how the tables join its stream
-            with self._cond:
-                self.snapshot_lsn = c_lsn
-                self.phase = Phase.SYNCWAIT
-                self._cond.notify_all()
-                for name in self.tables:
-                    self._state_log(name, SyncState.SYNCWAIT, c_lsn)
-                while self._go is None and not self.stop.is_set():
-                    self._cond.wait(0.5)
-            if self._go is None:
-                raise LiveSyncError("stopped")
-            joined = join_apply_stream(TableState("*", SyncState.SYNCWAIT, c_lsn), self._go)
-            if joined.state is SyncState.SYNCDONE:
-                self.done_lsn = c_lsn
-                with copier.catalog.engine.begin() as c:
-                    for relid in self.tables.values():
-                        copier.catalog.set_table_state(copier.subid, relid, SyncState.SYNCDONE, c_lsn, conn=c)
-                for name in self.tables:
-                    self._state_log(name, SyncState.SYNCDONE, c_lsn,
-                                    f" (the apply stream is at {format_lsn(self._go)}: no catch-up needed)")  # fmt: skip
-                return
-            self.catchup_lsn = self._go
-            self._set_phase(Phase.CATCHUP)
-            for name in self.tables:
-                self._state_log(name, SyncState.CATCHUP, self._go, f" (catching up from {format_lsn(c_lsn)})")
-            self.done_lsn = self._catch_up(copier, c_lsn, self._go)
-            for name in self.tables:
-                self._state_log(name, SyncState.SYNCDONE, self.done_lsn,
-                                f" (caught up {self.caught_up} transaction(s))")  # fmt: skip
+            self._join(copier, c_lsn, self._syncwait(c_lsn))
         finally:
             copier.close()
+
+    def _copy(self, copier: LiveCopy) -> int | None:
+        """Step 1: copy every ``i``/``d``/``f`` table at a temporary slot's snapshot and leave them ``f`` there;
+        return that snapshot point C (None: no table to copy)."""
+        to_copy = copier.load()
+        if not to_copy:
+            return None
+        self.tables = {rs.name: rs.relid for rs in to_copy}
+        for rs in to_copy:
+            self.log.info('logical replication table synchronization worker for subscription "%s", table "%s" '
+                          "has started", self.subname, rs.name)  # fmt: skip
+        try:
+            copier.open_snapshot()
+        except TablesyncError as exc:
+            raise LiveSyncError(
+                f"cannot get a temporary slot on the publisher: {explain(exc.__cause__ or exc)}"
+            ) from exc
+        assert copier.slot is not None
+        c_lsn = copier.slot.lsn
+        copier.plan()
+        copier.claim()
+        for name in self.tables:
+            self._state_log(
+                name, SyncState.DATASYNC, None, f" (copying at snapshot point {format_lsn(c_lsn)})"
+            )
+        if self.stop.is_set():
+            raise LiveSyncError("stopped")
+        with copier.spark(self.spark_master, self.spark_conf) as session:
+            if not copier.copy(session):
+                raise LiveSyncError("stopped")
+        result = copier.finish_tables(SyncState.FINISHEDCOPY)
+        for name, t in result.tables.items():
+            self._state_log(name, SyncState.FINISHEDCOPY, c_lsn, f" ({t.rows} rows copied)")
+        return c_lsn
+
+    def _syncwait(self, c_lsn: int) -> int:
+        """Step 2, SYNCWAIT (in memory only): wait for the apply loop's position P (:meth:`proceed`), which
+        decides how the tables join its stream; return P."""
+        with self._cond:
+            self.snapshot_lsn = c_lsn
+            self.phase = Phase.SYNCWAIT
+            self._cond.notify_all()
+            for name in self.tables:
+                self._state_log(name, SyncState.SYNCWAIT, c_lsn)
+            while self._go is None and not self.stop.is_set():
+                self._cond.wait(0.5)
+        if self._go is None:
+            raise LiveSyncError("stopped")
+        return self._go
+
+    def _join(self, copier: LiveCopy, c_lsn: int, go: int) -> None:
+        """Step 3: the tables join the stream at P = ``go``: ``s`` at C when P <= C, else after a catch-up from C
+        to P (``c``, then ``s`` at the LSN L reached)."""
+        joined = join_apply_stream(TableState("*", SyncState.SYNCWAIT, c_lsn), go)
+        if joined.state is SyncState.SYNCDONE:
+            self.done_lsn = c_lsn
+            with copier.catalog.engine.begin() as c:
+                for relid in self.tables.values():
+                    copier.catalog.set_table_state(copier.subid, relid, SyncState.SYNCDONE, c_lsn, conn=c)
+            for name in self.tables:
+                self._state_log(name, SyncState.SYNCDONE, c_lsn,
+                                f" (the apply stream is at {format_lsn(go)}: no catch-up needed)")  # fmt: skip
+            return
+        self.catchup_lsn = go
+        self._set_phase(Phase.CATCHUP)
+        for name in self.tables:
+            self._state_log(name, SyncState.CATCHUP, go, f" (catching up from {format_lsn(c_lsn)})")
+        self.done_lsn = self._catch_up(copier, c_lsn, go)
+        for name in self.tables:
+            self._state_log(name, SyncState.SYNCDONE, self.done_lsn,
+                            f" (caught up {self.caught_up} transaction(s))")  # fmt: skip
 
     def _catch_up(self, copier: LiveCopy, c_lsn: int, until: int) -> int:
         """Stream the temporary slot from C and apply the syncing tables' transactions up to ``until``; set them

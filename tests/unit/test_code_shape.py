@@ -1,8 +1,11 @@
 """The shape of the apply package, checked so that it stays readable (issue 18): no function in ``applier/apply``
-longer than :data:`MAX_FUNCTION_LINES` lines or with ``if``/``for``/``while``/``try``/``with`` nested deeper than
+or in the live table sync (``tablesync/live.py``, which runs the apply loop in a sync-worker context) longer than :data:`MAX_FUNCTION_LINES` lines or with ``if``/``for``/``while``/``try``/``with`` nested deeper than
 :data:`MAX_DEPTH`, and the transaction/dispatch core class (:class:`applier.apply.handlers.Applier`) no longer than
 :data:`MAX_CORE_LINES` lines. A function that grows past a limit is a sign that a strategy or a step wants its own
-function or module; see docs/architecture.md for where each belongs."""
+function or module; see docs/architecture.md for where each belongs.
+
+The rest of ``tablesync`` is not checked yet: ``copy.py``, ``initial.py`` and ``job.py`` have functions over the
+limits (``InitialCopy.copy`` and ``InitialCopy.run``, each about 80 lines; a few nest 4 deep)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 APPLY = ROOT / "applier" / "apply"
+#: the files checked: the apply package, and the live table sync that drives the same loop and core
+CHECKED = [*sorted(APPLY.glob("*.py")), ROOT / "tablesync" / "live.py"]
 MAX_FUNCTION_LINES = 60
 MAX_DEPTH = 3
 MAX_CORE_LINES = 400
@@ -39,13 +44,14 @@ def _depth(node: ast.AST) -> int:
 
 def _functions() -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
     found = []
-    for path in sorted(APPLY.glob("*.py")):
+    for path in CHECKED:
         if path.name in EXEMPT:
             continue
         tree = ast.parse(path.read_text(), str(path))
+        where = path.relative_to(ROOT).as_posix() if path.parent != APPLY else path.name
         for node in ast.walk(tree):
             if isinstance(node, _FUNCTIONS):
-                found.append((f"{path.name}:{node.lineno} {node.name}", node))
+                found.append((f"{where}:{node.lineno} {node.name}", node))
     return found
 
 
@@ -54,6 +60,7 @@ FUNCTIONS = _functions()
 
 def test_there_is_something_to_check():
     assert len(FUNCTIONS) > 100
+    assert any(w.startswith("tablesync/live.py:") for w, _ in FUNCTIONS)
 
 
 @pytest.mark.parametrize("where,node", FUNCTIONS, ids=[w for w, _ in FUNCTIONS])
