@@ -127,18 +127,26 @@ class ApplyLoop:
         """Read and apply up to :data:`BURST` messages, until nothing more is there (or the context caught up);
         return how many, and whether the publisher asked for a reply."""
         n, reply_requested = 0, False
-        batch, context = self._batch, self.context
+        batch, context, source = self._batch, self.context, self.source
         while n < BURST and not context.caught_up():
-            item = self.source.read_undecoded(batch, min(BURST - n, self.batch_limit), ALL_TYPES, refill=True)
+            # The first read of a round takes only what libpq has buffered: the socket is then waited on by
+            # read() below, whose wait covers it (a check here would be one more system call per round).
+            refill = n > 0
+            item = source.read_undecoded(batch, min(BURST - n, self.batch_limit), ALL_TYPES, refill=refill)
             if batch:
                 n += len(batch)
                 self._received(batch)
                 self.apply_batch(batch)
-                self._pace(batch, ended=item is None)
+                if item is None and self._pace(batch, refill):
+                    break
+                batch.clear()
                 if item is None:
                     continue
             if item is None:
-                item = self.source.read(self._wait(n == 0))
+                wait = self._wait(n == 0)
+                if not wait and n and source.ran_dry:
+                    break  # the read before this one found the socket empty a moment ago
+                item = source.read(wait)
                 if item is None:
                     break
             n += 1
@@ -156,15 +164,22 @@ class ApplyLoop:
         data_start, wal_end = _XLOG_POSITIONS(batch[-1], 1)
         self.tracker.received(max(data_start, wal_end))
 
-    def _pace(self, batch: list[bytes], *, ended: bool) -> None:
-        """After a batch: when it ended the read and more is on its way, let the walsender's output queue up
-        (applier.apply.pacing)."""
-        got = len(batch)
-        batch.clear()
-        if ended:
-            pause = self.pacer.pause_after(got, self.source.ran_dry, self.applier.in_remote_transaction)
-            if pause:
-                self.sleep(pause)
+    def _pace(self, batch: list[bytes], refilled: bool) -> bool:
+        """After a batch that ended the read: when more is on its way, let the walsender's output queue up
+        (applier.apply.pacing). Returns True when the round is over: the read emptied the socket (``refilled``:
+        it looked at the socket, not only at libpq's buffer) between two remote transactions and no pause was
+        due, so nothing is arriving. Under a steady load of small transactions, one per round, reading on would
+        only find the socket empty twice more: two system calls and two passes through the read path each."""
+        emptied = refilled and self.source.ran_dry
+        in_transaction = self.applier.in_remote_transaction
+        pause = self.pacer.pause_after(len(batch), emptied, in_transaction)
+        if pause:
+            self.sleep(pause)
+            return False
+        if emptied and not in_transaction:
+            batch.clear()
+            return True
+        return False
 
     def _take(self, item: XLogData | PrimaryKeepalive) -> bool:
         """One message read decoded (a keepalive, or an XLogData too short to be read undecoded)."""
