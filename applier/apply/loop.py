@@ -126,7 +126,7 @@ class ApplyLoop:
     def round(self) -> tuple[int, bool]:
         """Read and apply up to :data:`BURST` messages, until nothing more is there (or the context caught up);
         return how many, and whether the publisher asked for a reply."""
-        n, reply_requested = 0, False
+        n, reply_requested, waited = 0, False, False
         batch, context, source = self._batch, self.context, self.source
         while n < BURST and not context.caught_up():
             # The first read of a round takes only what libpq has buffered: the socket is then waited on by
@@ -143,9 +143,10 @@ class ApplyLoop:
                 if item is None:
                     continue
             if item is None:
-                wait = self._wait(n == 0)
-                if not wait and n and source.ran_dry:
+                wait = self._wait(n, waited)
+                if wait is None:
                     break  # the read before this one found the socket empty a moment ago
+                waited = n > 0
                 item = source.read(wait)
                 if item is None:
                     break
@@ -153,9 +154,16 @@ class ApplyLoop:
             reply_requested |= self._take(item)
         return n, reply_requested
 
-    def _wait(self, first_read: bool) -> float:
-        """How long this read waits for data: the read pacing's answer, less while a status update is owed."""
-        wait = self.pacer.wait_for_data(bool(self.tracker.pending), first_read)
+    def _wait(self, n: int, waited: bool) -> float | None:
+        """How long this read waits for data, or None to end the round. The first read of a round (``n`` 0) waits
+        as the read pacing says, less while a status update is owed. A later one follows a read that found the
+        socket empty: mid-transaction it waits for the rest of the transaction, once per round (``waited``: done
+        already), and otherwise the round ends."""
+        if n:
+            if waited or not self.applier.in_remote_transaction:
+                return None
+            return self.pacer.rest_wait
+        wait = self.pacer.wait_for_data(bool(self.tracker.pending), True)
         if wait and self.status_pacer is not None:
             return self.status_pacer.timeout(time.monotonic(), wait)
         return wait

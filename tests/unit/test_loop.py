@@ -11,6 +11,7 @@ from typing import Any
 from applier_kit import REL_T, Core, make_core, row
 
 from applier.apply.loop import ApplyLoop
+from applier.apply.pacing import READ_REST_WAIT
 from applier.apply.ports import COPY_THRESHOLD
 from applier.encoder import encode_envelope, encode_message
 from applier.messages import Begin, Commit, Insert, PrimaryKeepalive, XLogData
@@ -189,3 +190,17 @@ def test_a_round_ends_when_the_socket_runs_dry_between_transactions(tmp_path: Pa
         ("wait", 0),
         ("socket", 2),
     ] * 2
+
+
+def test_a_transaction_caught_half_sent_is_waited_for_within_the_round(tmp_path: Path) -> None:
+    """The socket ran dry in the middle of a transaction: the loop waits for the rest (once per round) rather than
+    end the round and pass through the housekeeping for half a transaction."""
+    core = make_core(tmp_path)
+    first = txn(1, 1, 2)
+    stream = CountingStream([REL_T, *first[:2]], first[2:], txn(2, 3))
+    context = Context(stream, core)
+    ApplyLoop(stream, core.applier, core.tracker, context, sleep=lambda _s: None).run()
+    core.target.confirm_all()
+    assert core.target.origin_lsn == 2000
+    assert context.rounds == [(5, False), (3, False)]
+    assert ("wait", READ_REST_WAIT) in stream.calls
