@@ -126,28 +126,44 @@ class ApplyLoop:
     def round(self) -> tuple[int, bool]:
         """Read and apply up to :data:`BURST` messages, until nothing more is there (or the context caught up);
         return how many, and whether the publisher asked for a reply."""
-        n, reply_requested = 0, False
-        batch, context = self._batch, self.context
+        n, reply_requested, waited = 0, False, False
+        batch, context, source = self._batch, self.context, self.source
         while n < BURST and not context.caught_up():
-            item = self.source.read_undecoded(batch, min(BURST - n, self.batch_limit), ALL_TYPES, refill=True)
+            # The first read of a round takes only what libpq has buffered: the socket is then waited on by
+            # read() below, whose wait covers it (a check here would be one more system call per round).
+            refill = n > 0
+            item = source.read_undecoded(batch, min(BURST - n, self.batch_limit), ALL_TYPES, refill=refill)
             if batch:
                 n += len(batch)
                 self._received(batch)
                 self.apply_batch(batch)
-                self._pace(batch, ended=item is None)
+                if item is None and self._pace(batch, refill):
+                    break
+                batch.clear()
                 if item is None:
                     continue
             if item is None:
-                item = self.source.read(self._wait(n == 0))
+                wait = self._wait(n, waited)
+                if wait is None:
+                    break  # the read before this one found the socket empty a moment ago
+                waited = n > 0
+                item = source.read(wait)
                 if item is None:
                     break
             n += 1
             reply_requested |= self._take(item)
         return n, reply_requested
 
-    def _wait(self, first_read: bool) -> float:
-        """How long this read waits for data: the read pacing's answer, less while a status update is owed."""
-        wait = self.pacer.wait_for_data(bool(self.tracker.pending), first_read)
+    def _wait(self, n: int, waited: bool) -> float | None:
+        """How long this read waits for data, or None to end the round. The first read of a round (``n`` 0) waits
+        as the read pacing says, less while a status update is owed. A later one follows a read that found the
+        socket empty: mid-transaction it waits for the rest of the transaction, once per round (``waited``: done
+        already), and otherwise the round ends."""
+        if n:
+            if waited or not self.applier.in_remote_transaction:
+                return None
+            return self.pacer.rest_wait
+        wait = self.pacer.wait_for_data(bool(self.tracker.pending), True)
         if wait and self.status_pacer is not None:
             return self.status_pacer.timeout(time.monotonic(), wait)
         return wait
@@ -156,15 +172,22 @@ class ApplyLoop:
         data_start, wal_end = _XLOG_POSITIONS(batch[-1], 1)
         self.tracker.received(max(data_start, wal_end))
 
-    def _pace(self, batch: list[bytes], *, ended: bool) -> None:
-        """After a batch: when it ended the read and more is on its way, let the walsender's output queue up
-        (applier.apply.pacing)."""
-        got = len(batch)
-        batch.clear()
-        if ended:
-            pause = self.pacer.pause_after(got, self.source.ran_dry, self.applier.in_remote_transaction)
-            if pause:
-                self.sleep(pause)
+    def _pace(self, batch: list[bytes], refilled: bool) -> bool:
+        """After a batch that ended the read: when more is on its way, let the walsender's output queue up
+        (applier.apply.pacing). Returns True when the round is over: the read emptied the socket (``refilled``:
+        it looked at the socket, not only at libpq's buffer) between two remote transactions and no pause was
+        due, so nothing is arriving. Under a steady load of small transactions, one per round, reading on would
+        only find the socket empty twice more: two system calls and two passes through the read path each."""
+        emptied = refilled and self.source.ran_dry
+        in_transaction = self.applier.in_remote_transaction
+        pause = self.pacer.pause_after(len(batch), emptied, in_transaction)
+        if pause:
+            self.sleep(pause)
+            return False
+        if emptied and not in_transaction:
+            batch.clear()
+            return True
+        return False
 
     def _take(self, item: XLogData | PrimaryKeepalive) -> bool:
         """One message read decoded (a keepalive, or an XLogData too short to be read undecoded)."""

@@ -10,7 +10,10 @@ only while a transaction is arriving or traffic is heavy (bench/RESULTS.md, "The
 The pause adapts to what the reads show: mid-transaction it is taken only after a read of at least ``in_txn_after``
 messages (a large transaction arriving). A small transaction that a steady load's read caught half-sent (a few
 messages; the rest follows within microseconds) is read on at once: there the pause was pure latency
-(bench/live_bench.py).
+(bench/live_bench.py). If the socket is then empty, the loop waits for the rest (``rest_wait``, once per round:
+the wait ends as soon as it arrives) instead of ending the round: ending it cost a pass through the housekeeping
+and the read path more for that transaction (one round in eight under a steady load of small transactions), and
+applied nothing sooner, since the transaction cannot commit before its rest is there.
 
 **Status pacing** (:class:`StatusPacer`): when the housekeeping sends a standby status update. Once per loop
 iteration whose positions changed was one ``send()`` per remote transaction under a steady load of small ones
@@ -33,6 +36,9 @@ READ_PAUSE_AFTER = 200
 READ_PAUSE_IN_TXN_AFTER = 32
 #: the pause, seconds
 READ_PAUSE = 0.002
+#: mid-transaction, a read found the socket empty: how long to wait for the rest of the transaction (once per
+#: round; it is on its way, since the walsender sends only committed transactions or a whole streamed chunk)
+READ_REST_WAIT = 0.002
 #: how long the first read of a round waits for data: shorter while commits wait to be confirmed durable
 WAIT_IDLE = 1.0
 WAIT_FLUSH_PENDING = 0.2
@@ -45,6 +51,7 @@ class ReadPacer:
     after: int = READ_PAUSE_AFTER
     in_txn_after: int = READ_PAUSE_IN_TXN_AFTER
     pause: float = READ_PAUSE
+    rest_wait: float = READ_REST_WAIT
 
     def pause_after(self, got: int, ran_dry: bool, in_transaction: bool) -> float:
         """Seconds to wait after a read of ``got`` messages that ended the batch (``ran_dry``: it emptied the

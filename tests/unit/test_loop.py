@@ -11,6 +11,7 @@ from typing import Any
 from applier_kit import REL_T, Core, make_core, row
 
 from applier.apply.loop import ApplyLoop
+from applier.apply.pacing import READ_REST_WAIT
 from applier.apply.ports import COPY_THRESHOLD
 from applier.encoder import encode_envelope, encode_message
 from applier.messages import Begin, Commit, Insert, PrimaryKeepalive, XLogData
@@ -44,9 +45,16 @@ class ScriptedStream:
         return None
 
     def read(self, timeout: float) -> Any:
+        """As the real read(): the next message decoded, once the next burst has arrived (None when none is left)."""
         if self.rounds and not self.rounds[0]:
             self.rounds.pop(0)  # the next round arrives
-        return None
+        if not self.rounds or not self.rounds[0]:
+            return None
+        msg = self.rounds[0].pop(0)
+        if isinstance(msg, PrimaryKeepalive):
+            return msg
+        self.lsn += 10
+        return XLogData(self.lsn, self.lsn, 0, encode_message(msg))
 
 
 class Context:
@@ -145,3 +153,54 @@ def test_a_plain_insert_reaches_the_target_in_few_calls(tmp_path: Path) -> None:
     # a row into the open COPY (every row of a backlog's insert run after its first ones): round -> apply_batch ->
     # apply_one -> handle_insert_bytes -> InsertRuns.add_to_lane -> the COPY's add: 5, the issue's target
     assert _depth_of_first(tmp_path, "add", [REL_T, *txn(1, *range(COPY_THRESHOLD + 1))]) <= 5
+
+
+class CountingStream(ScriptedStream):
+    """Records the reads the loop makes: ``("buffer" | "socket", got)`` for read_undecoded without and with
+    ``refill``, ``("wait", timeout)`` for read."""
+
+    def __init__(self, *rounds: list[Any]) -> None:
+        super().__init__(*rounds)
+        self.calls: list[tuple[str, float]] = []
+
+    def read_undecoded(self, into: list[bytes], limit: int, wanted: bytes, *, refill: bool = False) -> Any:
+        before = len(into)
+        item = super().read_undecoded(into, limit, wanted, refill=refill)
+        self.calls.append(("socket" if refill else "buffer", len(into) - before))
+        return item
+
+    def read(self, timeout: float) -> Any:
+        self.calls.append(("wait", timeout))
+        return super().read(timeout)
+
+
+def test_a_round_ends_when_the_socket_runs_dry_between_transactions(tmp_path: Path) -> None:
+    """A steady load of small transactions, one per round: the round waits once, reads the transaction and ends
+    at the first read that finds the socket empty after its COMMIT (no second look at an empty socket)."""
+    core = make_core(tmp_path)
+    stream = CountingStream([REL_T, *txn(1, 1)], txn(2, 2), txn(3, 3))
+    context = Context(stream, core)
+    ApplyLoop(stream, core.applier, core.tracker, context, sleep=lambda _s: None).run()
+    core.target.confirm_all()
+    assert core.target.origin_lsn == 3000
+    assert context.rounds == [(4, False), (3, False), (3, False)]
+    # rounds 2 and 3: libpq's buffer (empty), the wait (Begin), the rest of the transaction from the socket
+    assert [(kind, got if kind != "wait" else 0) for kind, got in stream.calls[-6:]] == [
+        ("buffer", 0),
+        ("wait", 0),
+        ("socket", 2),
+    ] * 2
+
+
+def test_a_transaction_caught_half_sent_is_waited_for_within_the_round(tmp_path: Path) -> None:
+    """The socket ran dry in the middle of a transaction: the loop waits for the rest (once per round) rather than
+    end the round and pass through the housekeeping for half a transaction."""
+    core = make_core(tmp_path)
+    first = txn(1, 1, 2)
+    stream = CountingStream([REL_T, *first[:2]], first[2:], txn(2, 3))
+    context = Context(stream, core)
+    ApplyLoop(stream, core.applier, core.tracker, context, sleep=lambda _s: None).run()
+    core.target.confirm_all()
+    assert core.target.origin_lsn == 2000
+    assert context.rounds == [(5, False), (3, False)]
+    assert ("wait", READ_REST_WAIT) in stream.calls
