@@ -37,5 +37,5 @@ def test_a_version_1_run_renders_as_polled() -> None:
     assert run.lag_method == run.prepare_method == "poll 10 ms"
     out = lb.render([run])
     assert "7.0 / 16.0 / 30.0" in out
-    assert "Commit lag: poll 10 ms; prepare lag: poll 10 ms." in out
+    assert "Commit lag: poll 10 ms." in out and "Prepare lag seen by: poll 10 ms." in out
     assert "Prepare poll cost" not in out
