@@ -95,6 +95,7 @@ if __package__ in (None, ""):  # run as a script: make the project and the bench
     sys.path.insert(0, str(CODE_ROOT))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _trace  # noqa: E402
 from _common import cmdline, code_commit, descendants, loadavg, proc_sample, rerun_frozen  # noqa: E402
 from _native import NativeSubscription  # noqa: E402
 
@@ -620,6 +621,7 @@ class Env:
     profile_dir: Path | None = None
     strace_dir: Path | None = None
     prepare_poll_s: float = PREPARE_POLL_S
+    trace_dir: Path | None = None
 
 
 def run_side(env: Env, wl: Workload, rate: int, side: str) -> SideRun:
@@ -729,6 +731,7 @@ def run_load(env: Env, wl: Workload, rate: int, run: SideRun, pub: Database, tgt
     writer.start()
     if big is not None:
         big.start()
+    traces = _start_traces(env, tgt, proc, tag)
     bench = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     last_sample = 0.0
     while bench.poll() is None:
@@ -742,6 +745,7 @@ def run_load(env: Env, wl: Workload, rate: int, run: SideRun, pub: Database, tgt
     if script is not None:
         script.unlink(missing_ok=True)
     load_end = time.time()
+    _trace.stop(traces)
     if big is not None:  # before the last marker, so that the marker also waits for the last big insert
         big.stop.set()
         big.join()
@@ -783,6 +787,25 @@ def run_load(env: Env, wl: Workload, rate: int, run: SideRun, pub: Database, tgt
     if worker is not None and worker in cpu.hwm_kb:
         run.worker_hwm_mb = cpu.hwm_kb[worker] / 1024
     _fill_lags(run, writer.committed, listener.visible, load_start, pub_prep, tgt_prep, poller.visible)
+    if env.trace_dir is not None and pub_prep is not None and tgt_prep is not None:
+        stamps = {"pub": pub_prep.prepared_at, "tgt": tgt_prep.stamp, "seen": tgt_prep.seen}
+        (env.trace_dir / f"{tag}.prepares.json").write_text(json.dumps(stamps))
+        report = _trace.analyse(env.trace_dir, tag)
+        (env.trace_dir / f"{tag}.timeline.txt").write_text(report + "\n")
+        print(report, file=sys.stderr, flush=True)
+
+
+def _start_traces(env: Env, tgt: Database, proc: subprocess.Popen[bytes] | None,
+                  tag: str) -> list[subprocess.Popen[bytes]]:  # fmt: skip
+    """With ``--trace-dir``: strace the apply worker for the load (:mod:`_trace`)."""
+    if env.trace_dir is None:
+        return []
+    worker = _ours_worker_pid(proc.pid) if proc is not None else _native_worker_pid(tgt, tag)
+    if worker is None:
+        raise RuntimeError("no apply worker to trace")
+    traces = _trace.start(env.trace_dir, tag, {"worker": worker})
+    time.sleep(0.5)  # strace attaches
+    return traces
 
 
 def summary(values: Sequence[float]) -> dict[str, float]:
@@ -989,6 +1012,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "then not comparable")  # fmt: skip
     ap.add_argument("--strace-dir", type=Path, help="run ours under strace -f -c (system call counts per run, "
                     "e.g. sends per transaction); its lag and CPU are then not comparable")  # fmt: skip
+    ap.add_argument("--trace-dir", type=Path, help="strace the apply worker of each side during "
+                    "the load and write each prepared transaction's timeline (bench/_trace.py); lags and CPU are "
+                    "then not comparable")  # fmt: skip
     ap.add_argument(
         "--code-rev", metavar="REV", help="run the applier code of this commit (a frozen git archive)"
     )
@@ -1083,8 +1109,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.strace_dir:
             args.strace_dir = args.strace_dir.resolve()
             args.strace_dir.mkdir(parents=True, exist_ok=True)
+        if args.trace_dir:
+            args.trace_dir = args.trace_dir.resolve()
+            args.trace_dir.mkdir(parents=True, exist_ok=True)
         env = Env(pubc, tgtc, binaries.bindir, args.duration, args.drain_timeout, spool, args.profile_dir,
-                  args.strace_dir, args.prepare_poll_ms / 1000)  # fmt: skip
+                  args.strace_dir, args.prepare_poll_ms / 1000, args.trace_dir)  # fmt: skip
         first = [0]
         for key in args.keys:
             runs += run_workload(env, WORKLOADS[key], args.rate_map[key], args.step_up, args.max_rate, first)
