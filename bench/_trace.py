@@ -32,7 +32,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-SYSCALLS = "sendto,recvfrom"
+SYSCALLS = "sendto,recvfrom,epoll_wait,epoll_pwait,poll,ppoll,select,pselect6"
 _LINE = re.compile(r"^(?:\[pid\s+)?(\d+)\]?\s+(\d+\.\d+)\s+(.*)$")
 _PUB_GID = re.compile(r"live_(\d+)\\0")
 _TGT_GID = re.compile(r"PREPARE TRANSACTION 'pg_gid_\d+_(\d+)'")
@@ -140,3 +140,114 @@ def analyse(out_dir: Path, tag: str) -> str:
         lines.append(f"  slowest 1 % ({n} transactions), mean ms: "
                      + ", ".join(f"{k} {v * 1000:.2f}" for k, v in split.items()))  # fmt: skip
     return "\n".join(lines)
+
+
+# --- plain transactions: how long ours holds a received COMMIT before sending its local COMMIT --------------------
+
+_DATA = re.compile(
+    r'(?:(recvfrom|sendto)\((\d+), |<\.\.\. (recvfrom|sendto) resumed>)"((?:[^"\\]|\\.)*)"(\.\.\.)?'
+)
+_ESC = {"n": 10, "t": 9, "r": 13, "v": 11, "f": 12, '"': 34, "\\": 92}
+
+
+def unescape(s: str) -> bytes:
+    """strace's C-style string back to bytes (``\\n``-style escapes and octal ``\\NNN``)."""
+    out = bytearray()
+    i, n = 0, len(s)
+    while i < n:
+        c = s[i]
+        if c != "\\":
+            out += c.encode("latin-1", errors="replace")
+            i += 1
+            continue
+        nxt = s[i + 1]
+        if nxt in _ESC:
+            out.append(_ESC[nxt])
+            i += 2
+            continue
+        j = i + 1
+        while j < n and j < i + 4 and s[j] in "01234567":
+            j += 1
+        out.append(int(s[i + 1 : j], 8) & 0xFF)
+        i = j
+    return bytes(out)
+
+
+def io_events(path: Path) -> list[tuple[float, str, int, bytes, bool]]:
+    """(time, call, fd, data, truncated) of every recvfrom/sendto with data, in order (a call split by another
+    thread's is taken at its resumption, with the fd its start named)."""
+    pending_fd: dict[str, int] = {}
+    out = []
+    with open(path, errors="replace") as f:
+        for line in f:
+            m = _LINE.match(line)
+            if not m:
+                continue
+            pid, t, rest = m.group(1), float(m.group(2)), m.group(3)
+            if "<unfinished ...>" in rest:
+                if fm := re.match(r"(recvfrom|sendto)\((\d+),", rest):
+                    pending_fd[pid] = int(fm.group(2))
+                continue
+            d = _DATA.match(rest)
+            if not d:
+                continue
+            call = d.group(1) or d.group(3)
+            fd = int(d.group(2)) if d.group(2) else pending_fd.pop(pid, -1)
+            out.append((t, call, fd, unescape(d.group(4)), bool(d.group(5))))
+    return out
+
+
+def pgoutput_kinds(reads: list[tuple[float, bytes, bool]]) -> tuple[list[tuple[float, int, str]], int]:
+    """The pgoutput message kinds in a replication stream, each with the time and index of the read that completed
+    it; and how many reads were truncated (strace's ``-s``: the stream is resynchronised at the next read)."""
+    buf = b""
+    kinds: list[tuple[float, int, str]] = []
+    lost = 0
+    for idx, (t, data, truncated) in enumerate(reads):
+        if truncated:
+            lost += 1
+            buf = b""
+            continue
+        buf += data
+        while len(buf) >= 5:
+            length = int.from_bytes(buf[1:5], "big")
+            if len(buf) < 1 + length:
+                break
+            if buf[:1] == b"d" and buf[5:6] == b"w" and length > 29:
+                kinds.append((t, idx, chr(buf[5 + 25])))
+            buf = buf[1 + length :]
+    return kinds, lost
+
+
+def commit_holds(path: Path, marker: bytes = b"applier_commit") -> str:
+    """For each plain transaction ours received (pgoutput 'C'), the time from the read that completed it to the
+    first local COMMIT sent after it (``marker``: our prepared COMMIT statement's name), and whether another
+    replication read came in between (the commit was held across a read: the group waited for the next
+    transaction, or a pause)."""
+    from live_bench import percentile  # at call time: live_bench imports this module
+
+    ev = io_events(path)
+    repl_fd = max({fd for _, c, fd, d, _ in ev if c == "recvfrom" and d[:1] == b"d"},
+                  key=lambda fd: sum(1 for _, c, f, _, _ in ev if c == "recvfrom" and f == fd))  # fmt: skip
+    reads = [(t, d, tr) for t, c, fd, d, tr in ev if c == "recvfrom" and fd == repl_fd]
+    kinds, lost = pgoutput_kinds(reads)
+    commits = [t for t, c, _, d, _ in ev if c == "sendto" and marker in d]
+    import bisect
+
+    held, crossed = [], 0
+    read_times = [t for t, _, _ in reads]
+    for t, idx, kind in kinds:
+        if kind != "C":
+            continue
+        k = bisect.bisect_left(commits, t)
+        if k == len(commits):
+            continue
+        held.append(commits[k] - t)
+        if bisect.bisect_right(read_times, commits[k]) - 1 > idx:
+            crossed += 1
+    if not held:
+        return f"{path.name}: no commits matched"
+    return (f"{path.name}: {len(held)} remote commits, local COMMIT sent after the read: p50 "
+            f"{percentile(held, 50) * 1000:.2f} p90 {percentile(held, 90) * 1000:.2f} p99 "
+            f"{percentile(held, 99) * 1000:.2f} max {max(held) * 1000:.2f} ms; held across a later read: {crossed} "
+            f"({crossed / len(held):.1%}); truncated reads: {lost}")  # fmt: skip

@@ -18,17 +18,42 @@ Method
 
 Lag (what the figures mean)
 ---------------------------
-* **commit lag**: a marker thread commits ``INSERT INTO live_marker VALUES (n, clock_timestamp())`` on the
-  publisher every ``MARKER_S`` (75 ms), interleaved with the load, and notes the wall-clock time its COMMIT returned;
-  a poller on the target (every ``POLL_S``, 10 ms) notes when each marker id becomes visible. Lag = visible - commit.
-  Transactions apply in commit order, so a visible marker means every transaction committed before it is visible
-  too. Same machine, same clock; resolution about 10 ms.
-* **prepare lag** (two-phase workload): the publisher's ``pg_prepared_xacts.prepared`` of xid N against the moment
-  ``pg_gid_<subid>_N`` (both subscribers name prepared transactions so) shows in the target's
-  ``pg_prepared_xacts``. Both are polled every 10 ms, so a prepared transaction whose decision is applied within
-  10 ms of its PREPARE may be missed (``seen`` counts those measured); ours may also fold a PREPARE whose decision
-  arrived in the same read into one plain commit, which never shows as prepared (only when it is behind).
+Both sides are measured the same way, and nothing in it runs more often for one side than for the other.
+
+* **commit lag** (``lag``): a marker thread commits ``INSERT INTO live_marker VALUES (n, clock_timestamp())`` on
+  the publisher every ``MARKER_S`` (75 ms), interleaved with the load, and notes the wall-clock time its COMMIT
+  returned. On the target, an ``ENABLE ALWAYS`` row trigger on ``live_marker`` (:func:`create_marker_notify`)
+  does ``pg_notify('live_marker', id)``: both apply workers fire it (they apply with ``session_replication_role =
+  replica``, where only ALWAYS and REPLICA triggers fire; ``tests/integration/test_live_bench.py`` checks both on
+  a real server), and PostgreSQL delivers a notification only after its transaction committed. A LISTEN
+  connection (:class:`MarkerListener`) notes when each arrives. Lag = arrival - publisher commit, to well under a
+  millisecond: the listener's backend wakes on the commit's signal and the bench process reads at once (its GIL
+  switch interval is lowered to ``SWITCH_INTERVAL_S`` so that another bench thread cannot delay the read). Same
+  host, same clock. Transactions apply in commit order, so a visible marker means every transaction committed
+  before it is visible too. The trigger costs one notification per marker (13 a second) and makes
+  ``live_marker`` unfit for our bulk (COPY) apply, which only matters for the marker's own one-row transactions.
+* ``lag_poll``: the old measure, a poller on the target every ``POLL_S`` (10 ms) noting when each marker id
+  became visible; kept beside the new one as a cross-check, readings up to 10 ms high.
+* **prepare lag** (two-phase workload), from the servers' own stamps (``prepare_lag_stamp``): the publisher's
+  ``pg_prepared_xacts.prepared`` of xid N against the target's ``prepared`` of ``pg_gid_<subid>_N`` (both
+  subscribers name prepared transactions so). PostgreSQL takes that stamp as PrepareTransaction starts, so the
+  lag runs from the publisher's PREPARE to the target's PREPARE starting, to the microsecond; it leaves out only
+  the target's WAL flush of the PREPARE record, the same work on both sides (our extra local commit of the
+  prepared record comes before the PREPARE, so it is included). A PREPARE cannot notify (notifications are
+  delivered at commit), so both ``pg_prepared_xacts`` are polled to read the stamps, every 10 ms
+  (``--prepare-poll-ms``): the poll must only see each transaction while it is prepared (the 20-100 ms think
+  time), and ``seen``/``published`` counts those it missed. ``prepare_lag`` is when the poll saw it (quantised to
+  the poll interval, as in JSON version 1); ``prepare_poll`` is what the poll cost (CPU of the bench thread and of
+  its target backend: at 2 ms about 0.1 CPU-second per second, which is why it is not the default). Ours may fold
+  a PREPARE whose decision arrived in the same read into one plain commit, which never shows as prepared (only
+  when it is behind).
 * Not the LSN the worker reports about itself, nor ``pg_stat_replication``'s replay lag.
+* The JSON has ``"version": 2``; a version-1 file (both lags polled every 10 ms) still renders, its methods
+  named in the note under the table.
+
+Where the time goes: ``--trace-dir`` straces the apply worker of each side and writes each prepared
+transaction's timeline (publisher PREPARE, the worker's read, our PREPARE's send, the target's PREPARE), see
+``bench/_trace.py``; strace slows the worker, so use it to see which segment holds the tail, not for the figures.
 
 Bounded lag and sustainable throughput
 --------------------------------------
@@ -53,13 +78,14 @@ Workloads
 
 Costs: CPU seconds over the load and drain of our ``applier run`` process tree (the parent and the worker it
 spawns) and of the target cluster's server processes (the postmaster and all its children: native's apply worker,
-our backend, walwriter, checkpointer, the poller's backend — the same extras on both sides); peak RSS (``VmHWM``) of
-our worker process and of the native apply worker.
+our backend, walwriter, checkpointer, the bench's poller and listener backends — the same extras on both sides);
+peak RSS (``VmHWM``) of our worker process and of the native apply worker.
 
     .venv/bin/python bench/live_bench.py --quick          # ~3 minutes
     .venv/bin/python bench/live_bench.py                  # ~15 minutes on 2 cores, writes bench/live-lag.svg
     .venv/bin/python bench/live_bench.py --workloads 2pc --rates 2pc=50,100 --duration 30
     .venv/bin/python bench/live_bench.py --render bench/out/live_bench.json   # report and chart of a saved run
+    .venv/bin/python bench/live_bench.py --workloads 2pc --rates 2pc=400 --no-step-up --trace-dir bench/out/trace
 
 The chart needs matplotlib: ``pip install -e '.[bench]'`` (or ``pip install matplotlib``).
 """
