@@ -17,6 +17,16 @@ nothing else needs may join: no skip-LSN to clear, no table being synchronised (
 commit then), and none at or before :attr:`CommitPolicy.ungrouped_until` (the retry, one by one, after a failed
 group, so that the transaction at fault is found and reported with its own context).
 
+**Latency.** A group must not wait for a transaction that has not fully arrived. The worker reads what the socket
+holds, and a read often ends inside a transaction: the walsender sends a transaction message by message, and a
+backlog arrives in reads cut at byte counts. If that half-read transaction joins the open group, the group's commit
+waits for its rest, and if the next read ends inside a transaction again, for that one's too: a live trace at
+800 tps (``bench/live_bench.py --trace-dir``) showed a third of the remote commits held across at least one later
+read, some for tens of milliseconds. :func:`group_cut` says where in a read batch the group should end instead:
+after the batch's last whole transaction, when a transaction that is not all there follows it. The local commit
+that costs is cheap (the apply session commits with ``synchronous_commit = off``, so it waits for no flush), and a
+backlog still groups every whole transaction of each read.
+
 :class:`CommitPolicy` is pure bookkeeping: it decides and remembers. :class:`GroupCommit` is the core's side of it,
 written once: it joins transactions to the group and sends the group's commit through the target port.
 """
@@ -30,6 +40,7 @@ from applier.apply.apply_state import ApplyStats, RemoteTransaction
 from applier.apply.context import ErrorContext
 from applier.apply.feedback import FeedbackTracker
 from applier.apply.ports import ApplyTarget
+from applier.messages import BEGIN_TYPE
 from state.twophase import TwoPhaseState
 
 #: A group commit is sent after at most this many remote transactions (the worker also ends a group whenever the
@@ -37,6 +48,8 @@ from state.twophase import TwoPhaseState
 GROUP_MAX_TRANSACTIONS = 1000
 #: ... or once its remote transactions hold this many row changes.
 GROUP_MAX_ROWS = 100_000
+#: pgoutput's Commit (of a plain transaction; COMMIT PREPARED is ``K``, STREAM COMMIT ``c``)
+COMMIT_TYPE = ord("C")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +61,17 @@ class DeferredCommit:
     commit_time: int
     xid: int | None
     finish_lsn: int
+
+
+def group_cut(kinds: bytes) -> int:
+    """Where the open group should end within a read batch whose message type bytes are ``kinds``: the index after
+    the batch's last whole plain transaction (its Commit) when the message there is the Begin of a plain
+    transaction whose Commit is not in the batch; 0 when the batch needs no cut (it ends at a transaction's end, or
+    holds no Commit, or something other than a plain Begin follows, which ends the group anyway). The caller
+    applies ``kinds[:cut]``, ends the group if one is open and no remote transaction is, then applies the rest.
+    See the module docstring ("Latency")."""
+    cut = kinds.rfind(COMMIT_TYPE) + 1
+    return cut if 0 < cut < len(kinds) and kinds[cut] == BEGIN_TYPE else 0
 
 
 def groupable(skip_lsn: int, tables: Any) -> bool:
