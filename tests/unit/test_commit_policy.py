@@ -59,14 +59,14 @@ def test_the_applier_sends_a_group_once_it_holds_the_most_rows(core_factory, mon
     assert core.applier.group_pending and core.applier.groups == 1
 
 
-def test_group_cut_ends_the_group_before_a_transaction_that_is_not_all_here():
+def test_group_cut_ends_the_group_after_the_last_whole_transaction_of_a_batch():
     cut = commit_policy.group_cut
-    # two whole transactions, then a third half-read: cut before its Begin
+    # two whole transactions, then a third half-read: the group ends before its Begin
     assert cut(b"BUUUICBUUUICBUU") == 12
     assert cut(b"UICBUU") == 3  # the rest of one transaction, then the start of the next
-    assert cut(b"BUUUICBUUUIC") == 0  # ends at a transaction's end: the worker ends the group after the batch
+    assert cut(b"BUUUICBUUUIC") == 12  # ends at a transaction's end: the group ends with the batch
     assert cut(b"UUUUU") == 0  # inside one transaction: nothing whole to commit
-    assert cut(b"BUICSRI") == 0  # a stream starts: the group ends before it anyway
-    assert cut(b"BUICbUUP") == 0  # a BEGIN PREPARE ends the group itself (its record rides in it)
     assert cut(b"BUUKBU") == 0  # a COMMIT PREPARED is not a plain Commit
+    assert cut(b"BUICbUUP") == 0  # a BEGIN PREPARE ends the group itself (its record rides in it)
+    assert cut(b"BUICSRI") == 0  # so does a stream
     assert cut(b"") == 0
