@@ -481,6 +481,21 @@ class CpuTracker:
         return sum(cpu - self.base.get(p, 0.0) for p, cpu in self.last.items() if self.group[p] == group)
 
 
+def wal_fsyncs(db: Database) -> float | None:
+    """The target cluster's WAL fsyncs so far (``pg_stat_io``'s wal rows from PostgreSQL 18, ``pg_stat_wal.wal_sync``
+    before), None where neither is there. Processes report their I/O counts about once a second, so a delta over a
+    run is right to within about a second of load at each end."""
+    for query in ("SELECT sum(fsyncs)::float8 FROM pg_catalog.pg_stat_io WHERE object = 'wal'",
+                  "SELECT wal_sync::float8 FROM pg_catalog.pg_stat_wal"):  # fmt: skip
+        try:
+            value = db.scalar(query)
+        except psycopg.Error:
+            continue
+        if value is not None:
+            return float(value)
+    return None
+
+
 def _tree(pid: int | None) -> list[int]:
     return [] if pid is None else [pid, *descendants(pid)]
 
@@ -512,6 +527,7 @@ class SideRun:
     lag_poll: dict[str, float] = field(default_factory=dict)  # the 10 ms marker poll of this run
     prepare_lag_stamp: dict[str, float] = field(default_factory=dict)  # server stamps: target minus publisher
     prepare_poll: dict[str, float] = field(default_factory=dict)  # TargetPreparePoller.cost()
+    wal_fsyncs: float | None = None  # the target cluster's WAL fsyncs over the load and drain (wal_fsyncs())
     prepares_published: int = 0
     prepares_seen: int = 0
     bounded: bool = False
@@ -758,6 +774,7 @@ def run_load(env: Env, wl: Workload, rate: int, run: SideRun, pub: Database, tgt
     if big is not None:
         big.start()
     traces = _start_traces(env, tgt, proc, tag)
+    fsyncs_before = wal_fsyncs(tgt)
     bench = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     last_sample = 0.0
     while bench.poll() is None:
@@ -799,6 +816,10 @@ def run_load(env: Env, wl: Workload, rate: int, run: SideRun, pub: Database, tgt
         run.drain_s = max(0.0, listener.visible[last_id] - load_end)
     if proc is None:
         native_pid = _native_worker_pid(tgt, tag)
+    time.sleep(1.1)  # the workers report their I/O counts about once a second
+    fsyncs_after = wal_fsyncs(tgt)
+    if fsyncs_before is not None and fsyncs_after is not None:
+        run.wal_fsyncs = fsyncs_after - fsyncs_before
     cpu.sample({"client": _tree(client_root), "server": _tree(tgt_root)})
     for t in (poller, listener, pub_prep, tgt_prep):
         if t is not None:
@@ -925,6 +946,13 @@ def sustainable(runs: Sequence[SideRun], workload: str, side: str) -> str:
     return (f"≥ {good[-1]}" if good[-1] == top.rate else str(good[-1])) + " tps"
 
 
+def _per_txn(r: SideRun) -> str:
+    """The target's WAL fsyncs per pgbench transaction (two-phase: PREPARE and COMMIT PREPARED are always flushed,
+    whatever ``synchronous_commit`` says; plain commits of either side are not)."""
+    done = r.pgbench.get("processed")
+    return _f(r.wal_fsyncs / done if r.wal_fsyncs is not None and done else None, ".2f")
+
+
 def _ms(d: dict[str, float], *keys: str) -> str:
     return " / ".join(_f(d[k] * 1000 if k in d else None, ".1f") for k in keys)
 
@@ -936,7 +964,8 @@ def render(runs: Sequence[SideRun]) -> str:
     by the servers' stamps (version 2), and as the poll saw it (its interval in the note below the table)."""
     head = ["workload", "rate (tps)", "side", "pgbench tps", "commit lag p50 / p99 / max (ms)", "10 ms poll p99 (ms)",
             "prepare lag, stamps p50 / p99 / max (ms)", "prepare seen by poll p50 / p99 (ms) [seen/published]",
-            "bounded", "drain s", "CPU s: applier + target server", "peak RSS MB", "load"]  # fmt: skip
+            "bounded", "drain s", "CPU s: applier + target server", "WAL fsyncs / txn", "peak RSS MB",
+            "load"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(runs, key=lambda r: (list(WORKLOADS).index(r.workload), r.rate, r.side)):
         prep = (f"{_ms(r.prepare_lag, 'p50', 'p99')} [{r.prepares_seen}/{r.prepares_published}]"
@@ -949,7 +978,7 @@ def render(runs: Sequence[SideRun]) -> str:
         lines.append("| " + " | ".join([
             r.workload, str(r.rate), r.side, _f(r.pgbench.get("tps"), ".0f"), _ms(r.lag, "p50", "p99", "max"),
             _ms(r.lag_poll, "p99") if r.lag_poll else "—", stamp, prep, bounded + extra,
-            _f(r.drain_s, ".2f"), f"{_f(r.client_cpu_s, '.1f')} + {_f(r.server_cpu_s, '.1f')}",
+            _f(r.drain_s, ".2f"), f"{_f(r.client_cpu_s, '.1f')} + {_f(r.server_cpu_s, '.1f')}", _per_txn(r),
             _f(r.worker_hwm_mb, ".0f"), _f(r.load1, ".1f"),
         ]) + " |")  # fmt: skip
     lines += ["", "| workload | sustainable: native | sustainable: ours |", "|---|---|---|"]
@@ -1070,7 +1099,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _progress(r: SideRun) -> None:
     print(f"  {r.workload:5} {r.rate:5} tps {r.side:6} pgbench {_f(r.pgbench.get('tps'), '.0f'):>6} tps, lag p50 / "
           f"p99 / max {_ms(r.lag, 'p50', 'p99', 'max')} ms (10 ms poll p99 {_ms(r.lag_poll, 'p99')}), prepare p99 "
-          f"{_ms(r.prepare_lag, 'p99')} ms, "
+          f"{_ms(r.prepare_lag, 'p99')} ms, WAL fsyncs/txn {_per_txn(r)}, "
           f"{'bounded' if r.bounded else 'UNBOUNDED'}, CPU {r.client_cpu_s:.1f}+{r.server_cpu_s:.1f} s, load "
           f"{r.load1:.1f}" + (f"  ERROR {r.error}" if r.error else ""), file=sys.stderr, flush=True)  # fmt: skip
 
