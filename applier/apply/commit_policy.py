@@ -19,15 +19,15 @@ group, so that the transaction at fault is found and reported with its own conte
 
 **Latency.** A group must not hold a commit for what has not arrived yet, nor for the rest of a long round of reads.
 The worker reads what the socket holds, and a read often ends inside a transaction: the walsender sends a
-transaction message by message, and a backlog arrives in reads cut at byte counts. Before :func:`group_cut`, a
-half-read transaction joined the open group, so the group's commit waited for its rest; and the group only ended
-when a round of reads (up to 5,000 messages) found the socket empty, so after any hiccup the first transactions of
-a catch-up waited for the whole round. A live trace at 800 tps (``bench/live_bench.py --trace-dir``) showed a third
-of the remote commits held across at least one later read, the slowest 1 % for over 50 ms, while native commits
-each transaction as it applies it. :func:`group_cut` says where a read batch's group ends instead: after the
-batch's last whole transaction, so a group holds only transactions that arrived together. The local commits that
-adds are cheap (the apply session commits with ``synchronous_commit = off``, so none waits for a flush), and a
-backlog, read in large batches, still commits once per batch.
+transaction message by message, and a backlog arrives in reads cut at byte counts. Ended only by the round, a group
+takes in a half-read transaction and waits for its rest, and lasts until a round of reads (up to 5,000 messages)
+finds the socket empty, so after any hiccup the first transactions of a catch-up wait for the whole round. A live
+trace at 800 tps (``bench/live_bench.py --trace-dir``) showed a third of the remote commits held across at least
+one later read, the slowest 1 % for over 50 ms, while native commits each transaction as it applies it.
+:func:`group_cut` says where a read batch's group should end instead, for the loop to end it there
+(``ApplyLoop.apply_batch``): after the batch's last whole transaction, so a group holds only transactions that
+arrived together. The local commits that adds are cheap (the apply session commits with ``synchronous_commit =
+off``, so none waits for a flush), and a backlog, read in large batches, still commits once per batch.
 
 :class:`CommitPolicy` is pure bookkeeping: it decides and remembers. :class:`GroupCommit` is the core's side of it,
 written once: it joins transactions to the group and sends the group's commit through the target port.
