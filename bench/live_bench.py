@@ -18,17 +18,42 @@ Method
 
 Lag (what the figures mean)
 ---------------------------
-* **commit lag**: a marker thread commits ``INSERT INTO live_marker VALUES (n, clock_timestamp())`` on the
-  publisher every ``MARKER_S`` (75 ms), interleaved with the load, and notes the wall-clock time its COMMIT returned;
-  a poller on the target (every ``POLL_S``, 10 ms) notes when each marker id becomes visible. Lag = visible - commit.
-  Transactions apply in commit order, so a visible marker means every transaction committed before it is visible
-  too. Same machine, same clock; resolution about 10 ms.
-* **prepare lag** (two-phase workload): the publisher's ``pg_prepared_xacts.prepared`` of xid N against the moment
-  ``pg_gid_<subid>_N`` (both subscribers name prepared transactions so) shows in the target's
-  ``pg_prepared_xacts``. Both are polled every 10 ms, so a prepared transaction whose decision is applied within
-  10 ms of its PREPARE may be missed (``seen`` counts those measured); ours may also fold a PREPARE whose decision
-  arrived in the same read into one plain commit, which never shows as prepared (only when it is behind).
+Both sides are measured the same way, and nothing in it runs more often for one side than for the other.
+
+* **commit lag** (``lag``): a marker thread commits ``INSERT INTO live_marker VALUES (n, clock_timestamp())`` on
+  the publisher every ``MARKER_S`` (75 ms), interleaved with the load, and notes the wall-clock time its COMMIT
+  returned. On the target, an ``ENABLE ALWAYS`` row trigger on ``live_marker`` (:func:`create_marker_notify`)
+  does ``pg_notify('live_marker', id)``: both apply workers fire it (they apply with ``session_replication_role =
+  replica``, where only ALWAYS and REPLICA triggers fire; ``tests/integration/test_live_bench.py`` checks both on
+  a real server), and PostgreSQL delivers a notification only after its transaction committed. A LISTEN
+  connection (:class:`MarkerListener`) notes when each arrives. Lag = arrival - publisher commit, to well under a
+  millisecond: the listener's backend wakes on the commit's signal and the bench process reads at once (its GIL
+  switch interval is lowered to ``SWITCH_INTERVAL_S`` so that another bench thread cannot delay the read). Same
+  host, same clock. Transactions apply in commit order, so a visible marker means every transaction committed
+  before it is visible too. The trigger costs one notification per marker (13 a second) and makes
+  ``live_marker`` unfit for our bulk (COPY) apply, which only matters for the marker's own one-row transactions.
+* ``lag_poll``: the old measure, a poller on the target every ``POLL_S`` (10 ms) noting when each marker id
+  became visible; kept beside the new one as a cross-check, readings up to 10 ms high.
+* **prepare lag** (two-phase workload), from the servers' own stamps (``prepare_lag_stamp``): the publisher's
+  ``pg_prepared_xacts.prepared`` of xid N against the target's ``prepared`` of ``pg_gid_<subid>_N`` (both
+  subscribers name prepared transactions so). PostgreSQL takes that stamp as PrepareTransaction starts, so the
+  lag runs from the publisher's PREPARE to the target's PREPARE starting, to the microsecond; it leaves out only
+  the target's WAL flush of the PREPARE record, the same work on both sides (our extra local commit of the
+  prepared record comes before the PREPARE, so it is included). A PREPARE cannot notify (notifications are
+  delivered at commit), so both ``pg_prepared_xacts`` are polled to read the stamps, every 10 ms
+  (``--prepare-poll-ms``): the poll must only see each transaction while it is prepared (the 20-100 ms think
+  time), and ``seen``/``published`` counts those it missed. ``prepare_lag`` is when the poll saw it (quantised to
+  the poll interval, as in JSON version 1); ``prepare_poll`` is what the poll cost (CPU of the bench thread and of
+  its target backend: at 2 ms about 0.1 CPU-second per second, which is why it is not the default). Ours may fold
+  a PREPARE whose decision arrived in the same read into one plain commit, which never shows as prepared (only
+  when it is behind).
 * Not the LSN the worker reports about itself, nor ``pg_stat_replication``'s replay lag.
+* The JSON has ``"version": 2``; a version-1 file (both lags polled every 10 ms) still renders, its methods
+  named in the note under the table.
+
+Where the time goes: ``--trace-dir`` straces the apply worker of each side and writes each prepared
+transaction's timeline (publisher PREPARE, the worker's read, our PREPARE's send, the target's PREPARE), see
+``bench/_trace.py``; strace slows the worker, so use it to see which segment holds the tail, not for the figures.
 
 Bounded lag and sustainable throughput
 --------------------------------------
@@ -53,13 +78,14 @@ Workloads
 
 Costs: CPU seconds over the load and drain of our ``applier run`` process tree (the parent and the worker it
 spawns) and of the target cluster's server processes (the postmaster and all its children: native's apply worker,
-our backend, walwriter, checkpointer, the poller's backend — the same extras on both sides); peak RSS (``VmHWM``) of
-our worker process and of the native apply worker.
+our backend, walwriter, checkpointer, the bench's poller and listener backends — the same extras on both sides);
+peak RSS (``VmHWM``) of our worker process and of the native apply worker.
 
     .venv/bin/python bench/live_bench.py --quick          # ~3 minutes
     .venv/bin/python bench/live_bench.py                  # ~15 minutes on 2 cores, writes bench/live-lag.svg
     .venv/bin/python bench/live_bench.py --workloads 2pc --rates 2pc=50,100 --duration 30
     .venv/bin/python bench/live_bench.py --render bench/out/live_bench.json   # report and chart of a saved run
+    .venv/bin/python bench/live_bench.py --workloads 2pc --rates 2pc=400 --no-step-up --trace-dir bench/out/trace
 
 The chart needs matplotlib: ``pip install -e '.[bench]'`` (or ``pip install matplotlib``).
 """
@@ -95,6 +121,7 @@ if __package__ in (None, ""):  # run as a script: make the project and the bench
     sys.path.insert(0, str(CODE_ROOT))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _trace  # noqa: E402
 from _common import cmdline, code_commit, descendants, loadavg, proc_sample, rerun_frozen  # noqa: E402
 from _native import NativeSubscription  # noqa: E402
 
@@ -103,7 +130,11 @@ from applier.testing.cluster import Database, PostgresCluster, find_binaries  # 
 
 OUT_DIR = ROOT / "bench" / "out"
 CHART = ROOT / "bench" / "live-lag.svg"
-POLL_S = 0.01
+POLL_S = 0.01  # the old marker poll (``lag_poll``): kept as a cross-check of the notification figures
+PREPARE_POLL_S = 0.01  # the target's pg_prepared_xacts (--prepare-poll-ms): the stamps need no faster poll
+NOTIFY_CHANNEL = "live_marker"
+SWITCH_INTERVAL_S = 0.0005  # the bench's own GIL hand-off: a waking listener thread must not wait 5 ms for it
+JSON_VERSION = 2  # 2: commit lag by LISTEN/NOTIFY, prepare lag by server stamps (1: both polled every 10 ms)
 MARKER_S = 0.075
 SAMPLE_S = 0.5
 WARMUP_S = 1.0
@@ -259,14 +290,13 @@ class MarkerWriter(threading.Thread):
 
 
 class VisibilityPoller(threading.Thread):
-    """Polls the target every ``POLL_S``: the first moment each marker id is visible and, when asked, each
-    ``pg_gid_*`` prepared transaction of this database is."""
+    """Polls the target every ``POLL_S`` (10 ms) for the first moment each marker id is visible: the old commit lag
+    measurement, kept as ``lag_poll`` to cross-check :class:`MarkerListener` and to compare with older runs."""
 
-    def __init__(self, db: Database, prepared: bool) -> None:
+    def __init__(self, db: Database) -> None:
         super().__init__(daemon=True, name="visibility-poller")
-        self.db, self.prepared = db, prepared
+        self.db = db
         self.visible: dict[int, float] = {}
-        self.prepared_seen: dict[int, float] = {}
         self.stop = threading.Event()
         self.error: BaseException | None = None
 
@@ -282,18 +312,97 @@ class VisibilityPoller(threading.Thread):
                     for (mid,) in rows:
                         self.visible[mid] = now
                         last = mid
-                    if self.prepared:
-                        gids = c.execute(
-                            "SELECT gid FROM pg_catalog.pg_prepared_xacts WHERE database = current_database()"
-                        ).fetchall()
-                        now = time.time()
-                        for (gid,) in gids:
-                            xid = gid_xid(gid)
-                            if xid is not None and xid not in self.prepared_seen:
-                                self.prepared_seen[xid] = now
                     self.stop.wait(POLL_S)
         except BaseException as exc:  # noqa: BLE001
             self.error = exc
+
+
+class MarkerListener(threading.Thread):
+    """LISTENs on the target for the marker trigger's notifications (:func:`create_marker_notify`) and notes the
+    arrival time of each: the moment the marker's transaction committed on the target, to within the listener
+    backend's wake-up and a socket read (tens of microseconds on an idle core), the same for both sides. It costs
+    the target nothing between markers (no polling) and one notification per marker."""
+
+    def __init__(self, db: Database) -> None:
+        super().__init__(daemon=True, name="marker-listener")
+        self.db = db
+        self.visible: dict[int, float] = {}
+        self.ready = threading.Event()
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with self.db.connect() as c:
+                c.execute(sql.SQL("LISTEN {}").format(sql.Identifier(NOTIFY_CHANNEL)))
+                self.ready.set()
+                while not self.stop.is_set():
+                    for n in c.notifies(timeout=0.1):
+                        self.visible.setdefault(int(n.payload), time.time())
+        except BaseException as exc:  # noqa: BLE001
+            self.error = exc
+        finally:
+            self.ready.set()
+
+
+class TargetPreparePoller(threading.Thread):
+    """Polls the target's ``pg_prepared_xacts`` every ``interval`` (``--prepare-poll-ms``, 10 ms) for this
+    database's ``pg_gid_*`` transactions: the server's own ``prepared`` stamp of each (``stamp``: taken by the
+    target's PrepareTransaction as it starts, before it writes and flushes the PREPARE record), and when the poll
+    first saw it (``seen``, this host's clock, quantised to the interval).
+
+    A PREPARE cannot notify (a notification is delivered at commit, and COMMIT PREPARED is what commits), hence a
+    poll; but the stamp does not depend on the poll's timing, only on the poll seeing the transaction at all, which
+    it does while the transaction stays prepared (the 20-100 ms think time; ``seen``/``published`` counts any
+    missed). The stamp lag is to the microsecond; what it leaves out, the target's WAL flush of the PREPARE
+    record itself, is the same work on both sides (our extra local commit for the prepared record comes *before*
+    the PREPARE starts, so the stamp includes it). ``cost()`` gives what the poll costs (measured: at 2 ms, on
+    2 cores, about 0.1 CPU-second per second between the bench thread and its backend; that load is why 10 ms is
+    the default)."""
+
+    def __init__(self, db: Database, interval: float = PREPARE_POLL_S) -> None:
+        super().__init__(daemon=True, name="target-prepare-poller")
+        self.db, self.interval = db, interval
+        self.seen: dict[int, float] = {}
+        self.stamp: dict[int, float] = {}
+        self.polls = 0
+        self.elapsed_s = 0.0
+        self.thread_cpu_s = 0.0
+        self.backend_cpu_s = 0.0
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with self.db.connect() as c:
+                backend = int(c.execute("SELECT pg_backend_pid()").fetchone()[0])  # type: ignore[index]
+                before = proc_sample(backend)
+                t0, cpu0 = time.monotonic(), time.thread_time()
+                query = (
+                    "SELECT gid, extract(epoch FROM prepared)::float8 FROM pg_catalog.pg_prepared_xacts"
+                    " WHERE database = current_database()"
+                )
+                while not self.stop.is_set():
+                    rows = c.execute(query).fetchall()
+                    now = time.time()
+                    self.polls += 1
+                    for gid, at in rows:
+                        xid = gid_xid(gid)
+                        if xid is not None and xid not in self.seen:
+                            self.seen[xid], self.stamp[xid] = now, float(at)
+                    self.stop.wait(self.interval)
+                self.elapsed_s, self.thread_cpu_s = time.monotonic() - t0, time.thread_time() - cpu0
+                after = proc_sample(backend)
+                if before is not None and after is not None:
+                    self.backend_cpu_s = after.cpu_s - before.cpu_s
+        except BaseException as exc:  # noqa: BLE001
+            self.error = exc
+
+    def cost(self) -> dict[str, float]:
+        """Polls, mean interval (ms), and CPU seconds of this thread (``client_cpu_s``) and its backend."""
+        interval = self.elapsed_s / self.polls * 1000 if self.polls else float("nan")
+        return {"polls": self.polls, "interval_ms": round(interval, 3), "client_cpu_s": round(self.thread_cpu_s, 3),
+                "backend_cpu_s": round(self.backend_cpu_s, 3), "elapsed_s": round(self.elapsed_s, 3)}  # fmt: skip
 
 
 class PublisherPreparePoller(threading.Thread):
@@ -372,6 +481,21 @@ class CpuTracker:
         return sum(cpu - self.base.get(p, 0.0) for p, cpu in self.last.items() if self.group[p] == group)
 
 
+def wal_fsyncs(db: Database) -> float | None:
+    """The target cluster's WAL fsyncs so far (``pg_stat_io``'s wal rows from PostgreSQL 18, ``pg_stat_wal.wal_sync``
+    before), None where neither is there. Processes report their I/O counts about once a second, so a delta over a
+    run is right to within about a second of load at each end."""
+    for query in ("SELECT sum(fsyncs)::float8 FROM pg_catalog.pg_stat_io WHERE object = 'wal'",
+                  "SELECT wal_sync::float8 FROM pg_catalog.pg_stat_wal"):  # fmt: skip
+        try:
+            value = db.scalar(query)
+        except psycopg.Error:
+            continue
+        if value is not None:
+            return float(value)
+    return None
+
+
 def _tree(pid: int | None) -> list[int]:
     return [] if pid is None else [pid, *descendants(pid)]
 
@@ -395,8 +519,15 @@ class SideRun:
     duration_s: float = 0.0
     markers: int = 0
     missing: int = 0
-    lag: dict[str, float] = field(default_factory=dict)  # p50, p99, max (s)
-    prepare_lag: dict[str, float] = field(default_factory=dict)
+    lag: dict[str, float] = field(default_factory=dict)  # p50, p99, max (s), measured as lag_method says
+    prepare_lag: dict[str, float] = field(default_factory=dict)  # measured as prepare_method says
+    # JSON version 1 had only the 10 ms polls; a saved run without these fields was measured so
+    lag_method: str = "poll 10 ms"
+    prepare_method: str = "poll 10 ms"  # "" for a workload without prepared transactions
+    lag_poll: dict[str, float] = field(default_factory=dict)  # the 10 ms marker poll of this run
+    prepare_lag_stamp: dict[str, float] = field(default_factory=dict)  # server stamps: target minus publisher
+    prepare_poll: dict[str, float] = field(default_factory=dict)  # TargetPreparePoller.cost()
+    wal_fsyncs: float | None = None  # the target cluster's WAL fsyncs over the load and drain (wal_fsyncs())
     prepares_published: int = 0
     prepares_seen: int = 0
     bounded: bool = False
@@ -417,7 +548,7 @@ class SideRun:
         return self.pgbench.get("tps", 0.0) >= DELIVERED * self.rate
 
 
-def _pgbench_init(bindir: Path, db: Database) -> None:
+def _pgbench_init(bindir: Path, db: Database, *, target: bool = False) -> None:
     res = subprocess.run([str(bindir / "pgbench"), "-i", "-q", "-s", str(SCALE), "-n", db.dsn], capture_output=True,
                          text=True, timeout=300)  # fmt: skip
     if res.returncode != 0:
@@ -425,6 +556,27 @@ def _pgbench_init(bindir: Path, db: Database) -> None:
     with db.connect() as c:
         c.execute("CREATE TABLE live_marker (id integer PRIMARY KEY, at timestamptz NOT NULL)")
         c.execute("CREATE TABLE live_big (id bigint PRIMARY KEY, v text NOT NULL)")
+        if target:
+            create_marker_notify(c)
+
+
+def create_marker_notify(conn: psycopg.Connection) -> None:
+    """On the target: a trigger that notifies ``NOTIFY_CHANNEL`` with the marker id of each applied row.
+
+    ``ENABLE ALWAYS`` because both apply workers run with ``session_replication_role = replica`` (native's apply
+    worker sets it, ours sets it on its session), where an ordinary trigger does not fire. A notification is
+    delivered only once its transaction has committed, so its arrival at a listener is the moment the marker became
+    visible, to within the listener backend's wake-up. The trigger makes ``live_marker`` unfit for our bulk (COPY)
+    apply, so ours applies the markers statement by statement; each marker is a one-row transaction of its own."""
+    conn.execute(
+        "CREATE FUNCTION live_marker_notify() RETURNS trigger LANGUAGE plpgsql AS"
+        " $$BEGIN PERFORM pg_catalog.pg_notify('" + NOTIFY_CHANNEL + "', NEW.id::text); RETURN NULL; END$$"
+    )
+    conn.execute(
+        "CREATE TRIGGER live_marker_notify AFTER INSERT ON live_marker"
+        " FOR EACH ROW EXECUTE FUNCTION live_marker_notify()"
+    )
+    conn.execute("ALTER TABLE live_marker ENABLE ALWAYS TRIGGER live_marker_notify")
 
 
 def _wait_slot_active(pub: Database, slot: str, timeout: float, proc: subprocess.Popen[bytes] | None) -> None:
@@ -510,6 +662,8 @@ class Env:
     spool: Path
     profile_dir: Path | None = None
     strace_dir: Path | None = None
+    prepare_poll_s: float = PREPARE_POLL_S
+    trace_dir: Path | None = None
 
 
 def run_side(env: Env, wl: Workload, rate: int, side: str) -> SideRun:
@@ -522,8 +676,8 @@ def run_side(env: Env, wl: Workload, rate: int, side: str) -> SideRun:
     subid: int | None = None
     threads: list[threading.Thread] = []
     try:
-        for db in (pub, tgt):
-            _pgbench_init(env.bindir, db)
+        _pgbench_init(env.bindir, pub)
+        _pgbench_init(env.bindir, tgt, target=True)
         if wl.big:
             pub.execute(
                 sql.SQL("ALTER DATABASE {} SET logical_decoding_work_mem = '2MB'").format(sql.Identifier(tag))
@@ -586,10 +740,12 @@ def run_load(env: Env, wl: Workload, rate: int, run: SideRun, pub: Database, tgt
              proc: subprocess.Popen[bytes] | None, tag: str, threads: list[threading.Thread]) -> None:  # fmt: skip
     """The load, the lag measurement and the costs of one side at one rate; fills ``run``."""
     writer = MarkerWriter(pub)
-    poller = VisibilityPoller(tgt, wl.two_phase_load)
+    poller = VisibilityPoller(tgt)
+    listener = MarkerListener(tgt)
     pub_prep = PublisherPreparePoller(pub) if wl.two_phase_load else None
+    tgt_prep = TargetPreparePoller(tgt, env.prepare_poll_s) if wl.two_phase_load else None
     big = BigWriter(pub) if wl.big else None
-    threads += [t for t in (writer, poller, pub_prep, big) if t is not None]
+    threads += [t for t in (writer, poller, listener, pub_prep, tgt_prep, big) if t is not None]
     tgt_root = _postmaster_pid(env.tgtc)
     client_root = proc.pid if proc is not None else None
     cpu = CpuTracker()
@@ -607,13 +763,18 @@ def run_load(env: Env, wl: Workload, rate: int, run: SideRun, pub: Database, tgt
     else:
         cmd += ["-b", "tpcb-like"]
     cmd.append(pub.dsn)
+    listener.start()
+    listener.ready.wait(10)
     poller.start()
-    if pub_prep is not None:
-        pub_prep.start()
+    for t in (pub_prep, tgt_prep):
+        if t is not None:
+            t.start()
     load_start = time.time()
     writer.start()
     if big is not None:
         big.start()
+    traces = _start_traces(env, tgt, proc, tag)
+    fsyncs_before = wal_fsyncs(tgt)
     bench = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     last_sample = 0.0
     while bench.poll() is None:
@@ -627,6 +788,7 @@ def run_load(env: Env, wl: Workload, rate: int, run: SideRun, pub: Database, tgt
     if script is not None:
         script.unlink(missing_ok=True)
     load_end = time.time()
+    _trace.stop(traces)
     if big is not None:  # before the last marker, so that the marker also waits for the last big insert
         big.stop.set()
         big.join()
@@ -645,19 +807,25 @@ def run_load(env: Env, wl: Workload, rate: int, run: SideRun, pub: Database, tgt
         if time.monotonic() - last_sample >= SAMPLE_S:
             last_sample = time.monotonic()
             cpu.sample({"client": _tree(client_root), "server": _tree(tgt_root)})
-        if last_id in poller.visible:
+        if last_id in listener.visible:
             break
-        time.sleep(0.05)
-    if last_id in poller.visible:  # 0 when it was visible before pgbench's exit was noticed
-        run.drain_s = max(0.0, poller.visible[last_id] - load_end)
+        if last_id in poller.visible and time.time() - poller.visible[last_id] > 2.0:
+            break  # visible, but no notification came: counted as missing (the report says so)
+        time.sleep(0.02)
+    if last_id in listener.visible:  # 0 when it was visible before pgbench's exit was noticed
+        run.drain_s = max(0.0, listener.visible[last_id] - load_end)
     if proc is None:
         native_pid = _native_worker_pid(tgt, tag)
+    time.sleep(1.1)  # the workers report their I/O counts about once a second
+    fsyncs_after = wal_fsyncs(tgt)
+    if fsyncs_before is not None and fsyncs_after is not None:
+        run.wal_fsyncs = fsyncs_after - fsyncs_before
     cpu.sample({"client": _tree(client_root), "server": _tree(tgt_root)})
-    for t in (poller, pub_prep):
+    for t in (poller, listener, pub_prep, tgt_prep):
         if t is not None:
             t.stop.set()
             t.join()
-    for t in (writer, poller, pub_prep, big):
+    for t in (writer, poller, listener, pub_prep, tgt_prep, big):
         if t is not None and t.error is not None:
             run.error = f"{t.name}: {type(t.error).__name__}: {t.error}"
     run.client_cpu_s = cpu.cpu("client")
@@ -665,29 +833,69 @@ def run_load(env: Env, wl: Workload, rate: int, run: SideRun, pub: Database, tgt
     worker = _ours_worker_pid(proc.pid) if proc is not None else native_pid
     if worker is not None and worker in cpu.hwm_kb:
         run.worker_hwm_mb = cpu.hwm_kb[worker] / 1024
-    _fill_lags(run, writer.committed, poller.visible, load_start, pub_prep, poller.prepared_seen)
+    _fill_lags(run, writer.committed, listener.visible, load_start, pub_prep, tgt_prep, poller.visible)
+    if env.trace_dir is not None and pub_prep is not None and tgt_prep is not None:
+        stamps = {"pub": pub_prep.prepared_at, "tgt": tgt_prep.stamp, "seen": tgt_prep.seen}
+        (env.trace_dir / f"{tag}.prepares.json").write_text(json.dumps(stamps))
+        report = _trace.analyse(env.trace_dir, tag)
+        (env.trace_dir / f"{tag}.timeline.txt").write_text(report + "\n")
+        print(report, file=sys.stderr, flush=True)
+
+
+def _start_traces(env: Env, tgt: Database, proc: subprocess.Popen[bytes] | None,
+                  tag: str) -> list[subprocess.Popen[bytes]]:  # fmt: skip
+    """With ``--trace-dir``: strace the apply worker for the load (:mod:`_trace`)."""
+    if env.trace_dir is None:
+        return []
+    worker = _ours_worker_pid(proc.pid) if proc is not None else _native_worker_pid(tgt, tag)
+    if worker is None:
+        raise RuntimeError("no apply worker to trace")
+    traces = _trace.start(env.trace_dir, tag, {"worker": worker})
+    time.sleep(0.5)  # strace attaches
+    return traces
+
+
+def summary(values: Sequence[float]) -> dict[str, float]:
+    """p50, p99 and max of a lag list (NaN for none)."""
+    return {
+        "p50": percentile(values, 50),
+        "p99": percentile(values, 99),
+        "max": max(values, default=float("nan")),
+    }
+
+
+def paired_lags(start: dict[int, float], end: dict[int, float]) -> list[tuple[float, float]]:
+    """(start, end - start) for every key in both, in key order (marker ids are in commit order)."""
+    return [(start[k], end[k] - start[k]) for k in sorted(start) if k in end]
 
 
 def _fill_lags(run: SideRun, committed: dict[int, float], visible: dict[int, float], load_start: float,
-               pub_prep: PublisherPreparePoller | None, prepared_seen: dict[int, float]) -> None:  # fmt: skip
-    samples = [(committed[i], visible[i] - committed[i]) for i in sorted(committed) if i in visible]
+               pub_prep: PublisherPreparePoller | None, tgt_prep: TargetPreparePoller | None,
+               polled: dict[int, float] | None = None) -> None:  # fmt: skip
+    """The run's lag figures: commit lag from the notifications (``visible``), the 10 ms poll's (``polled``) beside
+    it; prepare lag as the poll saw it (``prepare_lag``, the field's meaning in JSON version 1) and from the
+    servers' stamps (``prepare_lag_stamp``, the precise one)."""
+    samples = paired_lags(committed, visible)
+    run.lag_method = (
+        f"LISTEN/NOTIFY (ALWAYS trigger on the target), bench switch interval {SWITCH_INTERVAL_S * 1000:g} ms"
+    )
     run.markers = len(committed)
     run.missing = len(committed) - len(samples)
-    lags = [lag for _, lag in samples]
-    run.lag = {
-        "p50": percentile(lags, 50),
-        "p99": percentile(lags, 99),
-        "max": max(lags, default=float("nan")),
-    }
+    run.lag = summary([lag for _, lag in samples])
+    if polled is not None:
+        run.lag_poll = summary([lag for _, lag in paired_lags(committed, polled)])
     run.bounded, run.bound_reason = lag_bounded(samples, run.missing)
     run.slope = lag_slope(samples)
-    run.series = [(round(t - load_start, 3), round(lag, 4)) for t, lag in samples]
-    if pub_prep is not None:
+    run.series = [(round(t - load_start, 3), round(lag, 5)) for t, lag in samples]
+    run.prepare_method = ""
+    if pub_prep is not None and tgt_prep is not None:
+        run.prepare_method = f"poll {tgt_prep.interval * 1000:g} ms"
         run.prepares_published = len(pub_prep.prepared_at)
-        plags = [prepared_seen[x] - at for x, at in pub_prep.prepared_at.items() if x in prepared_seen]
+        plags = paired_lags(pub_prep.prepared_at, tgt_prep.seen)
         run.prepares_seen = len(plags)
-        run.prepare_lag = {"p50": percentile(plags, 50), "p99": percentile(plags, 99),
-                           "max": max(plags, default=float("nan"))}  # fmt: skip
+        run.prepare_lag = summary([lag for _, lag in plags])
+        run.prepare_lag_stamp = summary([lag for _, lag in paired_lags(pub_prep.prepared_at, tgt_prep.stamp)])
+        run.prepare_poll = tgt_prep.cost()
 
 
 def _verify(pub: Database, tgt: Database, run: SideRun) -> None:
@@ -738,29 +946,53 @@ def sustainable(runs: Sequence[SideRun], workload: str, side: str) -> str:
     return (f"≥ {good[-1]}" if good[-1] == top.rate else str(good[-1])) + " tps"
 
 
+def _per_txn(r: SideRun) -> str:
+    """The target's WAL fsyncs per pgbench transaction (two-phase: PREPARE and COMMIT PREPARED are always flushed,
+    whatever ``synchronous_commit`` says; plain commits of either side are not)."""
+    done = r.pgbench.get("processed")
+    return _f(r.wal_fsyncs / done if r.wal_fsyncs is not None and done else None, ".2f")
+
+
+def _ms(d: dict[str, float], *keys: str) -> str:
+    return " / ".join(_f(d[k] * 1000 if k in d else None, ".1f") for k in keys)
+
+
 def render(runs: Sequence[SideRun]) -> str:
-    """Markdown: one row per workload, rate and side; then sustainable throughput per workload."""
-    head = ["workload", "rate (tps)", "side", "pgbench tps", "commit lag p50 / p99 / max (s)",
-            "prepare lag p50 / p99 (s) [seen/published]", "bounded", "drain s", "CPU s: applier + target server",
-            "peak RSS MB", "load"]  # fmt: skip
+    """Markdown: one row per workload, rate and side; then sustainable throughput per workload; then how the lags
+    were measured. Lags in milliseconds. Commit lag by notification (JSON version 2; a version-1 run's is its
+    10 ms poll, and its poll column is empty), with the 10 ms poll's p99 beside it as a cross-check. Prepare lag
+    by the servers' stamps (version 2), and as the poll saw it (its interval in the note below the table)."""
+    head = ["workload", "rate (tps)", "side", "pgbench tps", "commit lag p50 / p99 / max (ms)", "10 ms poll p99 (ms)",
+            "prepare lag, stamps p50 / p99 / max (ms)", "prepare seen by poll p50 / p99 (ms) [seen/published]",
+            "bounded", "drain s", "CPU s: applier + target server", "WAL fsyncs / txn", "peak RSS MB",
+            "load"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(runs, key=lambda r: (list(WORKLOADS).index(r.workload), r.rate, r.side)):
-        prep = (f"{_f(r.prepare_lag.get('p50'))} / {_f(r.prepare_lag.get('p99'))} [{r.prepares_seen}/"
-                f"{r.prepares_published}]") if r.prepares_published else "—"  # fmt: skip
+        prep = (f"{_ms(r.prepare_lag, 'p50', 'p99')} [{r.prepares_seen}/{r.prepares_published}]"
+                if r.prepares_published else "—")  # fmt: skip
+        stamp = _ms(r.prepare_lag_stamp, "p50", "p99", "max") if r.prepare_lag_stamp else "—"
         bounded = "yes" if r.bounded else "NO"
         if r.error:
             bounded += f" (error: {r.error[:120]})"
         extra = f", {r.big_txns} big, stream_txns {r.stream_txns}" if WORKLOADS[r.workload].big else ""
         lines.append("| " + " | ".join([
-            r.workload, str(r.rate), r.side, _f(r.pgbench.get("tps"), ".0f"),
-            f"{_f(r.lag.get('p50'))} / {_f(r.lag.get('p99'))} / {_f(r.lag.get('max'))}", prep, bounded + extra,
-            _f(r.drain_s, ".2f"), f"{_f(r.client_cpu_s, '.1f')} + {_f(r.server_cpu_s, '.1f')}",
+            r.workload, str(r.rate), r.side, _f(r.pgbench.get("tps"), ".0f"), _ms(r.lag, "p50", "p99", "max"),
+            _ms(r.lag_poll, "p99") if r.lag_poll else "—", stamp, prep, bounded + extra,
+            _f(r.drain_s, ".2f"), f"{_f(r.client_cpu_s, '.1f')} + {_f(r.server_cpu_s, '.1f')}", _per_txn(r),
             _f(r.worker_hwm_mb, ".0f"), _f(r.load1, ".1f"),
         ]) + " |")  # fmt: skip
     lines += ["", "| workload | sustainable: native | sustainable: ours |", "|---|---|---|"]
     for key in WORKLOADS:
         if any(r.workload == key for r in runs):
             lines.append(f"| {key} | {sustainable(runs, key, 'native')} | {sustainable(runs, key, 'ours')} |")
+    lines += ["", *sorted({f"Commit lag: {r.lag_method}." for r in runs})]
+    lines += sorted({f"Prepare lag seen by: {r.prepare_method}." for r in runs if r.prepares_published})
+    if costs := [r for r in runs if r.prepare_poll]:
+        lines.append("Prepare poll cost per run (polls, mean interval, CPU s of the bench thread + its target "
+                     "backend): " + "; ".join(
+                         f"{r.workload}/{r.rate}/{r.side} {r.prepare_poll['polls']:.0f}, "
+                         f"{r.prepare_poll['interval_ms']:.2f} ms, {r.prepare_poll['client_cpu_s']:.2f} + "
+                         f"{r.prepare_poll['backend_cpu_s']:.2f}" for r in costs) + ".")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -794,7 +1026,7 @@ def plot(runs: Sequence[SideRun], path: Path, title: str) -> str:
             ax.set_xlabel("s since load start", fontsize=8)
             ax.set_ylabel("commit → visible lag (ms)", fontsize=8)
             ax.set_yscale("log")
-            ax.set_ylim(bottom=1.0)  # the poller's resolution is ~10 ms: lower readings are noise
+            ax.set_ylim(bottom=0.5)  # notifications resolve well under a millisecond; a commit takes longer
             ax.tick_params(labelsize=7)
             ax.legend(fontsize=7)
     fig.suptitle("\n".join(textwrap.wrap(title, 60 * cols)), fontsize=8)
@@ -827,11 +1059,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-rate", type=int, default=6400)
     ap.add_argument("--duration", type=float, help="seconds of load per run (default 20, --quick 8)")
     ap.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to wait for the last marker")
+    ap.add_argument("--prepare-poll-ms", type=float, default=PREPARE_POLL_S * 1000,
+                    help="interval of the target's pg_prepared_xacts poll (two-phase); the stamp lag does not "
+                    "depend on it, the 'seen by poll' figure does, and a faster poll costs CPU (reported)")  # fmt: skip
     ap.add_argument("--pg", default="18", help="server version (15, 16, 18) or a bindir")
     ap.add_argument("--profile-dir", type=Path, help="run ours under py-spy (wall time, raw stacks); its lag is "
                     "then not comparable")  # fmt: skip
     ap.add_argument("--strace-dir", type=Path, help="run ours under strace -f -c (system call counts per run, "
                     "e.g. sends per transaction); its lag and CPU are then not comparable")  # fmt: skip
+    ap.add_argument("--trace-dir", type=Path, help="strace the apply worker of each side during "
+                    "the load and write each prepared transaction's timeline (bench/_trace.py); lags and CPU are "
+                    "then not comparable")  # fmt: skip
     ap.add_argument(
         "--code-rev", metavar="REV", help="run the applier code of this commit (a frozen git archive)"
     )
@@ -859,8 +1097,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _progress(r: SideRun) -> None:
-    print(f"  {r.workload:5} {r.rate:5} tps {r.side:6} pgbench {_f(r.pgbench.get('tps'), '.0f'):>6} tps, lag p50 "
-          f"{_f(r.lag.get('p50'))} p99 {_f(r.lag.get('p99'))} max {_f(r.lag.get('max'))} s, "
+    print(f"  {r.workload:5} {r.rate:5} tps {r.side:6} pgbench {_f(r.pgbench.get('tps'), '.0f'):>6} tps, lag p50 / "
+          f"p99 / max {_ms(r.lag, 'p50', 'p99', 'max')} ms (10 ms poll p99 {_ms(r.lag_poll, 'p99')}), prepare p99 "
+          f"{_ms(r.prepare_lag, 'p99')} ms, WAL fsyncs/txn {_per_txn(r)}, "
           f"{'bounded' if r.bounded else 'UNBOUNDED'}, CPU {r.client_cpu_s:.1f}+{r.server_cpu_s:.1f} s, load "
           f"{r.load1:.1f}" + (f"  ERROR {r.error}" if r.error else ""), file=sys.stderr, flush=True)  # fmt: skip
 
@@ -900,6 +1139,7 @@ def main(argv: list[str] | None = None) -> int:
         print(plot(runs, args.chart, data["header"]))
         return 0
     OUT_DIR.mkdir(parents=True, exist_ok=True)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     started = datetime.now(UTC)
     load_start = loadavg()
     common = {"autovacuum": "off", "max_wal_size": "8GB", "checkpoint_timeout": "1h",
@@ -924,8 +1164,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.strace_dir:
             args.strace_dir = args.strace_dir.resolve()
             args.strace_dir.mkdir(parents=True, exist_ok=True)
+        if args.trace_dir:
+            args.trace_dir = args.trace_dir.resolve()
+            args.trace_dir.mkdir(parents=True, exist_ok=True)
         env = Env(pubc, tgtc, binaries.bindir, args.duration, args.drain_timeout, spool, args.profile_dir,
-                  args.strace_dir)  # fmt: skip
+                  args.strace_dir, args.prepare_poll_ms / 1000, args.trace_dir)  # fmt: skip
         first = [0]
         for key in args.keys:
             runs += run_workload(env, WORKLOADS[key], args.rate_map[key], args.step_up, args.max_rate, first)
@@ -936,9 +1179,8 @@ def main(argv: list[str] | None = None) -> int:
     header += f"; load at end {loadavg()[0]:.1f}"
     report = render(runs)
     print("\n" + header + "\n\n" + report)
-    args.json.write_text(
-        json.dumps({"header": header, "argv": sys.argv, "runs": [asdict(r) for r in runs]}, indent=1)
-    )
+    args.json.write_text(json.dumps(
+        {"version": JSON_VERSION, "header": header, "argv": sys.argv, "runs": [asdict(r) for r in runs]}, indent=1))  # fmt: skip
     (OUT_DIR / "live_bench.md").write_text(header + "\n\n" + report + "\n")
     print(plot(runs, args.chart, header))
     return 0 if all(r.ok for r in runs) else 1

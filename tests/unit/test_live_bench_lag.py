@@ -1,0 +1,41 @@
+"""bench/live_bench.py's pure lag bookkeeping: pairing start and end times by id, the summaries, and that a saved
+run of JSON version 1 (lags polled every 10 ms, none of version 2's fields) still renders, labelled as polled."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import live_bench as lb  # noqa: E402
+
+
+def test_paired_lags_follow_the_start_ids_in_order_and_skip_unmatched() -> None:
+    start = {3: 10.3, 1: 10.1, 2: 10.2}
+    end = {1: 10.15, 3: 10.31, 9: 11.0}
+    pairs = lb.paired_lags(start, end)
+    assert [s for s, _ in pairs] == [10.1, 10.3]
+    assert [lag for _, lag in pairs] == pytest.approx([0.05, 0.01])
+
+
+def test_summary() -> None:
+    s = lb.summary([0.001, 0.002, 0.003, 0.010])
+    assert s["p50"] == pytest.approx(0.0025)
+    assert s["max"] == 0.010
+    assert 0.003 < s["p99"] < 0.010
+    assert all(math.isnan(v) for v in lb.summary([]).values())
+
+
+def test_a_version_1_run_renders_as_polled() -> None:
+    old = {"workload": "2pc", "rate": 400, "side": "ours", "ok": True, "pgbench": {"tps": 399.0},
+           "lag": {"p50": 0.007, "p99": 0.016, "max": 0.03}, "prepare_lag": {"p50": 0.007, "p99": 0.016},
+           "prepares_published": 10, "prepares_seen": 10, "bounded": True}  # fmt: skip
+    run = lb.SideRun(**old)
+    assert run.lag_method == run.prepare_method == "poll 10 ms"
+    out = lb.render([run])
+    assert "7.0 / 16.0 / 30.0" in out
+    assert "Commit lag: poll 10 ms." in out and "Prepare lag seen by: poll 10 ms." in out
+    assert "Prepare poll cost" not in out
