@@ -322,7 +322,7 @@ class LiveSync:
         if isinstance(exc, ApplyError):
             ctx = exc.context
             return SyncFailure(
-                explain(exc), (ctx.relation if ctx else None) or tables,
+                exc.message, (ctx.relation if ctx else None) or tables,
                 ctx.message_type if ctx else "CATCHUP", exc.sqlstate, ctx.xid if ctx else None,
             )  # fmt: skip
         relation = getattr(exc, "relation", None) or tables

@@ -394,3 +394,33 @@ def test_failing_live_sync_with_disable_on_error_disables_the_subscription(pair,
     cli.start()
     wait_ready(pair, cli, "t2", timeout=4 * TIMEOUT)
     assert_equal_eventually(pair, cli, "t1", "t2")
+
+
+def test_failing_catch_up_is_recorded_with_the_change_it_was_applying(pair, run_cli) -> None:
+    """A change to t2 after the copy's snapshot point meets a row already on the target while the live sync catches
+    up: the record names the catch-up's message (INSERT), the relation and the remote transaction, without a skip
+    command (a skip-LSN does not apply to the catch-up); the next attempt copies t2 again and finishes."""
+    prepare(pair, 200)
+    pair.target.execute("INSERT INTO t2 VALUES (900001, 'in the way')")
+    cli = run_cli()
+    wait_ready(pair, cli, "t1")
+    with Workload(pair.publisher, ["t1"], first_id=700_000) as work:  # the stream moves past C: a catch-up
+        add_t2(pair)
+        wait_until(lambda: re.search(r'table "public\.t2": state d \(copying', log_text(cli)), timeout=TIMEOUT,
+                   what=f"the copy; log:\n{cli.log_tail()}")  # fmt: skip
+        pair.publisher.execute("INSERT INTO t2 VALUES (900001, 'after the snapshot')")
+        wait_until(
+            lambda: sync_errors(pair), timeout=2 * TIMEOUT, what=f"the failure; log:\n{cli.log_tail()}"
+        )
+        first = sync_errors(pair)[0]
+        assert first["message_type"] == "INSERT" and first["relation"] == "public.t2", first
+        assert "duplicate key" in first["message"] and first["retry_count"] == 1, first
+        last = status(pair.target, "s")["last_error"]
+        assert last["remote_xid"] and last["sqlstate"] == "23505" and last["finish_lsn"] is None, last
+        assert last["skip_command"] is None and "CONTEXT" not in last["message"], last
+        # the retry empties t2 (its rows are a copy of ours, ``f``) and copies it again, the publisher's row included
+        wait_ready(pair, cli, "t2", timeout=4 * TIMEOUT)
+        work.finish()
+    assert cli.alive and cli.starts == 1
+    assert_equal_eventually(pair, cli, "t1", "t2")
+    print_sync_lines(cli)
