@@ -418,8 +418,8 @@ def _initial_copy(
             with target_errors(target):
                 sub = require_subscription(catalog, subname)
                 disable = sub.subdisableonerr
-                catalog.record_error(sub.subid, str(exc), message_type="COPY", retry_count=failures,
-                                     retry_in=None if disable else delay)  # fmt: skip
+                catalog.record_error(sub.subid, str(exc), message_type="COPY", relation=exc.relation,
+                                     retry_count=failures, retry_in=None if disable else delay)  # fmt: skip
                 if disable:
                     catalog.update_subscription(sub.subid, subenabled=False)
             if disable:

@@ -991,6 +991,11 @@ def _error_lines(e: dict[str, Any]) -> list[str]:
         if e["relation"]:
             where += f" on {e['relation']}"
         lines.append(where)
+    elif e["message_type"] or e["relation"]:  # a table sync's error (the copy, or a live sync's catch-up)
+        where = f"during {e['message_type']}" if e["message_type"] else ""
+        if e["relation"]:
+            where = f"{where} on {e['relation']}".strip()
+        lines.append(f"    {where}")
     if e["next_retry_at"]:
         lines.append(
             f"    failed {e['retry_count'] or 1} time(s) in a row; next attempt at {e['next_retry_at']}"

@@ -307,6 +307,7 @@ class HeadStart:
             self._results.append(receiver)
         self._done: set[int] = set()
         self._failure: str | None = None
+        self._failure_relation: str | None = None
 
     @property
     def done(self) -> frozenset[int]:
@@ -316,7 +317,8 @@ class HeadStart:
                 while r.poll():
                     item = r.recv()
                     if isinstance(item, tuple):
-                        self._failure = self._failure or item[1]
+                        if self._failure is None:
+                            self._failure, self._failure_relation = item[1], item[2]
                     else:
                         self._done.add(item)
         return frozenset(self._done)
@@ -327,6 +329,12 @@ class HeadStart:
         the copy fails with it without waiting for Spark to fail the same way."""
         _ = self.done
         return self._failure
+
+    @property
+    def failure_relation(self) -> str | None:
+        """The table of :attr:`failure` (``applier status`` shows it as the error's relation)."""
+        _ = self.done
+        return self._failure_relation
 
     def stop(self) -> None:
         """Take no new partition (the one under way finishes)."""
@@ -383,7 +391,9 @@ def _head_start_main(
             except Exception as exc:  # noqa: BLE001 - left to the Spark job, which reports real failures
                 if isinstance(exc, psycopg.Error) and (exc.sqlstate or "")[:2] in DEFINITE_SQLSTATE_CLASSES:
                     # the target refuses these rows: every Spark attempt would too (after a JVM start)
-                    results.send(("failed", f"psycopg.errors.{type(exc).__name__}: {str(exc).strip()}"))
+                    results.send(
+                        ("failed", f"psycopg.errors.{type(exc).__name__}: {str(exc).strip()}", task.relname)
+                    )
                     return
                 log.info("head start: %s part %d left to Spark (%s)", task.relname, task.part, exc)
                 return

@@ -68,7 +68,14 @@ SLOT_WAIT_NOTE_AFTER = 3.0
 
 
 class TablesyncError(ApplierError):
-    """The initial copy failed; the message says which table and why. Tables stay ``d``: the next run redoes them."""
+    """The initial copy failed; the message says which table and why. Tables stay ``d``: the next run redoes them.
+
+    ``relation``: the table that failed, when it is known (a plan error, a partition the target refused, a Spark
+    job that left one table unfinished), so that ``applier status`` names it like an apply error's relation."""
+
+    def __init__(self, message: str, *, relation: str | None = None) -> None:
+        super().__init__(message)
+        self.relation = relation
 
 
 @dataclass(frozen=True)
@@ -329,7 +336,7 @@ class InitialCopy:
                         remote=remote, target_types=ttypes, partition_bytes=self.partition_bytes,
                     )  # fmt: skip
                 except PlanError as exc:
-                    raise TablesyncError(f"cannot copy {rs.name}: {exc}") from exc
+                    raise TablesyncError(f"cannot copy {rs.name}: {exc}", relation=rs.name) from exc
             pconn.execute("COMMIT")
         self.plans = plans
         for p in plans.values():
@@ -472,12 +479,17 @@ class InitialCopy:
         for r in outcome.get("results", []):
             if r.skipped and r.task_id not in head_done:  # (not a retry: the driver's head start copied it)
                 self._skipped_parts[r.relname] = self._skipped_parts.get(r.relname, 0) + 1
+        # the failing table is known when it is the only one left unfinished
+        unfinished = missing[0] if len(missing) == 1 else None
         if "error" in outcome:
             raise TablesyncError(
-                f"initial copy of subscription {self.subname!r} failed: {_spark_error_summary(outcome['error'])}"
+                f"initial copy of subscription {self.subname!r} failed: {_spark_error_summary(outcome['error'])}",
+                relation=unfinished,
             ) from outcome["error"]
         if missing and not (leave_rest and session is None):
-            raise TablesyncError(f"initial copy finished without every partition of: {', '.join(missing)}")
+            raise TablesyncError(
+                f"initial copy finished without every partition of: {', '.join(missing)}", relation=unfinished
+            )
         return True
 
     def _tasks_of(self, relname: str) -> list[PartitionTask]:
@@ -614,7 +626,10 @@ class InitialCopy:
         violation, a value it cannot take): Spark would only meet it again, after starting a JVM."""
         failure = self.head_start.failure if self.head_start is not None else None
         if failure is not None:
-            raise TablesyncError(f"initial copy of subscription {self.subname!r} failed: {failure}")
+            raise TablesyncError(
+                f"initial copy of subscription {self.subname!r} failed: {failure}",
+                relation=self.head_start.failure_relation if self.head_start is not None else None,
+            )
 
     def _finished_by_driver(self, starter: spark_job.SessionStarter, what: str) -> CopyResult:
         """The driver's head start copied everything: Spark (still starting, or just ready) is let go."""

@@ -48,7 +48,8 @@ from pathlib import Path
 
 import psycopg
 
-from applier.apply.context import ErrorContext
+from applier.apply.context import ApplyError, ErrorContext
+from applier.apply.coordinator import SyncFailure
 from applier.apply.feedback import FeedbackTracker
 from applier.apply.handlers import Applier, SkipState, TableStates
 from applier.apply.loop import ApplyLoop
@@ -221,6 +222,8 @@ class LiveSync:
         self.done_lsn: int | None = None  # L
         self.caught_up = 0  # transactions applied by the catch-up
         self.error: BaseException | None = None
+        #: what the apply worker records and logs about a failure (None when stopped: not an error)
+        self.failure: SyncFailure | None = None
         self._cond = threading.Condition()
         self._go: int | None = None
         self.thread = threading.Thread(target=self._run, name=f"tablesync-{subname}", daemon=True)
@@ -306,9 +309,27 @@ class LiveSync:
                 self.log.info('table synchronization for subscription "%s" stopped; the tables (%s) are copied '
                               "again later", self.subname, ", ".join(self.tables) or "none")  # fmt: skip
             else:
+                self.failure = self._failure_of(exc)
                 self.log.error('table synchronization for subscription "%s" failed (tables %s): %s',
                                self.subname, ", ".join(self.tables) or "?", explain(exc))  # fmt: skip
             self._set_phase(Phase.FAILED)
+
+    def _failure_of(self, exc: BaseException) -> SyncFailure:
+        """The failure as the apply worker records it: an error of the catch-up's apply carries its context (the
+        message and relation being applied; no finish LSN, as a skip-LSN does not apply to the catch-up); a copy
+        error names its table when it knows it, else every table of this sync is the relation."""
+        tables = ", ".join(self.tables) or None
+        if isinstance(exc, ApplyError):
+            ctx = exc.context
+            return SyncFailure(
+                exc.message, (ctx.relation if ctx else None) or tables,
+                ctx.message_type if ctx else "CATCHUP", exc.sqlstate, ctx.xid if ctx else None,
+            )  # fmt: skip
+        relation = getattr(exc, "relation", None) or tables
+        sqlstate = exc.sqlstate if isinstance(exc, psycopg.Error) else None
+        return SyncFailure(
+            explain(exc), relation, "COPY" if self.phase is Phase.COPYING else "CATCHUP", sqlstate
+        )
 
     def _sync(self) -> None:
         """The three steps of the module docstring, each on the one copier (its temporary slot stays open from

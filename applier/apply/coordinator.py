@@ -13,7 +13,21 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
+
+
+@dataclass(frozen=True)
+class SyncFailure:
+    """Why a sync failed, in the terms of an apply error's record (``applier status``, behaviour 54): the tables as
+    ``relation`` (the one that failed when known, else every table of the sync), ``message_type`` ``COPY`` for the
+    copy or the catch-up's message (``INSERT``, ``COMMIT``..., ``CATCHUP`` when no message was being applied)."""
+
+    message: str
+    relation: str | None
+    message_type: str
+    sqlstate: str | None = None
+    remote_xid: int | None = None
 
 
 class TableSync(Protocol):
@@ -31,6 +45,11 @@ class TableSync(Protocol):
 
     @property
     def failed(self) -> bool: ...
+
+    @property
+    def failure(self) -> SyncFailure | None:
+        """Why it failed; None while it runs, after a success, and when it was stopped (not an error)."""
+        ...
 
     def proceed(self, current_lsn: int) -> None:
         """The apply stream is at a transaction boundary at ``current_lsn``: join it there."""

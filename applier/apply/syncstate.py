@@ -14,18 +14,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from applier.apply.coordinator import TableSync, TableSyncCoordinator
+import psycopg
+import sqlalchemy.exc
+
+from applier.apply.coordinator import SyncFailure, TableSync, TableSyncCoordinator
 from applier.apply.handlers import TableStates
-from applier.apply.housekeeping import Restart, state_set
+from applier.apply.housekeeping import Ended, Outcome, Restart, state_set
 from applier.apply.target import Target
 from applier.catalog.store import Catalog, RelState, Subscription
+from applier.retry import DEFAULT_MAX_RETRY_INTERVAL, RETRY_INITIAL, retry_delay
 from state.tables import SyncState, TableState, process_syncing_tables, should_apply_changes_for_rel
 from state.twophase import TwoPhaseState, restart_for_two_phase_message, should_restart_for_two_phase
 
 #: How often the sync-state pass re-reads the table states while the stream is busy (when idle: REREAD_INTERVAL).
 TABLES_REREAD_INTERVAL = 2.0
-#: After a failed live table sync, the next attempt waits this long (wal_retrieve_retry_interval is 5 s).
-LIVE_SYNC_RETRY = 5.0
 #: the states of a table a live sync copies (a ``d``/``f`` one was left by a live sync that failed)
 _TO_SYNC = (SyncState.INIT, SyncState.DATASYNC, SyncState.FINISHEDCOPY)
 #: ``SyncState.READY`` looked up once: ``should_apply`` runs for every change, and an enum member lookup costs more
@@ -34,10 +36,18 @@ _READY = SyncState.READY
 
 class LiveSyncDriver:
     """The apply worker's side of live table syncs: start one through the coordinator when tables wait, meet it at
-    SYNCWAIT, forget it when finished (and after a failure, wait ``LIVE_SYNC_RETRY`` before the next)."""
+    SYNCWAIT, forget it when finished.
+
+    A failed sync is handled as the native worker handles a failing tablesync worker (behaviour 101, and
+    ``sync_error_count``): recorded in the catalog for ``applier status`` and logged, with the tables as relation;
+    then, with ``disable_on_error``, the subscription is disabled and the session ends; otherwise the next sync
+    starts after the same growing wait as a failing apply (applier.retry, capped by ``--max-retry-interval``),
+    which starts again from the first step once a sync succeeds. The apply stream keeps applying the other tables
+    meanwhile."""
 
     def __init__(self, coordinator: TableSyncCoordinator, target_conninfo: str, subname: str,
-                 log: logging.Logger, stop: threading.Event) -> None:  # fmt: skip
+                 log: logging.Logger, stop: threading.Event, *, catalog: Catalog | None = None,
+                 initial: float = RETRY_INITIAL, cap: float = DEFAULT_MAX_RETRY_INTERVAL) -> None:  # fmt: skip
         self.coordinator, self.target_conninfo, self.subname, self.log = (
             coordinator,
             target_conninfo,
@@ -45,12 +55,18 @@ class LiveSyncDriver:
             log,
         )
         self.stop = stop
+        #: where failures are recorded (None: only logged, e.g. in unit tests without a target)
+        self.catalog = catalog
+        self.initial, self.cap = initial, cap
         self.job: TableSync | None = None
         self.retry_at = 0.0
+        self.failures = 0  # failed syncs in a row
+        self.disabled = False  # a failure disabled the subscription (disable_on_error)
 
     def start_if_needed(self, states: list[RelState]) -> None:
         if (
             self.job is None
+            and not self.disabled
             and time.monotonic() >= self.retry_at
             and any(r.state in _TO_SYNC for r in states)
         ):
@@ -58,7 +74,8 @@ class LiveSyncDriver:
 
     def at_boundary(self, current_lsn: int, drain: Callable[[], None], keepalive: Callable[[], None]) -> bool:
         """At a transaction boundary at ``current_lsn``: let a waiting sync join the stream there and wait for it
-        (``wait_for_relation_state_change``); True when a sync finished (the table states changed)."""
+        (``wait_for_relation_state_change``); True when a sync finished (the table states changed). Raises
+        :class:`~applier.apply.housekeeping.Ended` when its failure disabled the subscription."""
         job = self.job
         if job is None:
             return False
@@ -69,6 +86,9 @@ class LiveSyncDriver:
         if not job.finished:
             return False
         self.end()
+        if self.disabled:
+            drain()
+            raise Ended(Outcome.DISABLED)
         return True
 
     def end(self) -> None:
@@ -76,8 +96,51 @@ class LiveSyncDriver:
         if job is None:
             return
         job.close()
-        if job.failed:
-            self.retry_at = time.monotonic() + LIVE_SYNC_RETRY
+        if not job.failed:
+            self.failures = 0  # the next failure starts the backoff from its first step again
+        elif job.failure is not None and not self.stop.is_set():
+            self._failed(job.failure)
+        else:  # stopped, not failed: start again soon (the tables stay d/f, copied again)
+            self.retry_at = time.monotonic() + self.initial
+
+    def _failed(self, failure: SyncFailure) -> None:
+        """Record the failure (``applier status``), then disable the subscription (``disable_on_error``) or plan
+        the next attempt after a growing wait; log what happens and what to do."""
+        self.failures += 1
+        delay = retry_delay(self.failures, initial=self.initial, cap=self.cap)
+        self.retry_at = time.monotonic() + delay
+        disable = self._record(failure, delay)
+        where = f"during {failure.message_type}" + (f" on {failure.relation}" if failure.relation else "")
+        if disable:
+            self.disabled = True
+            self.log.error('subscription "%s" has been disabled because of an error: table synchronization '
+                           "failed %s (disable_on_error); fix the cause, then: applier alter %s --enable",
+                           self.subname, where, self.subname)  # fmt: skip
+            return
+        self.log.error('table synchronization for subscription "%s" failed %s: failure %d in a row; next attempt '
+                       "in %.1f s (applier status shows the error)", self.subname, where, self.failures, delay)  # fmt: skip
+
+    def _record(self, failure: SyncFailure, delay: float) -> bool:
+        """The error into the catalog; disable the subscription when it says so. True when disabled. A target
+        that is down records nothing (the failure is logged, and the sync retried)."""
+        if self.catalog is None:
+            return False
+        try:
+            sub = self.catalog.get(self.subname)
+            if sub is None:
+                return False
+            disable = sub.subdisableonerr
+            self.catalog.record_error(
+                sub.subid, failure.message, remote_xid=failure.remote_xid, message_type=failure.message_type,
+                relation=failure.relation, sqlstate=failure.sqlstate, retry_count=self.failures,
+                retry_in=None if disable else delay,
+            )  # fmt: skip
+            if disable:
+                self.catalog.update_subscription(sub.subid, subenabled=False)
+            return disable
+        except (psycopg.Error, sqlalchemy.exc.DBAPIError) as exc:
+            self.log.warning("could not record the table synchronization's error in the catalog: %s", exc)
+            return False
 
 
 class CatalogTables(TableStates):

@@ -160,9 +160,11 @@ class ApplyWorker:
         self.retries = SessionRetries(self, initial=self.retry_initial, cap=self.retry_max)
         self.subid: int | None = None  # known once a session read the subscription
         #: tables added while streaming are copied and caught up live, through the injected coordinator
-        self._live = (
-            LiveSyncDriver(table_sync, target_conninfo, subname, self.log, self.stop) if table_sync else None
-        )
+        #: (a failed sync is recorded and retried with the same backoff and cap as a failed session)
+        self._live: LiveSyncDriver | None = None
+        if table_sync is not None:
+            self._live = LiveSyncDriver(table_sync, target_conninfo, subname, self.log, self.stop,
+                                        catalog=self.catalog, initial=self.retry_initial, cap=self.retry_max)  # fmt: skip
         #: group commit (docs/differences.md); off with ``APPLIER_GROUP_COMMIT=0`` / ``run --no-group-commit``
         self.group_commit = group_commit if group_commit is not None else group_commit_default()
         #: bulk apply of whole plain transactions (docs/differences.md); off with ``APPLIER_BULK_APPLY=0``

@@ -161,6 +161,8 @@ def test_copy_conflict_is_retried_and_never_ends_run(pair, tmp_path: Path) -> No
         assert proc.poll() is None, "applier run ended on a copy conflict"
         e = status(pair.target, "s")["last_error"]
         assert "duplicate key" in e["message"] and e["message_type"] == "COPY" and e["next_retry_at"]
+        assert e["relation"] == "public.t1"  # the failing table, as an apply error names it
+        assert "during COPY on public.t1" in ok(pair.target, "status", "s")
         assert status(pair.target, "s")["enabled"]
         pair.target.execute("DELETE FROM t1 WHERE id = 3")
         wait_until(lambda: pair.target.scalar("SELECT count(*) FROM t1") == 5, timeout=240, what="the copy")
@@ -183,7 +185,7 @@ def test_copy_conflict_with_disable_on_error_disables_the_subscription(pair, tmp
     assert "has been disabled because of this error" in text and "applier alter s --enable" in text
     entry = status(pair.target, "s")
     assert not entry["enabled"] and "duplicate key" in entry["last_error"]["message"]
-    assert entry["last_error"]["next_retry_at"] is None
+    assert entry["last_error"]["next_retry_at"] is None and entry["last_error"]["relation"] == "public.t1"
 
 
 def _stop_when_done(proc: subprocess.Popen[str]) -> tuple[int, str]:

@@ -19,7 +19,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
-from test_cli_common import catalog_tables, create, make_tables, ok
+from test_cli_common import catalog_tables, create, make_tables, ok, status
 from test_tap_support import CliApplier, set_decoding_work_mem, stream_txns
 
 from applier.testing import Database, tables_differ, wait_until
@@ -102,8 +102,8 @@ class Workload:
 def run_cli(pair: Any) -> Iterator[Any]:
     runs: list[CliApplier] = []
 
-    def start(name: str = "s") -> CliApplier:
-        cli = CliApplier(pair.target, name).start()
+    def start(name: str = "s", env: dict[str, str] | None = None) -> CliApplier:
+        cli = CliApplier(pair.target, name, env=env).start()
         runs.append(cli)
         return cli
 
@@ -125,13 +125,13 @@ def table_state(pair: Any, table: str) -> str | None:
     return dict(catalog_tables(pair.target, "s")).get(table)
 
 
-def prepare(pair: Any, rows: int = 2000, streaming: str = "off") -> None:
+def prepare(pair: Any, rows: int = 2000, streaming: str = "off", *create_args: str) -> None:
     """t1 published and subscribed; t2 on both sides, with rows on the publisher, not yet published."""
     make_tables(pair, "t1", rows=rows)
     for db in (pair.publisher, pair.target):
         db.execute("CREATE TABLE t2 (id int PRIMARY KEY, v text)")
     pair.publisher.execute("INSERT INTO t2 SELECT g, 'row ' || g FROM generate_series(1, %s) g", (rows,))
-    create(pair, "s", "--streaming", streaming)
+    create(pair, "s", "--streaming", streaming, *create_args)
 
 
 def wait_ready(pair: Any, cli: CliApplier, table: str, timeout: float = TIMEOUT) -> None:
@@ -311,3 +311,116 @@ def test_kill_9_during_catch_up_copies_again_after_restart(pair, run_cli) -> Non
     assert re.search(r"public\.t2: copied at \S+ but the stream is at \S+: copying it again", restart), (
         restart
     )
+
+
+def sync_errors(pair: Any) -> list[dict[str, Any]]:
+    """The subscription's error records, oldest first, with the wait each one announced (next attempt - when)."""
+    with pair.target.connect() as conn:
+        cur = conn.execute(
+            "SELECT e.retry_count, extract(epoch FROM e.next_retry_at - e.occurred_at)::float8 AS wait,"
+            " e.message, e.message_type, e.relation FROM applier.apply_error e"
+            " JOIN applier.subscription s USING (subid) WHERE s.subname = 's' ORDER BY e.id"
+        )
+        names = [d.name for d in cur.description or []]
+        return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+
+
+def test_failing_live_sync_is_in_status_backs_off_and_finishes_once_fixed(pair, run_cli) -> None:
+    """A row already on the target makes t2's live copy fail (duplicate key), again and again: every failure is
+    recorded for ``applier status`` with t2 as the relation and ``COPY``, the announced wait grows (applier.retry,
+    capped by APPLIER_MAX_RETRY_INTERVAL), ``run`` keeps running and applying t1 meanwhile; once the row is gone
+    the next attempt copies t2 and it ends equal to the publisher's, nothing lost."""
+    prepare(pair, 200)
+    pair.target.execute("INSERT INTO t2 VALUES (5, 'in the way')")
+    cli = run_cli(env={"APPLIER_MAX_RETRY_INTERVAL": "8"})
+    wait_ready(pair, cli, "t1")
+    add_t2(pair)
+    wait_until(lambda: len(sync_errors(pair)) >= 3, timeout=4 * TIMEOUT,
+               what=f"three failed syncs; log:\n{cli.log_tail()}")  # fmt: skip
+    errors = sync_errors(pair)[:3]
+    assert [e["retry_count"] for e in errors] == [1, 2, 3], errors
+    assert all(e["relation"] == "public.t2" and e["message_type"] == "COPY" for e in errors), errors
+    assert all("duplicate key" in e["message"] for e in errors), errors
+    # retry_delay(n) with 0.5 s initial: [0.5, 1.0], [1.0, 1.5], [2.0, 2.5] (jitter)
+    assert errors[0]["wait"] <= 1.1 < errors[2]["wait"] and errors[1]["wait"] <= errors[2]["wait"], errors
+    last = status(pair.target, "s")["last_error"]
+    assert last["relation"] == "public.t2" and last["message_type"] == "COPY" and last["next_retry_at"]
+    text = ok(pair.target, "status", "s")
+    assert "during COPY on public.t2" in text and "next attempt at" in text, text
+    # the worker keeps running and applying the other table meanwhile
+    pair.publisher.execute("INSERT INTO t1 VALUES (100001, 'while t2 fails')")
+    wait_until(lambda: pair.target.scalar("SELECT count(*) FROM t1 WHERE id = 100001") == 1, timeout=TIMEOUT,
+               what=f"t1 applied while t2 fails; log:\n{cli.log_tail()}")  # fmt: skip
+    assert table_state(pair, "t2") in ("i", "d") and cli.alive and cli.starts == 1
+    pair.target.execute("DELETE FROM t2 WHERE id = 5")
+    with Workload(pair.publisher, ["t1", "t2"], first_id=600_000) as work:
+        wait_ready(pair, cli, "t2", timeout=4 * TIMEOUT)
+        work.finish()
+    assert cli.alive and cli.starts == 1
+    assert_equal_eventually(pair, cli, "t1", "t2")
+    print_sync_lines(cli)
+    log = log_text(cli)
+    assert re.search(r'table synchronization for subscription "s" failed during COPY on public\.t2: failure 2 '
+                     r"in a row; next attempt in \d", log), log[-3000:]  # fmt: skip
+
+
+def test_failing_live_sync_with_disable_on_error_disables_the_subscription(pair, run_cli) -> None:
+    """With disable_on_error the first failed live copy disables the subscription (behaviour 101): recorded with
+    no next attempt, the log says how to re-enable, ``run`` ends its worker; fixed and re-enabled, t2 is copied
+    and nothing is lost."""
+    prepare(pair, 200, "off", "--disable-on-error")
+    pair.target.execute("INSERT INTO t2 VALUES (5, 'in the way')")
+    cli = run_cli()
+    wait_ready(pair, cli, "t1")
+    add_t2(pair)
+    assert cli.proc is not None
+    cli.proc.wait(timeout=4 * TIMEOUT)  # its only worker stopped: run ends
+    entry = status(pair.target, "s")
+    assert not entry["enabled"], entry
+    last = entry["last_error"]
+    assert (
+        last["relation"] == "public.t2" and last["message_type"] == "COPY" and last["next_retry_at"] is None
+    )
+    assert "duplicate key" in last["message"]
+    assert [e["retry_count"] for e in sync_errors(pair)] == [1]
+    log = log_text(cli)
+    assert (
+        'subscription "s" has been disabled because of an error' in log and "applier alter s --enable" in log
+    )
+    pair.target.execute("DELETE FROM t2 WHERE id = 5")
+    pair.publisher.execute("INSERT INTO t1 VALUES (100001, 'while disabled'), (100002, 'x')")
+    pair.publisher.execute("INSERT INTO t2 VALUES (100001, 'while disabled')")
+    ok(pair.target, "alter", "s", "--enable")
+    cli.start()
+    wait_ready(pair, cli, "t2", timeout=4 * TIMEOUT)
+    assert_equal_eventually(pair, cli, "t1", "t2")
+
+
+def test_failing_catch_up_is_recorded_with_the_change_it_was_applying(pair, run_cli) -> None:
+    """A change to t2 after the copy's snapshot point meets a row already on the target while the live sync catches
+    up: the record names the catch-up's message (INSERT), the relation and the remote transaction, without a skip
+    command (a skip-LSN does not apply to the catch-up); the next attempt copies t2 again and finishes."""
+    prepare(pair, 200)
+    pair.target.execute("INSERT INTO t2 VALUES (900001, 'in the way')")
+    cli = run_cli()
+    wait_ready(pair, cli, "t1")
+    with Workload(pair.publisher, ["t1"], first_id=700_000) as work:  # the stream moves past C: a catch-up
+        add_t2(pair)
+        wait_until(lambda: re.search(r'table "public\.t2": state d \(copying', log_text(cli)), timeout=TIMEOUT,
+                   what=f"the copy; log:\n{cli.log_tail()}")  # fmt: skip
+        pair.publisher.execute("INSERT INTO t2 VALUES (900001, 'after the snapshot')")
+        wait_until(
+            lambda: sync_errors(pair), timeout=2 * TIMEOUT, what=f"the failure; log:\n{cli.log_tail()}"
+        )
+        first = sync_errors(pair)[0]
+        assert first["message_type"] == "INSERT" and first["relation"] == "public.t2", first
+        assert "duplicate key" in first["message"] and first["retry_count"] == 1, first
+        last = status(pair.target, "s")["last_error"]
+        assert last["remote_xid"] and last["sqlstate"] == "23505" and last["finish_lsn"] is None, last
+        assert last["skip_command"] is None and "CONTEXT" not in last["message"], last
+        # the retry empties t2 (its rows are a copy of ours, ``f``) and copies it again, the publisher's row included
+        wait_ready(pair, cli, "t2", timeout=4 * TIMEOUT)
+        work.finish()
+    assert cli.alive and cli.starts == 1
+    assert_equal_eventually(pair, cli, "t1", "t2")
+    print_sync_lines(cli)

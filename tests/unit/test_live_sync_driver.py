@@ -1,14 +1,17 @@
 """The apply worker's side of live table syncs (applier.apply.syncstate.LiveSyncDriver) against a scripted
-coordinator: when a sync starts, how the stream meets it at SYNCWAIT, and the wait after a failed one."""
+coordinator: when a sync starts, how the stream meets it at SYNCWAIT, and the growing wait after failed ones (the
+catalog side, recording and disable_on_error, is tested with real servers: tests/integration/test_tablesync_refresh.py)."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from applier.apply.syncstate import LIVE_SYNC_RETRY, LiveSyncDriver
+from applier.apply.coordinator import SyncFailure
+from applier.apply.syncstate import LiveSyncDriver
 from applier.catalog.store import RelState
 
 
@@ -19,6 +22,7 @@ class ScriptedSync:
     waiting: bool = False
     finished: bool = False
     failed: bool = False
+    failure: SyncFailure | None = None
     calls: list[str] = field(default_factory=list)
 
     def proceed(self, current_lsn: int) -> None:
@@ -50,7 +54,7 @@ def rel(state: str) -> RelState:
 def driver() -> tuple[LiveSyncDriver, Coordinator]:
     coordinator = Coordinator()
     return LiveSyncDriver(
-        coordinator, "dbname=x", "s", logging.getLogger("t"), threading.Event()
+        coordinator, "dbname=x", "s", logging.getLogger("t"), threading.Event(), initial=1.0, cap=4.0
     ), coordinator
 
 
@@ -74,14 +78,45 @@ def test_at_syncwait_the_stream_drains_tells_its_position_and_waits() -> None:
     assert drained == [True] and sync.calls == ["proceed 200", "wait", "close"] and live.job is None
 
 
-def test_after_a_failed_sync_the_next_waits() -> None:
-    live, coordinator = driver()
+def fail(live: LiveSyncDriver, coordinator: Coordinator) -> float:
+    """Start a sync, let it fail, return how long the driver waits before the next one (jitter: up to 1 s)."""
+    live.retry_at = 0.0
     live.start_if_needed([rel("f")])
-    coordinator.syncs[0].finished = coordinator.syncs[0].failed = True
+    sync = coordinator.syncs[-1]
+    sync.finished = sync.failed = True
+    sync.failure = SyncFailure("duplicate key", "public.t", "COPY", "23505")
+    now = time.monotonic()
     assert live.at_boundary(300, lambda: None, lambda: None)
-    assert live.retry_at > 0
+    return live.retry_at - now
+
+
+def test_after_a_failed_sync_the_next_waits_longer_each_time_up_to_the_cap() -> None:
+    live, coordinator = driver()
+    waits = [fail(live, coordinator) for _ in range(5)]
+    assert live.failures == 5
+    for got, step in zip(waits, [1.0, 2.0, 4.0, 4.0, 4.0], strict=True):
+        assert step - 0.1 <= got <= min(step + 1.0, 4.0) + 0.1, waits
     live.start_if_needed([rel("f")])
-    assert len(coordinator.syncs) == 1  # not before LIVE_SYNC_RETRY
-    live.retry_at -= LIVE_SYNC_RETRY
+    assert len(coordinator.syncs) == 5  # not before the wait
+    live.retry_at = 0.0
     live.start_if_needed([rel("f")])
-    assert len(coordinator.syncs) == 2
+    assert len(coordinator.syncs) == 6
+
+
+def test_a_successful_sync_starts_the_backoff_again() -> None:
+    live, coordinator = driver()
+    fail(live, coordinator)
+    fail(live, coordinator)
+    live.retry_at = 0.0
+    live.start_if_needed([rel("f")])
+    coordinator.syncs[-1].finished = True
+    assert live.at_boundary(400, lambda: None, lambda: None)
+    assert live.failures == 0 and fail(live, coordinator) <= 2.1
+
+
+def test_a_stopped_sync_is_no_failure() -> None:
+    live, coordinator = driver()
+    live.start_if_needed([rel("d")])
+    coordinator.syncs[0].finished = coordinator.syncs[0].failed = True  # stopped: no failure to report
+    assert live.at_boundary(500, lambda: None, lambda: None)
+    assert live.failures == 0 and not live.disabled
