@@ -29,7 +29,7 @@ import psycopg
 import sqlalchemy as sa
 from psycopg import sql
 
-from applier.catalog.store import Catalog, CatalogError, Subscription
+from applier.catalog.store import Catalog, CatalogError, RelState, Subscription
 from applier.conninfo import describe, has_password, scrub, without_password
 from applier.errors import ApplierError
 from applier.lsn import format_lsn, parse_lsn
@@ -979,7 +979,10 @@ def _skip_command(subname: str, finish_lsn: int | None) -> str | None:
 def _error_lines(e: dict[str, Any]) -> list[str]:
     """The last error for people: what the target said, in which remote transaction, and what can be done."""
     message = e["message"].strip().replace("\n", "\n      ")
-    lines = [f"  last error ({e['at']}): {message}"]
+    resolved = e.get("resolved")
+    lines = [
+        f"  last error ({e['at']}{', resolved since: the worker got past it' if resolved else ''}): {message}"
+    ]
     if e["sqlstate"]:
         lines.append(f"    SQLSTATE {e['sqlstate']}")
     if e["finish_lsn"]:
@@ -996,6 +999,8 @@ def _error_lines(e: dict[str, Any]) -> list[str]:
         if e["relation"]:
             where = f"{where} on {e['relation']}".strip()
         lines.append(f"    {where}")
+    if resolved:
+        return lines
     if e["next_retry_at"]:
         lines.append(
             f"    failed {e['retry_count'] or 1} time(s) in a row; next attempt at {e['next_retry_at']}"
@@ -1025,6 +1030,7 @@ def _status_of(catalog: Catalog, sub: Subscription, publisher_timeout: int) -> d
     holder = _holder(catalog, sub.subid)
     origin = origin_progress(catalog, sub)
     error = catalog.last_error(sub.subid)
+    tables = catalog.table_states(sub.subid)
     result: dict[str, Any] = {
         "name": sub.subname,
         "subid": sub.subid,
@@ -1042,7 +1048,7 @@ def _status_of(catalog: Catalog, sub: Subscription, publisher_timeout: int) -> d
         "worker": str(holder) if holder else None,
         "tables": [
             {"name": t.name, "state": t.state.value, "lsn": _lsn(t.lsn), "rows": t.rows, "bytes": t.bytes}
-            for t in catalog.table_states(sub.subid)
+            for t in tables
         ],
         "prepared": [
             {"gid": gid, "prepared_at": _when(at)} for gid, at in catalog.pending_prepared(sub.subid)
@@ -1061,6 +1067,7 @@ def _status_of(catalog: Catalog, sub: Subscription, publisher_timeout: int) -> d
             "retry_count": error["retry_count"],
             "next_retry_at": _when(error["next_retry_at"]),
             "skip_command": _skip_command(sub.subname, error["finish_lsn"]),
+            "resolved": _resolved(error, origin, tables),
         },
     }
     lag = catalog.lag(sub.subid)
@@ -1070,6 +1077,20 @@ def _status_of(catalog: Catalog, sub: Subscription, publisher_timeout: int) -> d
     result["apply_lag"] = lag
     result["replication"] = _publisher_view(sub, origin, publisher_timeout)
     return result
+
+
+def _resolved(error: dict[str, Any], origin: int, tables: list[RelState]) -> bool | None:
+    """Whether the worker has got past the recorded error since: the failing remote transaction is applied (or
+    skipped: the origin is at or past its finish LSN), or the failing table of a table sync is synchronized (``s``
+    or ``r``). None when the record says too little to tell (e.g. the publisher refused the replication start).
+    Without it, a status read after the worker recovered would still show the old error's next attempt, in the
+    past, as if it were still failing."""
+    if error["finish_lsn"]:
+        return origin >= error["finish_lsn"]
+    if error["relation"] and error["message_type"]:
+        synced = {t.name for t in tables if t.state in (SyncState.SYNCDONE, SyncState.READY)}
+        return error["relation"] in synced
+    return None
 
 
 def _publisher_view(sub: Subscription, origin: int, timeout: int) -> dict[str, Any]:

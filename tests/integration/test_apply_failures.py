@@ -71,6 +71,7 @@ def test_backoff_grows_while_the_same_transaction_fails_and_status_says_how_to_s
         e = entry["last_error"]
         assert e["skip_command"] == skip and e["sqlstate"] == "23505" and e["retry_count"] >= 6
         assert e["next_retry_at"] and e["finish_lsn"] == first["finish_lsn"] and e["message_type"] == "INSERT"
+        assert e["resolved"] is False
         text = ok(pair.target, "status", pair.name)
         assert "SQLSTATE 23505" in text and f"in remote transaction {first['remote_xid']}" in text
         assert "during INSERT on public.t" in text and skip in text and "next attempt at" in text
@@ -81,6 +82,10 @@ def test_backoff_grows_while_the_same_transaction_fails_and_status_says_how_to_s
             (1, "ok"), (2, "already here"), (4, "next"),
         ]  # fmt: skip
         assert Catalog.connect(pair.target.dsn).require(pair.name).subskiplsn is None
+        # the worker got past it: status says so, and no longer shows a next attempt or the skip command
+        assert status(pair.target, pair.name)["last_error"]["resolved"] is True
+        text = ok(pair.target, "status", pair.name)
+        assert "resolved since" in text and "next attempt at" not in text and skip not in text
         # another transaction that fails: its own backoff, from the first step
         before = len(_errors(pair.target, s.sub.subid))
         pair.target.execute("INSERT INTO t VALUES (5, 'already here')")
@@ -166,6 +171,9 @@ def test_copy_conflict_is_retried_and_never_ends_run(pair, tmp_path: Path) -> No
         assert status(pair.target, "s")["enabled"]
         pair.target.execute("DELETE FROM t1 WHERE id = 3")
         wait_until(lambda: pair.target.scalar("SELECT count(*) FROM t1") == 5, timeout=240, what="the copy")
+        wait_until(
+            lambda: status(pair.target, "s")["last_error"]["resolved"], timeout=60, what="t1 synchronized"
+        )
         pair.publisher.execute("INSERT INTO t1 VALUES (6, 'streamed')")
         wait_until(lambda: pair.target.scalar("SELECT count(*) FROM t1") == 6, timeout=60, what="streaming")
     finally:
