@@ -48,6 +48,12 @@ ERRORS = Counter(
     "Errors that rolled back a local transaction (the worker retries or disables), by kind.",
     ["subscription", "kind"],
 )
+SYNC_ERRORS = Counter(
+    "applier_sync_errors_total",
+    "Table synchronizations that failed (the initial copy, or a live sync's copy or catch-up), as "
+    "pg_stat_subscription_stats.sync_error_count counts them; each is retried or disables the subscription.",
+    ["subscription"],
+)
 CONFLICTS = Counter(
     "applier_conflicts_total",
     "Conflicts met while applying, by kind (update_missing, delete_missing, insert_exists, ...).",
@@ -131,6 +137,10 @@ class WorkerMetrics:
         cause = exc.__cause__ or exc.__context__
         if "23505" in (getattr(exc, "sqlstate", None), getattr(cause, "sqlstate", None)):
             CONFLICTS.labels(self.subscription, "insert_exists").inc()
+
+    def sync_error(self) -> None:
+        """Count a failed table synchronization (``sync_error_count``)."""
+        SYNC_ERRORS.labels(self.subscription).inc()
 
 
 def enable_multiprocess() -> str:

@@ -43,6 +43,7 @@ from applier.apply.worker import ApplyWorker
 from applier.catalog.store import Catalog, Subscription
 from applier.conninfo import scrub
 from applier.errors import ApplierError
+from applier.metrics import WorkerMetrics
 from applier.retry import max_retry_interval_default, retry_delay
 from applier.subscriptions import (
     SubscriptionBusy,
@@ -414,6 +415,7 @@ def _initial_copy(
             copied = run_initial_copy(target, subname, stop=stop)
         except TablesyncError as exc:
             failures += 1
+            WorkerMetrics(subname).sync_error()
             delay = retry_delay(failures, cap=cap)
             with target_errors(target):
                 sub = require_subscription(catalog, subname)

@@ -47,7 +47,8 @@ class LiveSyncDriver:
 
     def __init__(self, coordinator: TableSyncCoordinator, target_conninfo: str, subname: str,
                  log: logging.Logger, stop: threading.Event, *, catalog: Catalog | None = None,
-                 initial: float = RETRY_INITIAL, cap: float = DEFAULT_MAX_RETRY_INTERVAL) -> None:  # fmt: skip
+                 initial: float = RETRY_INITIAL, cap: float = DEFAULT_MAX_RETRY_INTERVAL,
+                 counted: Callable[[], None] | None = None) -> None:  # fmt: skip
         self.coordinator, self.target_conninfo, self.subname, self.log = (
             coordinator,
             target_conninfo,
@@ -58,6 +59,8 @@ class LiveSyncDriver:
         #: where failures are recorded (None: only logged, e.g. in unit tests without a target)
         self.catalog = catalog
         self.initial, self.cap = initial, cap
+        #: counts each failure (the worker's ``applier_sync_errors_total``)
+        self.counted = counted
         self.job: TableSync | None = None
         self.retry_at = 0.0
         self.failures = 0  # failed syncs in a row
@@ -107,6 +110,8 @@ class LiveSyncDriver:
         """Record the failure (``applier status``), then disable the subscription (``disable_on_error``) or plan
         the next attempt after a growing wait; log what happens and what to do."""
         self.failures += 1
+        if self.counted is not None:
+            self.counted()
         delay = retry_delay(self.failures, initial=self.initial, cap=self.cap)
         self.retry_at = time.monotonic() + delay
         disable = self._record(failure, delay)

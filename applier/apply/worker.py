@@ -164,7 +164,8 @@ class ApplyWorker:
         self._live: LiveSyncDriver | None = None
         if table_sync is not None:
             self._live = LiveSyncDriver(table_sync, target_conninfo, subname, self.log, self.stop,
-                                        catalog=self.catalog, initial=self.retry_initial, cap=self.retry_max)  # fmt: skip
+                                        catalog=self.catalog, initial=self.retry_initial, cap=self.retry_max,
+                                        counted=self.metrics.sync_error)  # fmt: skip
         #: group commit (docs/differences.md); off with ``APPLIER_GROUP_COMMIT=0`` / ``run --no-group-commit``
         self.group_commit = group_commit if group_commit is not None else group_commit_default()
         #: bulk apply of whole plain transactions (docs/differences.md); off with ``APPLIER_BULK_APPLY=0``

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as dt
 import signal
 import subprocess
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from applier.apply.testing import setup_subscription
 from applier.catalog.store import CATALOG_VERSION, Catalog
 from applier.retry import RetrySettingError, parse_max_retry_interval, retry_delay
 from applier.testing import wait_for_catchup, wait_until
+from applier.testing.cluster import free_port
 
 
 def _errors(target, subid: int) -> list[dict]:
@@ -141,6 +143,17 @@ def _run(pair, tmp_path: Path, *args: str) -> subprocess.Popen[str]:
     return proc
 
 
+def _sync_errors(port: int) -> float:
+    """``applier_sync_errors_total`` of subscription s, as the metrics endpoint serves it."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith('applier_sync_errors_total{subscription="s"}')
+    )
+
+
 def _stop(proc: subprocess.Popen[str]) -> tuple[int, str]:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -159,11 +172,13 @@ def test_copy_conflict_is_retried_and_never_ends_run(pair, tmp_path: Path) -> No
     make_tables(pair, "t1", rows=5)
     pair.target.execute("INSERT INTO t1 VALUES (3, 'in the way')")
     create(pair, "s")
-    proc = _run(pair, tmp_path, "--max-retry-interval", "2")
+    port = free_port()
+    proc = _run(pair, tmp_path, "--max-retry-interval", "2", "--metrics-port", str(port))
     try:
         wait_until(lambda: (status(pair.target, "s")["last_error"] or {}).get("retry_count", 0) >= 2,
                    timeout=240, what="two failed copies")  # fmt: skip
         assert proc.poll() is None, "applier run ended on a copy conflict"
+        wait_until(lambda: _sync_errors(port) >= 2, timeout=30, what="applier_sync_errors_total >= 2")
         e = status(pair.target, "s")["last_error"]
         assert "duplicate key" in e["message"] and e["message_type"] == "COPY" and e["next_retry_at"]
         assert e["relation"] == "public.t1"  # the failing table, as an apply error names it

@@ -120,3 +120,17 @@ def test_a_stopped_sync_is_no_failure() -> None:
     coordinator.syncs[0].finished = coordinator.syncs[0].failed = True  # stopped: no failure to report
     assert live.at_boundary(500, lambda: None, lambda: None)
     assert live.failures == 0 and not live.disabled
+
+
+def test_every_failure_is_counted_once_and_a_stop_is_not() -> None:
+    counted: list[int] = []
+    coordinator = Coordinator()
+    live = LiveSyncDriver(coordinator, "dbname=x", "s", logging.getLogger("t"), threading.Event(),
+                          initial=1.0, cap=4.0, counted=lambda: counted.append(1))  # fmt: skip
+    fail(live, coordinator)
+    fail(live, coordinator)
+    live.retry_at = 0.0
+    live.start_if_needed([rel("d")])
+    coordinator.syncs[-1].finished = coordinator.syncs[-1].failed = True  # stopped
+    live.at_boundary(600, lambda: None, lambda: None)
+    assert len(counted) == 2
