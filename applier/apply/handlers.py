@@ -96,8 +96,8 @@ _KEEP_GROUP = frozenset(
     (Begin, Commit, Origin, Relation, Type, Insert, Update, Delete, Truncate, Message, BeginPrepare)
 )
 #: Messages whose handler ends the open insert run: :meth:`Applier.handle` flushes it before dispatching them (their
-#: handlers flush too, for the spool's replay), a COMMIT only when it cannot join a group commit (which keeps the
-#: run open for the next transaction's inserts)
+#: handlers flush too, for the spool's replay); a COMMIT only without group commit: one that joins a group keeps the
+#: run open for the next transaction's inserts (whether it may join is not asked twice: the commit path flushes then)
 _ENDS_RUN = frozenset((Update, Delete, Truncate, StreamStart, Commit))
 
 
@@ -174,7 +174,7 @@ class Applier(PublicNames):
         """Apply one decoded message (``payload``: its raw bytes); one that ends the insert run flushes it first."""
         cls = msg.__class__
         if self.inserts.entry is not None and cls in _ENDS_RUN:
-            if cls is not Commit or not (self.commit_policy.enabled and self.group.may_group()):
+            if cls is not Commit or not self.commit_policy.enabled:
                 self.inserts.flush()
         if self.commit_policy.pending is not None and cls not in _KEEP_GROUP and not self.tx.active:
             self.inserts.flush()
