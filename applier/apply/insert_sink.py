@@ -63,14 +63,13 @@ class InsertRuns:
         """One Insert into remote relation ``relid``, if the open run is into it: into the open COPY, or buffered
         until the run is long enough, when the COPY starts with the buffered rows. Returns False when the Insert
         must start a new run instead (no run open, another relation, its mapping replaced since, the transaction
-        discarded, inside a stream chunk): the core checks the relation then, once per run.
+        discarded): the core checks the relation then, once per run. (No run is open inside a stream chunk: Stream
+        Start ends it, and the chunk's Inserts are spooled before they get here.)
 
         The row's send call is made here, not in a helper: a plain INSERT reaches the target in five calls from
         the loop's round on every route (tests/unit/test_loop.py)."""
         entry = self.entry
         if entry is None or self.relmap.entries.get(relid) is not entry or self.tx.discarding:
-            return False
-        if self.stream.xid is not None:
             return False
         target = self.target
         copy = target.copy_run
