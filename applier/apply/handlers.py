@@ -68,6 +68,7 @@ from applier.messages import (
     StreamStart,
     StreamStop,
     Truncate,
+    TupleData,
     Type,
     Update,
 )  # fmt: skip
@@ -94,6 +95,10 @@ RAW_SPOOL_TYPES = frozenset(b"RYIUDTM")
 _KEEP_GROUP = frozenset(
     (Begin, Commit, Origin, Relation, Type, Insert, Update, Delete, Truncate, Message, BeginPrepare)
 )
+#: Messages whose handler ends the open insert run: :meth:`Applier.handle` flushes it before dispatching them (their
+#: handlers flush too, for the spool's replay); a COMMIT only without group commit: one that joins a group keeps the
+#: run open for the next transaction's inserts (whether it may join is not asked twice: the commit path flushes then)
+_ENDS_RUN = frozenset((Update, Delete, Truncate, StreamStart, Commit))
 
 
 class TableStates:
@@ -166,10 +171,15 @@ class Applier(PublicNames):
 
     # --- dispatch (``apply_dispatch``) -----------------------------------------------------------------------
     def handle(self, msg: Any, payload: bytes = b"") -> None:
-        """Apply one decoded message; ``payload`` is its raw bytes (needed to spool streamed changes)."""
-        if self.commit_policy.pending is not None and msg.__class__ not in _KEEP_GROUP and not self.tx.active:
+        """Apply one decoded message (``payload``: its raw bytes); one that ends the insert run flushes it first."""
+        cls = msg.__class__
+        if self.inserts.entry is not None and cls in _ENDS_RUN:
+            if cls is not Commit or not self.commit_policy.enabled:
+                self.inserts.flush()
+        if self.commit_policy.pending is not None and cls not in _KEEP_GROUP and not self.tx.active:
+            self.inserts.flush()
             self.group.end()
-        self._dispatch[msg.__class__](msg, payload)
+        self._dispatch[cls](msg, payload)
 
     @property
     def idle(self) -> bool:
@@ -310,28 +320,23 @@ class Applier(PublicNames):
     # --- row changes -----------------------------------------------------------------------------------------
     def handle_insert(self, m: Insert, payload: bytes = b"") -> None:
         """``apply_handle_insert``, into a run of inserts per relation (:mod:`applier.apply.insert_sink`)."""
-        if self._spooled(m.xid, payload) or self.tx.discarding:
+        if self._spooled(m.xid, payload) or self.inserts.add(m.relid, m.new) or self.tx.discarding:
             return
-        sink = self.inserts
-        entry = self.relmap.entries.get(m.relid)
-        if entry is None or entry is not sink.entry:
-            # a new run: a relation's applicability cannot change within a transaction, so it is checked per run
-            entry = self._entry(m.relid, "INSERT")
-            if not self.tables.should_apply(entry.local.oid, self.tx.final_lsn):
-                return
-            sink.flush()
-            ctx = self._change_context("INSERT", entry)
-            if not self.target.in_transaction:
-                self.target.begin(ctx)
-            sink.open(entry, ctx)
-        sink.add(m.new)
+        self.inserts.flush()
+        self._new_run(m.relid, m.new)
 
     def handle_insert_bytes(self, payload: bytes) -> None:
-        """An Insert outside a stream, from its bytes: a row for the open COPY goes straight in; anything else
-        takes :meth:`handle_insert`."""
+        """An Insert outside a stream, from its bytes: as :meth:`handle_insert`, with no message object."""
         relid, new = decode_plain_insert(payload)
-        if not self.inserts.add_to_lane(relid, new):
-            self.handle_insert(Insert(None, relid, new), payload)
+        if not self.inserts.add(relid, new) and not self.tx.discarding:
+            self.inserts.flush()  # the open run, if any, ends here: another relation's (or its mapping was replaced)
+            self._new_run(relid, new)
+
+    def _new_run(self, relid: int, new: TupleData) -> None:
+        """A new run starts with ``new``: applicability cannot change within a transaction (behaviour 75)."""
+        entry = self._entry(relid, "INSERT")
+        if self.tables.should_apply(entry.local.oid, self.tx.final_lsn):
+            self.inserts.open(entry, self._change_context("INSERT", entry), new)
 
     def handle_update(self, m: Update, payload: bytes = b"") -> None:
         """``apply_handle_update``: by replica identity; no row found is a conflict, not an error."""

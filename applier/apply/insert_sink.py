@@ -50,45 +50,59 @@ class InsertRuns:
         self.rows: list[TupleData] = []  # its rows not sent yet (fewer than COPY_THRESHOLD)
         self.ctx: ErrorContext | None = None
 
-    def open(self, entry: RelMapEntry, ctx: ErrorContext) -> None:
-        """Start a run into ``entry`` (after :meth:`flush` of the previous one)."""
+    def open(self, entry: RelMapEntry, ctx: ErrorContext, new: TupleData) -> None:
+        """Start a run into ``entry`` with its first row ``new`` (after :meth:`flush` of the previous one); the
+        local transaction starts with it."""
         self.entry = entry
         self.ctx = ctx
+        if not self.target.in_transaction:
+            self.target.begin(ctx)
+        self.add(entry.remote.relid, new)
 
-    def add(self, new: TupleData) -> None:
-        """One Insert into the open run's relation: into the open COPY, or buffered until the run is long."""
+    def add(self, relid: int, new: TupleData) -> bool:
+        """One Insert into remote relation ``relid``, if the open run is into it: into the open COPY, or buffered
+        until the run is long enough, when the COPY starts with the buffered rows. Returns False when the Insert
+        must start a new run instead (no run open, another relation, its mapping replaced since, the transaction
+        discarded): the core checks the relation then, once per run. (No run is open inside a stream chunk: Stream
+        Start ends it, and the chunk's Inserts are spooled before they get here.)
+
+        The row's send call is made here, not in a helper: a plain INSERT reaches the target in five calls from
+        the loop's round on every route (tests/unit/test_loop.py)."""
+        entry = self.entry
+        if entry is None or self.relmap.entries.get(relid) is not entry or self.tx.discarding:
+            return False
         target = self.target
         copy = target.copy_run
-        if copy is not None and copy.entry is self.entry:
+        if copy is not None and copy.entry is entry:
             kinds = new.kinds
             if KIND_BINARY not in kinds and KIND_UNCHANGED_TOAST not in kinds:
                 copy.add(new)
                 self.stats.pending_rows[0] += 1
-                return
+                return True
             target.end_copy()  # keep the order: this row goes after everything already copied
         self.stats.pending_rows[0] += 1
         rows = self.rows
         rows.append(new)
-        if len(rows) >= COPY_THRESHOLD:
-            self._send_buffered(continue_as_copy=all(copy_eligible(r) for r in rows))
-
-    def _send_buffered(self, continue_as_copy: bool) -> None:
-        entry, rows = self.entry, self.rows
-        assert entry is not None
-        if continue_as_copy:
-            self.target.start_copy(entry, rows, self.ctx)
+        if len(rows) < COPY_THRESHOLD:
+            return True
+        if all(copy_eligible(r) for r in rows):
+            target.start_copy(entry, rows, self.ctx)  # the run continues as a COPY
         else:
             for r in rows:
-                self.target.insert(entry, r, self.ctx)
+                target.insert(entry, r, self.ctx)
         rows.clear()
+        return True
 
     def flush(self) -> None:
         """End the open run: send what is buffered as INSERTs, and close a COPY."""
-        if self.entry is None:
+        entry = self.entry
+        if entry is None:
             return
-        self.target.end_copy()
-        if self.rows:
-            self._send_buffered(continue_as_copy=False)
+        target, ctx = self.target, self.ctx
+        target.end_copy()
+        for r in self.rows:
+            target.insert(entry, r, ctx)
+        self.rows.clear()
         self.entry = None
 
     def reset(self) -> None:
@@ -113,23 +127,6 @@ class InsertRuns:
             return None
         return (relid << 8) | _NEW_TUPLE, len(entry.names)
 
-    def add_to_lane(self, relid: int, new: TupleData) -> bool:
-        """An Insert decoded from its bytes: straight into the open COPY if it belongs there (no message object,
-        no dispatch; the conditions of :meth:`lane`, checked inline: this is the hot path of a backlog); returns
-        False when it must take the handler instead."""
-        entry = self.entry
-        if entry is None or entry.remote.relid != relid or self.tx.discarding or self.stream.xid is not None:
-            return False
-        copy = self.target.copy_run
-        if copy is None or copy.entry is not entry or self.relmap.entries.get(relid) is not entry:
-            return False
-        kinds = new.kinds
-        if KIND_BINARY in kinds or KIND_UNCHANGED_TOAST in kinds:
-            return False
-        copy.add(new)
-        self.stats.pending_rows[0] += 1
-        return True
-
     def copy_stretches(self, run: InsertRun, first: int, stop: int, one: Callable[[int], None]) -> None:
         """Messages ``first`` to ``stop - 1`` of ``run``, in arrival order, Inserts or not: every stretch of at
         least :data:`VECTOR_MIN` Inserts that goes into the open COPY (see :meth:`lane`) is converted
@@ -148,18 +145,18 @@ class InsertRuns:
 
     def _stretch(self, run: InsertRun, i: int, end: int, head: int, one: Callable[[int], None]) -> None:
         """Messages ``i`` to ``end - 1``, all with the same relid head ``head`` (-1: not Inserts): one by one until
-        the rest goes into the open COPY (the first ones may open it), then the rest converted at once."""
+        the rest goes into the open COPY (the first ones may open it), then the rest converted at once (sent from
+        here: a converted stretch reaches the target in five calls from the loop's round, as a single row)."""
+        columns: int | None = None  # of the open lane, once the rest goes into it
         while i < end:
             open_lane = self.lane() if head != -1 and end - i >= VECTOR_MIN else None
             if open_lane is not None and open_lane[0] == head:
-                self._convert(run, i, end, open_lane[1], one)
-                return
+                columns = open_lane[1]
+                break
             one(i)
             i += 1
-
-    def _convert(self, run: InsertRun, i: int, end: int, columns: int, one: Callable[[int], None]) -> None:
-        text = run.copy_text(i, end, columns)
-        if text is None:  # not the simple shape: the whole stretch row by row
+        text = None if columns is None else run.copy_text(i, end, columns)
+        if text is None:  # not the simple shape: the rest row by row (none left once the loop ran through)
             for j in range(i, end):
                 one(j)
             return

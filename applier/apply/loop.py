@@ -10,8 +10,8 @@ apply worker; the position reached and status updates for a table sync's catch-u
 (``LogicalRepApplyLoop``).
 
 A plain INSERT goes :meth:`ApplyLoop.round` → :meth:`ApplyLoop.apply_batch` → :meth:`ApplyLoop.apply_one` →
-``Applier.handle_insert_bytes`` → ``Applier.handle_insert`` → the target (five calls; into an open COPY, four);
-tests/unit/test_loop.py records the depth.
+``Applier.handle_insert_bytes`` → ``InsertRuns.add`` → the target's send call (five calls, as on its other routes:
+docs/architecture.md); tests/unit/test_loop.py records the depths.
 
 The loop does no SQL and holds no connection of its own: the stream source and the core are handed in (the real
 ``ReplicationConnection`` or a list of messages in the unit tests).
