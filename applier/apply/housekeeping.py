@@ -40,11 +40,6 @@ STATUS_INTERVAL = 10.0
 FLUSH_POLL_INTERVAL = 0.1
 #: How often the worker hands its counters to the Prometheus metrics (off the per-message path).
 METRICS_INTERVAL = 1.0
-#: Records of finished prepared transactions are removed (which drains the apply pipeline) when nothing arrived in
-#: the last round of reads, or the pipeline holds at most RECONCILE_DRAIN_MAX statements, or after
-#: RECONCILE_MAX_DEFER seconds whatever it holds.
-RECONCILE_DRAIN_MAX = 64
-RECONCILE_MAX_DEFER = 10.0
 #: A catalog-watch snapshot older than this is not trusted: the loop re-reads synchronously, as it did before.
 WATCH_STALE = 5.0
 #: wal_receiver_timeout: silence from the publisher this long ends the session (a ping is sent at half of it).
@@ -166,7 +161,7 @@ class ApplyHousekeeping:
         now = time.monotonic()
         self.last_status = self.last_published = self.last_flush_poll = 0.0
         self.status_pacer = StatusPacer()  # shared with the loop, whose read wait it bounds
-        self.last_reread = self.last_reconcile = self.last_heard = now
+        self.last_reread = self.last_heard = now
         self.pinged = False
         self.wal_query_open = False  # a WAL positions query in flight
         self.flush_lsn = 0  # the last flush LSN one returned
@@ -211,23 +206,12 @@ class ApplyHousekeeping:
         if now - self.last_reread >= REREAD_INTERVAL:
             self.last_reread = now
             self._reread_if_changed(now)
-            if s.applier.finished_prepared and self._may_reconcile(received, now):
-                # Removing the records of finished prepared transactions needs the pipeline drained (what is
-                # queued first: a record whose PREPARE TRANSACTION has not run yet looks finished), so it waits
-                # for a moment when little is in flight rather than stall a steady load.
-                self.last_reconcile = now
+            if s.applier.finished_prepared and not s.target.in_transaction:
+                # queued behind everything sent so far, so nothing waits for it (target_catalog.reconcile_prepared)
                 s.applier.finished_prepared = 0
-                s.target.pipeline.drain()
-                self.worker.catalog.reconcile_prepared(s.sub.subid)
+                s.target.catalog.reconcile_prepared(s.sub.subid)
         if not s.tables.all_ready or s.tables.two_phase_state == TwoPhaseState.PENDING:
             s.tables.after_transaction(s.tracker.last_received)
-
-    def _may_reconcile(self, received: int, now: float) -> bool:
-        return (
-            not received  # nothing arrived this round: waiting for the pipeline delays nothing
-            or self.s.target.pipeline.pending <= RECONCILE_DRAIN_MAX
-            or now - self.last_reconcile >= RECONCILE_MAX_DEFER
-        )
 
     def _reread_if_changed(self, now: float) -> None:
         s, watch = self.s, self.s.watch

@@ -3,7 +3,8 @@
 A record (gid, prepare end LSN, prepare time) is what ``LookupGXact`` compares (behaviour 65); it must be committed
 before its transaction is prepared, so it is visible while the transaction stays prepared. The core also keeps the
 records in memory (:attr:`PreparedRecords.prepared`), so ROLLBACK PREPARED needs no lookup round trip; rows of
-finished ones are removed in batches by the worker (``Catalog.reconcile_prepared``, when :attr:`finished` > 0).
+finished ones are removed in batches by the worker when :attr:`finished` > 0 (queued down the apply pipeline,
+``CatalogWrites.reconcile_prepared``, so the removal never waits for the pipeline to drain).
 
 **Speed (prepared-record batching).** The worker announces the BEGIN PREPAREs of a batch it has read but not applied
 yet (:meth:`PreparedRecords.expect`); the next record written writes theirs along with it, in one statement

@@ -39,6 +39,7 @@ class CatalogWrites:
         self.pipeline = session.pipeline
         self._record_prepared_ready = False
         self._record_many_ready = False
+        self._reconcile_ready = False
 
     def mark_ready(
         self, subid: int, tables: Sequence[tuple[int, SyncState, int | None]], origin_lsn: int
@@ -104,6 +105,26 @@ class CatalogWrites:
              array(format_lsn(r[2]).encode() for r in records), array(format_lsn(r[3]).encode() for r in records),
              array(str(r[4]).encode() for r in records)],
         )  # fmt: skip
+
+    def reconcile_prepared(self, subid: int) -> None:
+        """Queue the removal of the records of finished prepared transactions, in a local transaction of its own,
+        without waiting for it. Only between remote transactions, with no local transaction open.
+
+        On the apply session rather than the catalog's, because pipeline order is what makes it safe without a
+        drain: the catalog's session would first have to wait until every queued PREPARE had run (a record whose
+        PREPARE is still queued looks finished), and that drain stopped the loop from sending anything new, the
+        lag spike of issue 19. Asynchronous commit (the apply session's setting) is enough: a removal lost in a
+        crash is redone at the next start (``ApplyWorker`` reconciles before applying)."""
+        ctx = ErrorContext(f"applier_{subid}", "COMMIT")
+        self.session.end_copy()
+        if not self._reconcile_ready:
+            self.pipeline.send_prepare(b"applier_reconcile_prepared", catalog_sql.RECONCILE_PREPARED, [], ctx)
+            self._reconcile_ready = True
+        self.session.prepare_fixed(ctx)
+        p = self.pipeline
+        p.send_prepared(b"applier_begin", (), None, ctx)
+        p.send_prepared(b"applier_reconcile_prepared", (str(subid).encode(),), None, ctx)
+        p.send_prepared(b"applier_commit", (), None, ctx)
 
     def _recording(self, ctx: ErrorContext | None, statement: bytes, params: list[bytes | None]) -> None:
         """Run a record statement in the open local transaction, or in one of its own."""

@@ -59,6 +59,14 @@ RECORD_PREPARED = (
     + _RECORD_UPSERT
 )
 
+#: The records of finished prepared transactions of subscription $1 (what ``Catalog.reconcile_prepared`` removes).
+#: Queued on the apply pipeline (``applier.apply.target_catalog``), it runs after every statement queued before it,
+#: so every PREPARE already sent has run and no record of a transaction about to be prepared looks finished.
+RECONCILE_PREPARED = (
+    b"DELETE FROM applier.prepared_xact p WHERE p.subid = $1::bigint"
+    b" AND NOT EXISTS (SELECT FROM pg_catalog.pg_prepared_xacts x WHERE x.gid = p.gid)"
+)
+
 #: The records of several transactions in one statement: the same columns as :data:`RECORD_PREPARED`, $2 the
 #: subid, the others as arrays (distinct GIDs).
 RECORD_PREPARED_MANY = (

@@ -264,3 +264,47 @@ def test_records_of_several_prepared_transactions_are_written_in_one_statement(p
         ]
     finally:
         target.close()
+
+
+def test_records_of_finished_prepared_transactions_are_removed_in_pipeline_order(pair):
+    """``Target.catalog.reconcile_prepared`` is queued behind what the apply session already sent, without a drain:
+    a record whose PREPARE TRANSACTION was sent before it is kept even if that PREPARE has not run when the
+    removal is queued, a record of a transaction still prepared is kept (behaviour 65: ROLLBACK PREPARED after a
+    restart needs it), and only the records of finished ones go. Another session's work is left alone."""
+    from applier.apply.context import ErrorContext
+    from applier.apply.target import Target
+
+    both(pair, "CREATE TABLE t (id int PRIMARY KEY)")
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"], two_phase_state="e")
+    origin, subid = s.sub.origin_name, s.sub.subid
+    target = Target.connect(pair.target.dsn, origin=origin)
+    try:
+        for n, lsn in ((1, 0x1000), (2, 0x2000), (3, 0x3000)):
+            ctx = ErrorContext(origin, "BEGIN PREPARE", None, n, lsn)
+            gid = f"pg_gid_{subid}_{n}"
+            target.record_prepared(gid, subid, n, lsn, lsn + 8, 1000 + n, ctx)
+            target.begin(ctx)
+            target.pipeline.send_query(b"INSERT INTO public.t VALUES ($1::int)", [str(n).encode()], ctx)
+            target.prepare(gid, lsn + 8, 1000 + n, ctx, lambda _r: None)
+            if n == 1:  # 1 finishes; 2 stays prepared; 3's PREPARE is queued just before the removal
+                target.finish_prepared(True, gid, lsn + 16, 2000 + n, ctx, lambda _r: None)
+        target.catalog.reconcile_prepared(subid)
+        assert target.pipeline.pending > 0  # queued, not waited for
+        assert not target.in_transaction
+        target.pipeline.drain()
+        assert pair.target.query("SELECT gid FROM applier.prepared_xact ORDER BY 1") == [
+            (f"pg_gid_{subid}_2",),
+            (f"pg_gid_{subid}_3",),
+        ]
+        assert ours(s) == [f"pg_gid_{subid}_2", f"pg_gid_{subid}_3"]
+        # the next transaction on the session is unaffected by the removal's own transaction
+        ctx = ErrorContext(origin, "ROLLBACK PREPARED", None, 2, 0x2000)
+        target.finish_prepared(False, f"pg_gid_{subid}_2", 0x2010, 3002, ctx, lambda _r: None)
+        target.finish_prepared(True, f"pg_gid_{subid}_3", 0x3010, 3003, ctx, lambda _r: None)
+        target.catalog.reconcile_prepared(subid)
+        target.pipeline.drain()
+        assert pair.target.scalar("SELECT count(*) FROM applier.prepared_xact") == 0
+        assert ours(s) == []
+        assert pair.target.query("SELECT id FROM public.t ORDER BY 1") == [(1,), (3,)]
+    finally:
+        target.close()
