@@ -17,18 +17,6 @@ nothing else needs may join: no skip-LSN to clear, no table being synchronised (
 commit then), and none at or before :attr:`CommitPolicy.ungrouped_until` (the retry, one by one, after a failed
 group, so that the transaction at fault is found and reported with its own context).
 
-**Latency.** A group must not hold a commit for what has not arrived yet, nor for the rest of a long round of reads.
-The worker reads what the socket holds, and a read often ends inside a transaction: the walsender sends a
-transaction message by message, and a backlog arrives in reads cut at byte counts. Ended only by the round, a group
-takes in a half-read transaction and waits for its rest, and lasts until a round of reads (up to 5,000 messages)
-finds the socket empty, so after any hiccup the first transactions of a catch-up wait for the whole round. A live
-trace at 800 tps (``bench/live_bench.py --trace-dir``) showed a third of the remote commits held across at least
-one later read, the slowest 1 % for over 50 ms, while native commits each transaction as it applies it.
-:func:`group_cut` says where a read batch's group should end instead, for the loop to end it there
-(``ApplyLoop.apply_batch``): after the batch's last whole transaction, so a group holds only transactions that
-arrived together. The local commits that adds are cheap (the apply session commits with ``synchronous_commit =
-off``, so none waits for a flush), and a backlog, read in large batches, still commits once per batch.
-
 :class:`CommitPolicy` is pure bookkeeping: it decides and remembers. :class:`GroupCommit` is the core's side of it,
 written once: it joins transactions to the group and sends the group's commit through the target port.
 """
@@ -42,7 +30,6 @@ from applier.apply.apply_state import ApplyStats, RemoteTransaction
 from applier.apply.context import ErrorContext
 from applier.apply.feedback import FeedbackTracker
 from applier.apply.ports import ApplyTarget
-from applier.messages import BEGIN_TYPE
 from state.twophase import TwoPhaseState
 
 #: A group commit is sent after at most this many remote transactions (the worker also ends a group whenever the
@@ -50,8 +37,6 @@ from state.twophase import TwoPhaseState
 GROUP_MAX_TRANSACTIONS = 1000
 #: ... or once its remote transactions hold this many row changes.
 GROUP_MAX_ROWS = 100_000
-#: pgoutput's Commit (of a plain transaction; COMMIT PREPARED is ``K``, STREAM COMMIT ``c``)
-COMMIT_TYPE = ord("C")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,17 +48,6 @@ class DeferredCommit:
     commit_time: int
     xid: int | None
     finish_lsn: int
-
-
-def group_cut(kinds: bytes) -> int:
-    """Where the open group ends within a read batch whose message type bytes are ``kinds``: the index after the
-    batch's last whole plain transaction (its Commit), when that is the batch's end or a plain transaction that is
-    not all here yet follows; else 0 (no Commit, or what follows ends the group itself: a BEGIN PREPARE, whose
-    prepared_xact record rides in the group, or a stream). The caller applies ``kinds[:cut]``, sends the group's
-    commit if one is open and no remote transaction is, then applies the rest. See the module docstring
-    ("Latency")."""
-    cut = kinds.rfind(COMMIT_TYPE) + 1
-    return cut if cut and (cut == len(kinds) or kinds[cut] == BEGIN_TYPE) else 0
 
 
 def groupable(skip_lsn: int, tables: Any) -> bool:

@@ -57,16 +57,3 @@ def test_the_applier_sends_a_group_once_it_holds_the_most_rows(core_factory, mon
     # 2 rows: open; 4 rows: sent with the second transaction; the third opens a new group
     assert core.target.origin_positions == [208]
     assert core.applier.group_pending and core.applier.groups == 1
-
-
-def test_group_cut_ends_the_group_after_the_last_whole_transaction_of_a_batch():
-    cut = commit_policy.group_cut
-    # two whole transactions, then a third half-read: the group ends before its Begin
-    assert cut(b"BUUUICBUUUICBUU") == 12
-    assert cut(b"UICBUU") == 3  # the rest of one transaction, then the start of the next
-    assert cut(b"BUUUICBUUUIC") == 12  # ends at a transaction's end: the group ends with the batch
-    assert cut(b"UUUUU") == 0  # inside one transaction: nothing whole to commit
-    assert cut(b"BUUKBU") == 0  # a COMMIT PREPARED is not a plain Commit
-    assert cut(b"BUICbUUP") == 0  # a BEGIN PREPARE ends the group itself (its record rides in it)
-    assert cut(b"BUICSRI") == 0  # so does a stream
-    assert cut(b"") == 0
