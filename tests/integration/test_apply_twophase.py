@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 
 from applier.apply.testing import setup_subscription
@@ -182,6 +185,21 @@ def test_skip_lsn_of_a_prepared_transaction_prepares_it_empty(pair):
         w.stop()
 
 
+def _record_and_prepare(target: Any, origin: str, subid: int, n: int, lsn: int,
+                        on_prepared: Callable[[Any], None]) -> tuple[Any, str]:  # fmt: skip
+    """Queue what the apply session sends for remote prepared transaction ``n`` (finish LSN ``lsn``): its record,
+    BEGIN, one row into t, PREPARE TRANSACTION; return its error context and GID."""
+    from applier.apply.context import ErrorContext
+
+    ctx = ErrorContext(origin, "BEGIN PREPARE", None, n, lsn)
+    gid = f"pg_gid_{subid}_{n}"
+    target.record_prepared(gid, subid, n, lsn, lsn + 8, 1000 + n, ctx)
+    target.begin(ctx)
+    target.pipeline.send_query(b"INSERT INTO public.t VALUES ($1::int)", [str(n).encode()], ctx)
+    target.prepare(gid, lsn + 8, 1000 + n, ctx, on_prepared)
+    return ctx, gid
+
+
 def test_target_two_phase_statements_share_pipeline_segments(pair):
     """What the 2PC path of the apply session relies on (applier/apply/target.py): COMMIT/ROLLBACK PREPARED start a
     pipeline segment but need no sync point after them, so the next transaction (the prepared_xact record, BEGIN,
@@ -198,12 +216,7 @@ def test_target_two_phase_statements_share_pipeline_segments(pair):
     done: list[int] = []
     try:
         for n, lsn in ((1, 0x1000), (2, 0x2000), (3, 0x3000)):
-            ctx = ErrorContext(origin, "BEGIN PREPARE", None, n, lsn)
-            gid = f"pg_gid_{subid}_{n}"
-            target.record_prepared(gid, subid, n, lsn, lsn + 8, 1000 + n, ctx)
-            target.begin(ctx)
-            target.pipeline.send_query(b"INSERT INTO public.t VALUES ($1::int)", [str(n).encode()], ctx)
-            target.prepare(gid, lsn + 8, 1000 + n, ctx, lambda _r, n=n: done.append(n))
+            ctx, gid = _record_and_prepare(target, origin, subid, n, lsn, lambda _r, n=n: done.append(n))
             target.finish_prepared(n != 2, gid, lsn + 16, 2000 + n, ctx, lambda _r, n=n: done.append(-n))
         target.pipeline.drain()
         assert done == [1, -1, 2, -2, 3, -3]
@@ -280,12 +293,7 @@ def test_records_of_finished_prepared_transactions_are_removed_in_pipeline_order
     target = Target.connect(pair.target.dsn, origin=origin)
     try:
         for n, lsn in ((1, 0x1000), (2, 0x2000), (3, 0x3000)):
-            ctx = ErrorContext(origin, "BEGIN PREPARE", None, n, lsn)
-            gid = f"pg_gid_{subid}_{n}"
-            target.record_prepared(gid, subid, n, lsn, lsn + 8, 1000 + n, ctx)
-            target.begin(ctx)
-            target.pipeline.send_query(b"INSERT INTO public.t VALUES ($1::int)", [str(n).encode()], ctx)
-            target.prepare(gid, lsn + 8, 1000 + n, ctx, lambda _r: None)
+            ctx, gid = _record_and_prepare(target, origin, subid, n, lsn, lambda _r: None)
             if n == 1:  # 1 finishes; 2 stays prepared; 3's PREPARE is queued just before the removal
                 target.finish_prepared(True, gid, lsn + 16, 2000 + n, ctx, lambda _r: None)
         target.catalog.reconcile_prepared(subid)
