@@ -263,6 +263,9 @@ def run(target: str, names: Sequence[str] = (), *, metrics_port: int | None = No
             proc.start()
             sender.close()
             workers[proc.sentinel] = (sub.subname, proc, receiver)
+            # a signal that came while this worker was starting did not reach it: the handler did not know it yet
+            if signals_seen:
+                _signal_worker(proc, signal.SIGTERM)
         log.info("running %d subscription(s): %s", len(subs), ", ".join(s.subname for s in subs))
         while workers:
             for sentinel in multiprocessing.connection.wait(list(workers)):
