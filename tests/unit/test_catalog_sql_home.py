@@ -85,7 +85,10 @@ def test_the_catalog_package_is_where_its_sql_is():
     found = [f for p in sorted(HOME.glob("*.py")) for f in catalog_sql_in(p.read_text(), p.name)]
     assert any(f.startswith("sql.py:") for f in found)
     assert any(f.startswith("store.py:") for f in found)
-    assert {"subscription", "subscription_rel", "prepared_xact"} <= set(TABLES)
+    # every table of the schema is one the check recognises (a table added later is covered without an edit)
+    source = 'Q = "DELETE FROM applier.{} WHERE subid = %s"\n'
+    missed = [t for t in TABLES if not catalog_sql_in(source.format(t))]
+    assert not missed, missed
 
 
 @pytest.mark.parametrize(
