@@ -15,9 +15,18 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from applier.conninfo import scrub, target_conninfo
 from applier.errors import ApplierError
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from applier.subscriptions import Console
+
+    #: what ``add_subparsers`` returns, to which each subcommand's function adds its parser
+    _Subcommands: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
 
 __all__ = ["build_parser", "main"]
 
@@ -45,6 +54,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", metavar="CONNINFO", default=None, help=_TARGET_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    _add_create(sub, common)
+    _add_run(sub, common)
+    _add_status(sub, common)
+    _add_alter(sub, common)
+    _add_drop(sub, common)
+    _add_verify(sub, common)
+    # these parse their own options (applier demo --help, applier migrate --help)
+    sub.add_parser(
+        "migrate", add_help=False, help="move a live database to another server (plan, start, ...)"
+    )
+    sub.add_parser("demo", add_help=False, help="the whole product on two embedded PostgreSQL 18 servers")
+    return parser
+
+
+def _add_create(sub: _Subcommands, common: argparse.ArgumentParser) -> None:
+    """``applier create``: CREATE SUBSCRIPTION's options."""
     p = sub.add_parser(
         "create", parents=[common], help="create a subscription (catalog rows, origin and slot)"
     )
@@ -101,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--disabled", action="store_true", help="create the subscription disabled (run skips it)")
 
+
+def _add_run(sub: _Subcommands, common: argparse.ArgumentParser) -> None:
+    """``applier run``: which subscriptions, metrics, and the switches of the apply pipeline's speed features."""
     p = sub.add_parser(
         "run", parents=[common], help="run subscriptions until SIGTERM/Ctrl-C (initial copy, then streaming)"
     )
@@ -147,10 +175,16 @@ def build_parser() -> argparse.ArgumentParser:
         "as APPLIER_MAX_RETRY_INTERVAL)",
     )  # fmt: skip
 
+
+def _add_status(sub: _Subcommands, common: argparse.ArgumentParser) -> None:
+    """``applier status``."""
     p = sub.add_parser("status", parents=[common], help="show subscriptions: tables, positions, lag, errors")
     p.add_argument("name", nargs="?", metavar="NAME", help="only this subscription")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
 
+
+def _add_alter(sub: _Subcommands, common: argparse.ArgumentParser) -> None:
+    """``applier alter``: one action at a time (a mutually exclusive group), as ALTER SUBSCRIPTION takes."""
     p = sub.add_parser(
         "alter", parents=[common], help="enable, disable, change options, skip a transaction, refresh"
     )
@@ -186,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --set two_phase=off: roll back this subscription's prepared transactions",
     )
 
+
+def _add_drop(sub: _Subcommands, common: argparse.ArgumentParser) -> None:
+    """``applier drop``."""
     p = sub.add_parser(
         "drop",
         parents=[common],
@@ -202,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="roll back its prepared transactions; if the publisher is unreachable, drop local state only",
     )
 
+
+def _add_verify(sub: _Subcommands, common: argparse.ArgumentParser) -> None:
+    """``applier verify``."""
     p = sub.add_parser(
         "verify",
         parents=[common],
@@ -231,13 +271,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long to wait for the target to apply past the publisher's read position (default 30)",
     )
 
-    # these parse their own options (applier demo --help, applier migrate --help)
-    sub.add_parser(
-        "migrate", add_help=False, help="move a live database to another server (plan, start, ...)"
-    )
-    sub.add_parser("demo", add_help=False, help="the whole product on two embedded PostgreSQL 18 servers")
-    return parser
-
 
 def _dispatch(args: argparse.Namespace, extra: list[str], parser: argparse.ArgumentParser) -> int:
     if args.command == "demo":
@@ -255,69 +288,91 @@ def _dispatch(args: argparse.Namespace, extra: list[str], parser: argparse.Argum
     target = target_conninfo(args.target)
     console = subs.Console(_info, _warn)
     if args.command == "create":
-        subs.create(
-            target,
-            subs.CreateOptions(
-                name=args.name, publisher=args.publisher, publications=tuple(args.publications),
-                two_phase=args.two_phase, streaming=args.streaming, copy_data=args.copy_data, binary=args.binary,
-                origin=args.origin, disable_on_error=args.disable_on_error, slot_name=args.slot_name,
-                create_slot=args.create_slot, enabled=not args.disabled,
-            ),
-            console,
-        )  # fmt: skip
+        _create(args, target, console)
     elif args.command == "run":
-        from applier import runner
-
-        runner.configure_logging(target, log_format=args.log_format)
-        wait = runner.WAIT_TARGET if args.wait_target is None else args.wait_target
-        if args.no_group_commit:
-            os.environ["APPLIER_GROUP_COMMIT"] = "0"  # the worker processes inherit it
-        if args.no_bulk_apply:
-            os.environ["APPLIER_BULK_APPLY"] = "0"
-        if args.no_fold_prepares:
-            os.environ["APPLIER_FOLD_PREPARES"] = "0"
-        from applier.retry import MAX_RETRY_ENV, max_retry_interval_default, parse_max_retry_interval
-
-        if args.max_retry_interval is not None:
-            os.environ[MAX_RETRY_ENV] = str(parse_max_retry_interval(args.max_retry_interval))
-        max_retry_interval_default()  # a bad value (option or environment) stops `run` at once
-        # checked here, so that a bad value stops `run` at once rather than every worker's every connection
-        from applier.replication import receive_buffer_setting
-
-        receive_buffer_setting(os.environ.get("APPLIER_RECEIVE_BUFFER"))
-        return runner.run(target, args.names, metrics_port=args.metrics_port, wait_target=wait)
+        return _run(args, target)
     elif args.command == "status":
         entries = subs.status(target, args.name)
         print(json.dumps({"subscriptions": entries}, indent=2) if args.json else subs.format_status(entries))
     elif args.command == "alter":
-        if not args.copy_data and not args.refresh_publication:
-            parser.error("--no-copy-data only goes with --refresh-publication")
-        if args.force and not args.set_options:
-            parser.error("--force only goes with --set two_phase=off")
-        if args.enable or args.disable:
-            subs.set_enabled(target, args.name, args.enable, console)
-        elif args.skip_lsn is not None:
-            subs.set_skip_lsn(target, args.name, args.skip_lsn, console)
-        elif args.set_options:
-            subs.alter_options(target, args.name, args.set_options, force=args.force, console=console)
-        else:
-            subs.refresh_publication(target, args.name, copy_data=args.copy_data, console=console)
+        _alter(args, target, console, parser)
     elif args.command == "drop":
         subs.drop(target, args.name, force=args.force, console=console)
     elif args.command == "verify":
-        from applier import verify
-
-        report = verify.verify(
-            target,
-            args.name,
-            publisher=args.publisher,
-            ranges=args.ranges,
-            settle_timeout=args.settle_timeout,
-            spark_rows=verify.SPARK_ROWS if args.spark_rows is None else args.spark_rows,
-        )
-        print(report.to_json() if args.json else verify.format_report(report))
-        return 0 if report.equal else 1
+        return _verify(args, target)
     return 0
+
+
+def _create(args: argparse.Namespace, target: str, console: Console) -> None:
+    from applier import subscriptions as subs
+
+    subs.create(
+        target,
+        subs.CreateOptions(
+            name=args.name, publisher=args.publisher, publications=tuple(args.publications),
+            two_phase=args.two_phase, streaming=args.streaming, copy_data=args.copy_data, binary=args.binary,
+            origin=args.origin, disable_on_error=args.disable_on_error, slot_name=args.slot_name,
+            create_slot=args.create_slot, enabled=not args.disabled,
+        ),
+        console,
+    )  # fmt: skip
+
+
+def _run(args: argparse.Namespace, target: str) -> int:
+    """``applier run``: the switches go to the environment, which the worker processes inherit."""
+    from applier import runner
+
+    runner.configure_logging(target, log_format=args.log_format)
+    wait = runner.WAIT_TARGET if args.wait_target is None else args.wait_target
+    if args.no_group_commit:
+        os.environ["APPLIER_GROUP_COMMIT"] = "0"  # the worker processes inherit it
+    if args.no_bulk_apply:
+        os.environ["APPLIER_BULK_APPLY"] = "0"
+    if args.no_fold_prepares:
+        os.environ["APPLIER_FOLD_PREPARES"] = "0"
+    from applier.retry import MAX_RETRY_ENV, max_retry_interval_default, parse_max_retry_interval
+
+    if args.max_retry_interval is not None:
+        os.environ[MAX_RETRY_ENV] = str(parse_max_retry_interval(args.max_retry_interval))
+    max_retry_interval_default()  # a bad value (option or environment) stops `run` at once
+    # checked here, so that a bad value stops `run` at once rather than every worker's every connection
+    from applier.replication import receive_buffer_setting
+
+    receive_buffer_setting(os.environ.get("APPLIER_RECEIVE_BUFFER"))
+    return runner.run(target, args.names, metrics_port=args.metrics_port, wait_target=wait)
+
+
+def _alter(args: argparse.Namespace, target: str, console: Console, parser: argparse.ArgumentParser) -> None:
+    from applier import subscriptions as subs
+
+    if not args.copy_data and not args.refresh_publication:
+        parser.error("--no-copy-data only goes with --refresh-publication")
+    if args.force and not args.set_options:
+        parser.error("--force only goes with --set two_phase=off")
+    if args.enable or args.disable:
+        subs.set_enabled(target, args.name, args.enable, console)
+    elif args.skip_lsn is not None:
+        subs.set_skip_lsn(target, args.name, args.skip_lsn, console)
+    elif args.set_options:
+        subs.alter_options(target, args.name, args.set_options, force=args.force, console=console)
+    else:
+        subs.refresh_publication(target, args.name, copy_data=args.copy_data, console=console)
+
+
+def _verify(args: argparse.Namespace, target: str) -> int:
+    """``applier verify``: exit status 0 only when every table is equal."""
+    from applier import verify
+
+    report = verify.verify(
+        target,
+        args.name,
+        publisher=args.publisher,
+        ranges=args.ranges,
+        settle_timeout=args.settle_timeout,
+        spark_rows=verify.SPARK_ROWS if args.spark_rows is None else args.spark_rows,
+    )
+    print(report.to_json() if args.json else verify.format_report(report))
+    return 0 if report.equal else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
