@@ -27,6 +27,7 @@ import psycopg
 from psycopg import sql
 
 from applier.catalog import sql as catalog_sql
+from applier.catalog.store import origin_name
 from applier.lsn import parse_lsn
 from applier.migrate import carry as carrying
 from applier.migrate import fence as fencing
@@ -71,7 +72,7 @@ def status(target_conninfo: str, name: str) -> dict[str, Any]:
             row = target.execute(
                 "SELECT pg_replication_origin_progress(roname, false)::text FROM pg_replication_origin"
                 " WHERE roname = %s",
-                (f"applier_{sub[0]}",),
+                (origin_name(sub[0]),),
             ).fetchone()
             origin = row[0] if row else None
         carried = carrying.prepared_on_target(target, sub[0]) if sub is not None else []
@@ -110,7 +111,7 @@ def status(target_conninfo: str, name: str) -> dict[str, Any]:
     elif doc["lag_bytes"] == 0:
         doc["lag_seconds"] = 0.0
     if sub is not None:
-        doc["cutover_estimate"] = _cutover_estimate(target_conninfo, m, f"applier_{sub[0]}", doc)
+        doc["cutover_estimate"] = _cutover_estimate(target_conninfo, m, origin_name(sub[0]), doc)
         doc["cutover_estimate_seconds"] = (doc["cutover_estimate"] or {}).get("total")
     return doc
 
@@ -342,7 +343,7 @@ class _Cutover:
             if opts.reverse:
                 reversing.check_new_server(target, m.name)
             reversed_ = False
-            origin = f"applier_{sub[0]}"
+            origin = origin_name(sub[0])
             mstate.set_phase(target, m.name, "cutover")
             src = fencing.open_source(m.source)
             fenced_at = 0.0
@@ -474,7 +475,7 @@ def abort(target_conninfo: str, name: str, say: Callable[[str], None], *, patien
                 target.execute(catalog_sql.DELETE_SUBSCRIPTION, (sub[0],))
                 target.execute(
                     "SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin WHERE roname = %s",
-                    (f"applier_{sub[0]}",),
+                    (origin_name(sub[0]),),
                 )
     return 0
 
