@@ -20,7 +20,7 @@ import contextlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -88,8 +88,21 @@ def status(target_conninfo: str, name: str) -> dict[str, Any]:
         # for the application to finish there; and the identity steps that wait for them
         "prepared_on_target": carried, "pending_statements": pending,
     }  # fmt: skip
-    if sub is None or m.phase in ("done", "schema"):
-        return doc
+    if sub is not None and m.phase not in ("done", "schema"):
+        _add_lag(doc, target_conninfo, m, sub, origin_lsn=origin)
+    return doc
+
+
+def _add_lag(
+    doc: dict[str, Any],
+    target_conninfo: str,
+    m: mstate.Migration,
+    sub: tuple[int, str],
+    *,
+    origin_lsn: str | None,
+) -> None:
+    """The lag (from the source's slot, or its current position against the origin's) and what a cutover would
+    cost now, into ``doc``; a source that cannot be reached is ``source_error``, the lag staying unknown."""
     try:
         with psycopg.connect(m.source, autocommit=True, connect_timeout=5) as src:
             current = src.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]  # type: ignore[index]
@@ -102,18 +115,16 @@ def status(target_conninfo: str, name: str) -> dict[str, Any]:
             ).fetchone()
     except psycopg.Error as exc:
         doc["source_error"] = str(exc).strip()
-        return doc
-    applied = max(parse_lsn(origin) if origin else 0, 0)
+        return
+    applied = max(parse_lsn(origin_lsn) if origin_lsn else 0, 0)
     lag = row[0] if row and row[0] is not None else parse_lsn(current) - applied
     doc["lag_bytes"] = max(int(lag), 0)
     if row and row[1] is not None:
         doc["lag_seconds"] = row[1]
     elif doc["lag_bytes"] == 0:
         doc["lag_seconds"] = 0.0
-    if sub is not None:
-        doc["cutover_estimate"] = _cutover_estimate(target_conninfo, m, origin_name(sub[0]), doc)
-        doc["cutover_estimate_seconds"] = (doc["cutover_estimate"] or {}).get("total")
-    return doc
+    doc["cutover_estimate"] = _cutover_estimate(target_conninfo, m, origin_name(sub[0]), doc)
+    doc["cutover_estimate_seconds"] = (doc["cutover_estimate"] or {}).get("total")
 
 
 #: ``status`` samples the apply rate over this long, when the lag is over :data:`SAMPLE_OVER_BYTES`.
@@ -196,6 +207,35 @@ WHERE d.classid = 'pg_class'::regclass AND d.refclassid = 'pg_class'::regclass A
 """
 
 
+def _check_ahead_of_column(
+    target: psycopg.Connection[Any], seq: str, owner: tuple[str, str], following: int, inc: int
+) -> None:
+    """Refuse the cutover if the sequence's next value (``following``) is already in the column that owns it (a
+    table not migrated is not checked): the first insert on the new server would fail."""
+    table, column = owner
+    if target.execute("SELECT to_regclass(%s)", (table,)).fetchone()[0] is None:  # type: ignore[index]
+        return
+    top = target.execute(
+        sql.SQL("SELECT {} FROM {}").format(
+            sql.SQL("max({})" if inc > 0 else "min({})").format(sql.Identifier(column)),
+            sql.SQL(table),
+        )
+    ).fetchone()[0]  # type: ignore[index]
+    if top is not None and (following <= top if inc > 0 else following >= top):
+        raise MigrationError(f"sequence {seq} would next give {following}, but {table}.{column} "
+                             f"already holds {top}")  # fmt: skip
+
+
+@dataclass
+class _Progress:
+    """How far a cutover got, for what follows it: the prepared transactions carried to the target, the statements
+    left for after they are decided, and whether the reverse subscription was (being) created."""
+
+    carried: list[str] = field(default_factory=list)
+    deferred: list[str] = field(default_factory=list)
+    reversed_: bool = False
+
+
 class _Cutover:
     def __init__(self, opts: CutoverOptions, say: Callable[[str], None]) -> None:
         self.opts = opts
@@ -249,19 +289,7 @@ class _Cutover:
                     continue  # a sequence of a table not migrated
                 target.execute("SELECT setval(%s::regclass, %s, %s)", (seq, last, called))
                 if seq in owned:
-                    table, column = owned[seq]
-                    if target.execute("SELECT to_regclass(%s)", (table,)).fetchone()[0] is None:  # type: ignore[index]
-                        continue
-                    top = target.execute(
-                        sql.SQL("SELECT {} FROM {}").format(
-                            sql.SQL("max({})" if inc > 0 else "min({})").format(sql.Identifier(column)),
-                            sql.SQL(table),
-                        )
-                    ).fetchone()[0]  # type: ignore[index]
-                    following = last + inc if called else last
-                    if top is not None and (following <= top if inc > 0 else following >= top):
-                        raise MigrationError(f"sequence {seq} would next give {following}, but {table}.{column} "
-                                             f"already holds {top}")  # fmt: skip
+                    _check_ahead_of_column(target, seq, owned[seq], last + inc if called else last, inc)
         return len(seqs)
 
     @staticmethod
@@ -328,69 +356,15 @@ class _Cutover:
         return downtime
 
     def run(self) -> int:
-        opts = self.opts
-        with psycopg.connect(opts.target, autocommit=True) as target:
-            m = _require(target, opts.name)
-            if m.phase != "following":
-                raise MigrationError(f'migration "{m.name}" is in phase {m.phase}: a cutover needs phase following '
-                                     "(post-data complete, the apply loop running)")  # fmt: skip
-            sub = _subscription(target, m)
-            assert sub is not None
-            carried: list[str] = []
-            deferred: list[str] = []
-            if opts.prepared == "carry":
-                carrying.check_gid_format(target, sub[0])
-            if opts.reverse:
-                reversing.check_new_server(target, m.name)
-            reversed_ = False
-            origin = origin_name(sub[0])
+        with psycopg.connect(self.opts.target, autocommit=True) as target:
+            m, sub = self._check_can_start(target)
             mstate.set_phase(target, m.name, "cutover")
             src = fencing.open_source(m.source)
-            fenced_at = 0.0
+            progress = _Progress()
             try:
-                fencing.fence(src)
-                fenced_at = time.monotonic()
-                self.say("fence: the source's new transactions are read-only")
-                fencing.end_sessions(src, self.deadline, self.say)
-                if opts.reverse and opts.prepared == "carry" and carrying.source_prepared(src):
-                    raise MigrationError(
-                        "--reverse cannot be combined with prepared transactions to carry: the reverse slot on the "
-                        "new server can only be created once every transaction open there is decided, and the "
-                        "carried ones are decided by the application after the cutover; use --prepared wait with "
-                        "--reverse, or carry without --reverse"
-                    )
-                if opts.prepared == "wait":
-                    open_gids = fencing.wait_prepared(src, self.deadline, self.say)
-                    if open_gids:
-                        raise MigrationError(f"{len(open_gids)} prepared transaction(s) on the source were not "
-                                             f"decided within the timeout: {', '.join(open_gids[:5])}")  # fmt: skip
-                endpos = src.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]  # type: ignore[index]
-                self.say(f"end position {endpos}: waiting for the target to apply it")
-                self.wait_applied(target, src, origin, sub[1], endpos)
-                if opts.prepared == "carry":
-                    carried = carrying.settle(target, src, sub[0], self.left,
-                                              lambda pos: self.wait_applied(target, src, origin, sub[1], pos))  # fmt: skip
-                    self.say(carrying.carried_message(carried))
-                n = self.sequences(target, src, m)
-                self.say(f"sequences: {n} set from the source")
-                self.objects(target, src, m)
-                if opts.verify == "counts":
-                    self.counts(target, src, m.subname)
-                elif opts.verify == "full":
-                    self.full(m)
-                if opts.reverse:
-                    reversed_ = True
-                    reversing.create(target, src, m.name, self.tables(target, m.subname), self.say)
-                downtime = self.switch(target, m, sub[0], fenced_at, carried, deferred)
+                downtime = self._fence_and_switch(target, src, m, sub, progress)
             except BaseException as exc:
-                if reversed_:
-                    with contextlib.suppress(Exception):
-                        reversing.undo(target, src, m.name)
-                with contextlib.suppress(Exception):
-                    fencing.unfence(src)
-                with contextlib.suppress(Exception):
-                    mstate.set_phase(target, m.name, "following", error=str(exc))
-                src.close()
+                self._back_out(target, src, m, str(exc), reversed_=progress.reversed_)
                 if isinstance(exc, MigrationError):
                     raise MigrationError(
                         f"{exc}; the source is unfenced, the migration goes on following"
@@ -400,12 +374,94 @@ class _Cutover:
                 f"cutover done: write downtime {downtime:.2f}s (from the fence); the source stays read-only"
             )
             slot_gone = self._drop_on_source(src, m, sub[1])
-            if carried:
-                carrying.finish_on_source(src, carried, slot_gone, self.say)
-                for line in carrying.after_cutover_lines(carried, deferred):
+            if progress.carried:
+                carrying.finish_on_source(src, progress.carried, slot_gone, self.say)
+                for line in carrying.after_cutover_lines(progress.carried, progress.deferred):
                     self.say(line)
             src.close()
         return 0
+
+    def _check_can_start(self, target: psycopg.Connection[Any]) -> tuple[mstate.Migration, tuple[int, str]]:
+        """The migration and its subscription (id, slot), refused before anything is fenced when a cutover cannot
+        succeed: not following yet, GIDs that cannot be carried, a new server that cannot be reversed."""
+        m = _require(target, self.opts.name)
+        if m.phase != "following":
+            raise MigrationError(f'migration "{m.name}" is in phase {m.phase}: a cutover needs phase following '
+                                 "(post-data complete, the apply loop running)")  # fmt: skip
+        sub = _subscription(target, m)
+        assert sub is not None
+        if self.opts.prepared == "carry":
+            carrying.check_gid_format(target, sub[0])
+        if self.opts.reverse:
+            reversing.check_new_server(target, m.name)
+        return m, sub
+
+    def _fence_and_switch(self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], m: mstate.Migration,
+                          sub: tuple[int, str], progress: _Progress) -> float:  # fmt: skip
+        """Everything between the fence and ``done``, in order; any exception leaves it to :meth:`_back_out`
+        (``progress`` tells it how far this got). Returns the write downtime."""
+        fenced_at = self._fence(src)
+        self._catch_up(target, src, sub, progress)
+        n = self.sequences(target, src, m)
+        self.say(f"sequences: {n} set from the source")
+        self.objects(target, src, m)
+        if self.opts.verify == "counts":
+            self.counts(target, src, m.subname)
+        elif self.opts.verify == "full":
+            self.full(m)
+        if self.opts.reverse:
+            progress.reversed_ = True
+            reversing.create(target, src, m.name, self.tables(target, m.subname), self.say)
+        return self.switch(target, m, sub[0], fenced_at, progress.carried, progress.deferred)
+
+    def _fence(self, src: psycopg.Connection[Any]) -> float:
+        """Fence the source, end the sessions that could still write, and (``--prepared wait``) wait for its
+        prepared transactions to be decided. Returns when the fence went up (the downtime counts from there)."""
+        opts = self.opts
+        fencing.fence(src)
+        fenced_at = time.monotonic()
+        self.say("fence: the source's new transactions are read-only")
+        fencing.end_sessions(src, self.deadline, self.say)
+        if opts.reverse and opts.prepared == "carry" and carrying.source_prepared(src):
+            raise MigrationError(
+                "--reverse cannot be combined with prepared transactions to carry: the reverse slot on the "
+                "new server can only be created once every transaction open there is decided, and the "
+                "carried ones are decided by the application after the cutover; use --prepared wait with "
+                "--reverse, or carry without --reverse"
+            )
+        if opts.prepared == "wait":
+            open_gids = fencing.wait_prepared(src, self.deadline, self.say)
+            if open_gids:
+                raise MigrationError(f"{len(open_gids)} prepared transaction(s) on the source were not "
+                                     f"decided within the timeout: {', '.join(open_gids[:5])}")  # fmt: skip
+        return fenced_at
+
+    def _catch_up(self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], sub: tuple[int, str],
+                  progress: _Progress) -> None:  # fmt: skip
+        """Wait until the target has applied the fenced source's last position (``--prepared carry``: and its
+        prepared transactions are prepared on the target, into ``progress.carried``)."""
+        origin = origin_name(sub[0])
+        endpos = src.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]  # type: ignore[index]
+        self.say(f"end position {endpos}: waiting for the target to apply it")
+        self.wait_applied(target, src, origin, sub[1], endpos)
+        if self.opts.prepared == "carry":
+            progress.carried = carrying.settle(target, src, sub[0], self.left,
+                                               lambda pos: self.wait_applied(target, src, origin, sub[1], pos))  # fmt: skip
+            self.say(carrying.carried_message(progress.carried))
+
+    @staticmethod
+    def _back_out(target: psycopg.Connection[Any], src: psycopg.Connection[Any], m: mstate.Migration, error: str,
+                  *, reversed_: bool) -> None:  # fmt: skip
+        """After a failure before ``done``: undo the reverse subscription if one was made, unfence the source, and
+        put the migration back to ``following`` with the error; each step is tried even if one before failed."""
+        if reversed_:
+            with contextlib.suppress(Exception):
+                reversing.undo(target, src, m.name)
+        with contextlib.suppress(Exception):
+            fencing.unfence(src)
+        with contextlib.suppress(Exception):
+            mstate.set_phase(target, m.name, "following", error=error)
+        src.close()
 
     def _drop_on_source(self, src: psycopg.Connection[Any], m: mstate.Migration, slot: str) -> bool:
         """The slot (once start has let go of it) and the publication: the old server keeps no WAL for us. Whether
