@@ -404,40 +404,8 @@ def gather_source(conninfo: str, selection: Selection) -> SourceFacts:
         schemas = [
             r[0] for r in q("SELECT nspname FROM pg_namespace ORDER BY 1") if selection.covers_schema(r[0])
         ]
-        tables = [
-            TableFacts(
-                r[0],
-                r[1],
-                r[2],
-                r[3],
-                int(r[4]),
-                int(r[5]),
-                int(r[6]),
-                r[7],
-                r[8],
-                r[9],
-                r[10],
-                int(r[11]),
-                int(r[12]),
-                r[13],
-            )  # fmt: skip
-            for r in q(_TABLES)
-            if selection.covers(r[0], r[1])
-        ]
-        indexes = [
-            {
-                "schema": r[0],
-                "table": r[1],
-                "name": r[2],
-                "method": r[3],
-                "primary": r[4],
-                "unique": r[5],
-                "bytes": int(r[6]),
-                "constraint": r[7],
-            }  # fmt: skip
-            for r in q(_INDEXES)
-            if selection.covers(r[0], r[1])
-        ]
+        tables = _source_tables(conn, selection)
+        indexes = _source_indexes(conn, selection)
         constraints = dict.fromkeys(_KINDS.values(), 0)
         for nsp, rel, kind in q(_CONSTRAINTS):
             if selection.covers(nsp, rel):
@@ -446,19 +414,7 @@ def gather_source(conninfo: str, selection: Selection) -> SourceFacts:
                      if selection.covers_schema(r[0])]  # fmt: skip
         matviews = [f"{r[0]}.{r[1]}" for r in q("SELECT schemaname, matviewname FROM pg_matviews ORDER BY 1, 2")
                     if selection.covers_schema(r[0])]  # fmt: skip
-        roles = set()
-        for nsp, rel, kind, role in q(_ROLES):
-            if not selection.covers_schema(nsp):
-                continue
-            if rel is not None and kind in ("r", "p") and not selection.covers(nsp, rel):
-                continue
-            roles.add(role)
-        if (
-            not selection.schemas and not selection.tables
-        ):  # large objects migrate (applier.migrate.largeobjects)
-            roles.update(
-                r[0] for r in q("SELECT DISTINCT pg_get_userbyid(lomowner) FROM pg_largeobject_metadata")
-            )
+        roles = _source_roles(conn, selection)
         facts = SourceFacts(
             version_num=int(_setting(conn, "server_version_num")),
             wal_level=_setting(conn, "wal_level"),
@@ -477,25 +433,93 @@ def gather_source(conninfo: str, selection: Selection) -> SourceFacts:
             extensions={r[0]: r[1] for r in q("SELECT extname, extversion FROM pg_extension ORDER BY 1")},
             publications=[r[0] for r in q("SELECT pubname FROM pg_publication ORDER BY 1")],
             materialized_views=matviews,
-            roles=sorted(roles),
-            row_security=[
-                f"{r[0]}.{r[1]}"
-                for r in q(
-                    "SELECT n.nspname, c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
-                    " WHERE c.relrowsecurity ORDER BY 1, 2"
-                )
-                if selection.covers(r[0], r[1])
-            ],
-            event_triggers=[
-                r[0]
-                for r in q(
-                    "SELECT evtname FROM pg_event_trigger e WHERE NOT EXISTS (SELECT FROM pg_depend d WHERE"
-                    " d.classid = 'pg_event_trigger'::regclass AND d.objid = e.oid AND d.deptype = 'e') ORDER BY 1"
-                )
-            ],
+            roles=roles,
+            row_security=_row_security(conn, selection),
+            event_triggers=_event_triggers(conn),
         )
         conn.rollback()
     return facts
+
+
+def _source_tables(conn: psycopg.Connection[Any], selection: Selection) -> list[TableFacts]:
+    return [
+        TableFacts(
+            r[0],
+            r[1],
+            r[2],
+            r[3],
+            int(r[4]),
+            int(r[5]),
+            int(r[6]),
+            r[7],
+            r[8],
+            r[9],
+            r[10],
+            int(r[11]),
+            int(r[12]),
+            r[13],
+        )  # fmt: skip
+        for r in conn.execute(_TABLES)
+        if selection.covers(r[0], r[1])
+    ]
+
+
+def _source_indexes(conn: psycopg.Connection[Any], selection: Selection) -> list[dict[str, Any]]:
+    return [
+        {
+            "schema": r[0],
+            "table": r[1],
+            "name": r[2],
+            "method": r[3],
+            "primary": r[4],
+            "unique": r[5],
+            "bytes": int(r[6]),
+            "constraint": r[7],
+        }  # fmt: skip
+        for r in conn.execute(_INDEXES)
+        if selection.covers(r[0], r[1])
+    ]
+
+
+def _source_roles(conn: psycopg.Connection[Any], selection: Selection) -> list[str]:
+    """The roles that own or are granted something selected (the target needs them before the schema); with the
+    whole database selected, the large objects' owners too (large objects migrate then,
+    :mod:`applier.migrate.largeobjects`)."""
+    roles = set()
+    for nsp, rel, kind, role in conn.execute(_ROLES):
+        if not selection.covers_schema(nsp):
+            continue
+        if rel is not None and kind in ("r", "p") and not selection.covers(nsp, rel):
+            continue
+        roles.add(role)
+    if not selection.schemas and not selection.tables:
+        roles.update(
+            r[0]
+            for r in conn.execute("SELECT DISTINCT pg_get_userbyid(lomowner) FROM pg_largeobject_metadata")
+        )
+    return sorted(roles)
+
+
+def _row_security(conn: psycopg.Connection[Any], selection: Selection) -> list[str]:
+    return [
+        f"{r[0]}.{r[1]}"
+        for r in conn.execute(
+            "SELECT n.nspname, c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " WHERE c.relrowsecurity ORDER BY 1, 2"
+        )
+        if selection.covers(r[0], r[1])
+    ]
+
+
+def _event_triggers(conn: psycopg.Connection[Any]) -> list[str]:
+    """The event triggers not created by an extension (those come with it)."""
+    return [
+        r[0]
+        for r in conn.execute(
+            "SELECT evtname FROM pg_event_trigger e WHERE NOT EXISTS (SELECT FROM pg_depend d WHERE"
+            " d.classid = 'pg_event_trigger'::regclass AND d.objid = e.oid AND d.deptype = 'e') ORDER BY 1"
+        )
+    ]
 
 
 def _local_free_bytes(conninfo: str, conn: psycopg.Connection[Any]) -> int | None:
