@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql
@@ -41,6 +41,9 @@ from applier.migrate.selection import Selection
 from applier.migrate.state import MigrationError
 from applier.migrate.tools import find_dump_tools
 from applier.replication import ReplicationConnection, ReplicationConnectionError
+
+if TYPE_CHECKING:
+    from tablesync.initial import InitialCopy
 
 __all__ = ["CAUGHT_UP_BYTES", "StartOptions", "start"]
 
@@ -361,16 +364,37 @@ class _Runner:
         Critical path first: the copy takes the table with the most work behind it first (its pages plus its
         builds, :func:`postdata.table_weights`) and post-data starts the most expensive ready build first, so the
         biggest table's builds overlap the copy of all the others instead of following it."""
-        from tablesync.initial import InitialCopy, _SnapshotSlot
-        from tablesync.progress import CopyProgress
-
         steps = [s for s in postdata.load_steps(self.target, m.name) if not s.kind.startswith("cutover")]
         pages = self.source_pages(steps)
-        cost = postdata.step_costs(steps, pages)
-        weights = postdata.table_weights(steps, pages)
         copying = threading.Event()
         copying.set()
         outcome: dict[str, Any] = {}
+        thread = self._post_data_thread(m, steps, postdata.step_costs(steps, pages), copying, outcome)
+        thread.start()
+        started = time.monotonic()
+        copier = self._copier(m, postdata.table_weights(steps, pages))
+        master = None if os.environ.get("SPARK_REMOTE") else f"local[{max(1, self.opts.table_jobs)},4]"
+        try:
+            result = copier.run(spark_master=master)
+        finally:
+            self.slot_conn = None  # closed by the copy: the snapshot is over
+            copying.clear()
+        self.times["copy"] = time.monotonic() - started
+        self.say(f"copy: {result} ({self.times['copy']:.1f}s)")
+        thread.join()
+        if "error" in outcome:
+            raise MigrationError(f"post-data failed: {outcome['error']}") from outcome["error"]
+        self.times["post-data"] = outcome.get("seconds", 0.0)
+        if result.stopped or self.stop.is_set():
+            return False
+        if not outcome.get("ok"):
+            raise MigrationError("post-data could not finish: a step waits for a table that was not copied")
+        return True
+
+    def _post_data_thread(self, m: mstate.Migration, steps: list[postdata.Step], cost: dict[str, float],
+                          copying: threading.Event, outcome: dict[str, Any]) -> threading.Thread:  # fmt: skip
+        """The post-data thread (not started): it runs the steps as their tables land while ``copying`` is set,
+        and leaves in ``outcome`` whether all ran (``ok``), its error (which stops the copy too) and its time."""
 
         def post() -> None:
             started = time.monotonic()
@@ -384,6 +408,14 @@ class _Runner:
                 outcome["error"] = exc
                 self.stop.set()
             outcome["seconds"] = time.monotonic() - started
+
+        return threading.Thread(target=post, name="postdata", daemon=True)
+
+    def _copier(self, m: mstate.Migration, weights: dict[str, float]) -> InitialCopy:
+        """The initial copy, at the migration's own snapshot when this run holds it (a resumed run takes a new
+        one), the heaviest table first (``weights``)."""
+        from tablesync.initial import InitialCopy, _SnapshotSlot
+        from tablesync.progress import CopyProgress
 
         held = None
         if self.slot_conn is not None and self.snapshot is not None:
@@ -409,31 +441,11 @@ class _Runner:
                 )
                 return held
 
-        thread = threading.Thread(target=post, name="postdata", daemon=True)
-        thread.start()
-        started = time.monotonic()
         os.environ.setdefault("APPLIER_TABLESYNC_HEAD_START", str(max(1, self.opts.table_jobs)))
         partition = int(os.environ.get("APPLIER_MIGRATE_PARTITION_BYTES", "0") or 0)
         kwargs: dict[str, Any] = {"partition_bytes": partition} if partition else {}
-        copier = SnapshotCopy(self.opts.target, m.subname, stop=self.stop, reporter=CopyProgress.for_setting(None),
-                              **kwargs)  # fmt: skip
-        master = None if os.environ.get("SPARK_REMOTE") else f"local[{max(1, self.opts.table_jobs)},4]"
-        try:
-            result = copier.run(spark_master=master)
-        finally:
-            self.slot_conn = None  # closed by the copy: the snapshot is over
-            copying.clear()
-        self.times["copy"] = time.monotonic() - started
-        self.say(f"copy: {result} ({self.times['copy']:.1f}s)")
-        thread.join()
-        if "error" in outcome:
-            raise MigrationError(f"post-data failed: {outcome['error']}") from outcome["error"]
-        self.times["post-data"] = outcome.get("seconds", 0.0)
-        if result.stopped or self.stop.is_set():
-            return False
-        if not outcome.get("ok"):
-            raise MigrationError("post-data could not finish: a step waits for a table that was not copied")
-        return True
+        return SnapshotCopy(self.opts.target, m.subname, stop=self.stop, reporter=CopyProgress.for_setting(None),
+                            **kwargs)  # fmt: skip
 
     # --- all --------------------------------------------------------------------------------------------------
     def run(self) -> int:
