@@ -174,9 +174,27 @@ def definitions(conn: psycopg.Connection[Any], tables: Sequence[str]) -> tuple[l
     source connection inside the migration's snapshot with ``search_path = ''``."""
     steps: list[Step] = []
     notes: list[str] = []
-    selected = set(tables)
     keys: dict[str, list[str]] = {}  # table -> its key steps (what foreign keys to it wait for)
-    replident: list[tuple[str, str, str]] = []  # (table, index name, the step that makes the index)
+    replident = _index_steps(conn, tables, steps, keys)
+    _constraint_steps(conn, tables, steps, notes, keys)
+    for table, index_name, after in replident:
+        text = (
+            _alter(table) + sql.SQL("REPLICA IDENTITY USING INDEX {}").format(sql.Identifier(index_name))
+        ).as_string(conn)
+        steps.append(
+            Step(f"replica_identity {table}", "replica_identity", (table,), (after,), (text,), len(steps))
+        )
+    for table, tgname, tgdef in conn.execute(_TRIGGERS, (list(tables),)):
+        steps.append(Step(f"trigger {table}.{tgname}", "trigger", (table,), (), (tgdef,), len(steps)))
+    return steps, notes
+
+
+def _index_steps(
+    conn: psycopg.Connection[Any], tables: Sequence[str], steps: list[Step], keys: dict[str, list[str]]
+) -> list[tuple[str, str, str]]:
+    """The indexes' steps, into ``steps``: an index, or a key's index then its ``ADD CONSTRAINT ... USING INDEX``
+    (into ``keys`` too). Returns the replica identities to set: (table, index name, the step that makes it)."""
+    replident: list[tuple[str, str, str]] = []
     for (
         index_name,
         table,
@@ -210,6 +228,15 @@ def definitions(conn: psycopg.Connection[Any], tables: Sequence[str]) -> tuple[l
         keys.setdefault(table, []).append(name)
         steps.append(Step(build, "key", (table,), (), (indexdef,), len(steps)))
         steps.append(Step(name, "attach", (table,), (build,), (text,), len(steps)))
+    return replident
+
+
+def _constraint_steps(conn: psycopg.Connection[Any], tables: Sequence[str], steps: list[Step], notes: list[str],
+                      keys: dict[str, list[str]]) -> None:  # fmt: skip
+    """The other constraints' steps, into ``steps``: a foreign key added ``NOT VALID`` once the key it references
+    is attached, then validated if it was valid on the source; one to a table not migrated is left out, into
+    ``notes``."""
+    selected = set(tables)
     for table, reftable, conname, contype, validated, condef in conn.execute(_CONSTRAINTS, (list(tables),)):
         add = (_alter(table) + sql.SQL("ADD CONSTRAINT {} ").format(sql.Identifier(conname))).as_string(conn)
         if contype != "f":
@@ -231,16 +258,6 @@ def definitions(conn: psycopg.Connection[Any], tables: Sequence[str]) -> tuple[l
             ).as_string(conn)
             steps.append(Step(f"validate {table}.{conname}", "validate", (table, reftable), (name,), (validate,),
                               len(steps)))  # fmt: skip
-    for table, index_name, after in replident:
-        text = (
-            _alter(table) + sql.SQL("REPLICA IDENTITY USING INDEX {}").format(sql.Identifier(index_name))
-        ).as_string(conn)
-        steps.append(
-            Step(f"replica_identity {table}", "replica_identity", (table,), (after,), (text,), len(steps))
-        )
-    for table, tgname, tgdef in conn.execute(_TRIGGERS, (list(tables),)):
-        steps.append(Step(f"trigger {table}.{tgname}", "trigger", (table,), (), (tgdef,), len(steps)))
-    return steps, notes
 
 
 # --- the catalog ---------------------------------------------------------------------------------------------
@@ -322,24 +339,28 @@ class _Builders:
         conn = self.conn()
         for attempt in range(DEADLOCK_RETRIES + 1):
             try:
-                with conn.transaction():
-                    if _is_gin(step) and not os.environ.get("APPLIER_MIGRATE_MAINTENANCE_WORK_MEM"):
-                        conn.execute(
-                            "SELECT set_config('maintenance_work_mem', %s, true)", (GIN_MAINTENANCE_WORK_MEM,)
-                        )
-                    for statement in step.statements:
-                        conn.execute(statement)
-                    seconds = time.monotonic() - started
-                    conn.execute(
-                        "UPDATE applier.migration_step SET done = true, seconds = %s, finished = clock_timestamp()"
-                        " WHERE name = %s AND step = %s",
-                        (seconds, name, step.step),
-                    )
-                return seconds
+                return _build_in(conn, name, step, started)
             except psycopg.errors.DeadlockDetected:
                 if attempt == DEADLOCK_RETRIES:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _build_in(conn: psycopg.Connection[Any], name: str, step: Step, started: float) -> float:
+    """One attempt at ``step``: its statements and its done mark in one transaction; the seconds since
+    ``started`` (the first attempt)."""
+    with conn.transaction():
+        if _is_gin(step) and not os.environ.get("APPLIER_MIGRATE_MAINTENANCE_WORK_MEM"):
+            conn.execute("SELECT set_config('maintenance_work_mem', %s, true)", (GIN_MAINTENANCE_WORK_MEM,))
+        for statement in step.statements:
+            conn.execute(statement)
+        seconds = time.monotonic() - started
+        conn.execute(
+            "UPDATE applier.migration_step SET done = true, seconds = %s, finished = clock_timestamp()"
+            " WHERE name = %s AND step = %s",
+            (seconds, name, step.step),
+        )
+    return seconds
 
 
 def run_steps(
@@ -386,9 +407,9 @@ def _run(
             for step in ready(steps, have, done, in_flight, cost)[: max(0, jobs - len(running))]:
                 say(f"post-data: {step.kind} {step.step.split(' ', 1)[1]} started")
                 running[pool.submit(builders.build, name, step)] = step
+            if not running and not copy_running() and not ready(steps, copied(), done, ()):
+                return False  # nothing runs, nothing can start, no table will arrive
             if not running:
-                if not copy_running() and not ready(steps, copied(), done, ()):
-                    return False  # nothing runs, nothing can start, no table will arrive
                 stop.wait(poll)
                 continue
             finished, _ = wait(list(running), timeout=poll, return_when=FIRST_COMPLETED)
