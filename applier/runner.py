@@ -53,7 +53,7 @@ from applier.subscriptions import (
     require_subscription,
     target_errors,
 )
-from tablesync import run_initial_copy
+from tablesync import TablesyncError, run_initial_copy
 from tablesync.live import LiveSyncCoordinator
 
 __all__ = ["WorkerOutcome", "configure_logging", "run", "worker_main"]
@@ -229,52 +229,16 @@ def run(target: str, names: Sequence[str] = (), *, metrics_port: int | None = No
     if metrics_port is not None:
         _serve_metrics(metrics_port, target, [s.subname for s in subs])
 
-    workers: dict[Any, tuple[str, Any, multiprocessing.connection.Connection]] = {}
-    signals_seen = 0
-
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        # Workers are told by a signal of their own, not through a shared multiprocessing.Event: setting one waits
-        # for every process that sleeps in its wait() to wake, and a worker that exited while waiting never does,
-        # so the handler (and applier run) hung for good.
-        nonlocal signals_seen
-        signals_seen += 1
-        if signals_seen == 1:
-            log.info("%s received: stopping the workers", signal.Signals(signum).name)
-            for _, proc, _ in workers.values():
-                _signal_worker(proc, signal.SIGTERM)
-        else:
-            log.warning("%s received again: killing the workers", signal.Signals(signum).name)
-            for _, proc, _ in workers.values():
-                _signal_worker(proc, signal.SIGKILL)
-
+    workers = _Workers(target, wait_target)
     # installed before the first worker starts, so that no signal can end us and orphan a worker
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    outcomes: list[WorkerOutcome] = []
+    previous = {s: signal.signal(s, workers.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         for sub in subs:
-            if signals_seen:
+            if workers.signals_seen:
                 break
-            receiver, sender = _SPAWN.Pipe(duplex=False)
-            proc = _SPAWN.Process(
-                target=worker_main,
-                args=(target, sub.subname, sender, logging.getLogger().level, wait_target),
-                name=f"applier:{sub.subname}",
-            )
-            proc.start()
-            sender.close()
-            workers[proc.sentinel] = (sub.subname, proc, receiver)
-            # a signal that came while this worker was starting did not reach it: the handler did not know it yet
-            if signals_seen:
-                _signal_worker(proc, signal.SIGTERM)
+            workers.start(sub.subname)
         log.info("running %d subscription(s): %s", len(subs), ", ".join(s.subname for s in subs))
-        while workers:
-            for sentinel in multiprocessing.connection.wait(list(workers)):
-                subname, proc, receiver = workers.pop(sentinel)  # type: ignore[call-overload]
-                proc.join()
-                outcome = _outcome(subname, proc.exitcode, receiver, stopping=signals_seen > 0)
-                outcomes.append(outcome)
-                if not outcome.ok:
-                    log.error('worker for subscription "%s" failed: %s', subname, outcome.message)
+        outcomes = workers.wait_all()
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -285,6 +249,58 @@ def run(target: str, names: Sequence[str] = (), *, metrics_port: int | None = No
         return 1
     log.info("all workers stopped")
     return 0
+
+
+class _Workers:
+    """The worker processes of one ``applier run`` (one per subscription), and the SIGTERM/SIGINT handler that
+    stops them: the first signal asks each worker to stop, a second one kills them."""
+
+    def __init__(self, target: str, wait_target: float) -> None:
+        self.target = target
+        self.wait_target = wait_target
+        self.running: dict[Any, tuple[str, Any, multiprocessing.connection.Connection]] = {}
+        self.signals_seen = 0
+
+    def on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        # Workers are told by a signal of their own, not through a shared multiprocessing.Event: setting one waits
+        # for every process that sleeps in its wait() to wake, and a worker that exited while waiting never does,
+        # so the handler (and applier run) hung for good.
+        self.signals_seen += 1
+        if self.signals_seen == 1:
+            log.info("%s received: stopping the workers", signal.Signals(signum).name)
+            for _, proc, _ in self.running.values():
+                _signal_worker(proc, signal.SIGTERM)
+        else:
+            log.warning("%s received again: killing the workers", signal.Signals(signum).name)
+            for _, proc, _ in self.running.values():
+                _signal_worker(proc, signal.SIGKILL)
+
+    def start(self, subname: str) -> None:
+        receiver, sender = _SPAWN.Pipe(duplex=False)
+        proc = _SPAWN.Process(
+            target=worker_main,
+            args=(self.target, subname, sender, logging.getLogger().level, self.wait_target),
+            name=f"applier:{subname}",
+        )
+        proc.start()
+        sender.close()
+        self.running[proc.sentinel] = (subname, proc, receiver)
+        # a signal that came while this worker was starting did not reach it: the handler did not know it yet
+        if self.signals_seen:
+            _signal_worker(proc, signal.SIGTERM)
+
+    def wait_all(self) -> list[WorkerOutcome]:
+        """Each worker's outcome, as it ends (a failure is logged at once); returns once all have ended."""
+        outcomes: list[WorkerOutcome] = []
+        while self.running:
+            for sentinel in multiprocessing.connection.wait(list(self.running)):
+                subname, proc, receiver = self.running.pop(sentinel)  # type: ignore[call-overload]
+                proc.join()
+                outcome = _outcome(subname, proc.exitcode, receiver, stopping=self.signals_seen > 0)
+                outcomes.append(outcome)
+                if not outcome.ok:
+                    log.error('worker for subscription "%s" failed: %s', subname, outcome.message)
+        return outcomes
 
 
 def _serve_metrics(port: int, target: str, names: list[str]) -> None:
@@ -408,8 +424,6 @@ def _initial_copy(
     subscription (behaviour 101, TAP 029); otherwise it is tried again, the wait growing while it keeps failing,
     up to ``--max-retry-interval`` (applier.retry). The tables stay ``d``: each attempt copies them afresh.
     """
-    from tablesync import TablesyncError
-
     cap = max_retry_interval_default()
     failures = 0
     while not stop.is_set():
@@ -418,22 +432,9 @@ def _initial_copy(
             copied = run_initial_copy(target, subname, stop=stop)
         except TablesyncError as exc:
             failures += 1
-            WorkerMetrics(subname).sync_error()
-            delay = retry_delay(failures, cap=cap)
-            with target_errors(target):
-                sub = require_subscription(catalog, subname)
-                disable = sub.subdisableonerr
-                catalog.record_error(sub.subid, str(exc), message_type="COPY", relation=exc.relation,
-                                     retry_count=failures, retry_in=None if disable else delay)  # fmt: skip
-                if disable:
-                    catalog.update_subscription(sub.subid, subenabled=False)
-            if disable:
-                wlog.error('subscription "%s": %s\nthe subscription has been disabled because of this error '
-                           "(disable_on_error); fix the cause, then: applier alter %s --enable",
-                           subname, exc, subname)  # fmt: skip
+            delay = _copy_failed(target, catalog, subname, exc, failures, cap, wlog)
+            if delay is None:
                 return False
-            wlog.error('subscription "%s": %s\nfailure %d of the initial copy; next attempt in %.1f s',
-                       subname, exc, failures, delay)  # fmt: skip
             stop.wait(delay)
             continue
         if copied.tables or copied.resumed:
@@ -441,6 +442,30 @@ def _initial_copy(
                       subname, len(copied.tables) + len(copied.resumed), copied.rows, copied.bytes, copied.seconds)  # fmt: skip
         return True
     return False
+
+
+def _copy_failed(target: str, catalog: Catalog, subname: str, exc: TablesyncError, failures: int, cap: float,
+                 wlog: logging.Logger) -> float | None:  # fmt: skip
+    """Record the initial copy's ``failures``-th failure in a row (the error row ``applier status`` shows, the
+    metric) and log it; the wait before the next attempt, or None when ``disable_on_error`` disabled the
+    subscription."""
+    WorkerMetrics(subname).sync_error()
+    delay = retry_delay(failures, cap=cap)
+    with target_errors(target):
+        sub = require_subscription(catalog, subname)
+        disable = sub.subdisableonerr
+        catalog.record_error(sub.subid, str(exc), message_type="COPY", relation=exc.relation,
+                             retry_count=failures, retry_in=None if disable else delay)  # fmt: skip
+        if disable:
+            catalog.update_subscription(sub.subid, subenabled=False)
+    if disable:
+        wlog.error('subscription "%s": %s\nthe subscription has been disabled because of this error '
+                   "(disable_on_error); fix the cause, then: applier alter %s --enable",
+                   subname, exc, subname)  # fmt: skip
+        return None
+    wlog.error('subscription "%s": %s\nfailure %d of the initial copy; next attempt in %.1f s',
+               subname, exc, failures, delay)  # fmt: skip
+    return delay
 
 
 class _LockWatchdog(threading.Thread):
