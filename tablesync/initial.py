@@ -199,17 +199,8 @@ class InitialCopy:
             for rs in states:
                 if rs.state != SyncState.FINISHEDCOPY:
                     continue
-                if rs.lsn is not None:
-                    settled = settle_finished_copy(
-                        TableState(rs.name, SyncState.FINISHEDCOPY, rs.lsn), stream_lsn
-                    )
-                    if settled.state is SyncState.SYNCDONE:
-                        self.catalog.set_table_state(
-                            self.sub.subid, rs.relid, SyncState.SYNCDONE, settled.lsn, conn=c
-                        )
-                        self.catalog.delete_partition_markers(self.sub.subid, rs.name, c)
-                        self.resumed[rs.name] = rs.lsn
-                        continue
+                if rs.lsn is not None and self._settle(rs, stream_lsn, c):
+                    continue
                 recopy.add(rs.name)
                 self.reporter.note(
                     f"{rs.name}: copied at {format_lsn(rs.lsn) if rs.lsn else '?'} but the stream is at "
@@ -220,6 +211,18 @@ class InitialCopy:
             rs for rs in states if rs.state in (SyncState.INIT, SyncState.DATASYNC) or rs.name in recopy
         ]
         return self.to_copy
+
+    def _settle(self, rs: RelState, stream_lsn: int, c: Any) -> bool:
+        """An ``f`` table the stream has not passed becomes ``s`` (in ``c``, the caller's transaction), its markers
+        gone; whether it did."""
+        assert self.sub is not None and rs.lsn is not None
+        settled = settle_finished_copy(TableState(rs.name, SyncState.FINISHEDCOPY, rs.lsn), stream_lsn)
+        if settled.state is not SyncState.SYNCDONE:
+            return False
+        self.catalog.set_table_state(self.sub.subid, rs.relid, SyncState.SYNCDONE, settled.lsn, conn=c)
+        self.catalog.delete_partition_markers(self.sub.subid, rs.name, c)
+        self.resumed[rs.name] = rs.lsn
+        return True
 
     def _stream_position(self) -> int:
         """Where the subscription's stream resumes: the latest of its origin's progress, the slot's start X and the
@@ -415,16 +418,43 @@ class InitialCopy:
         may be copying everything, see :meth:`run`), with the same progress; ``leave_rest`` then lets it end with
         partitions still missing (those it failed, which the caller hands to Spark)."""
         assert self.slot is not None
-        if not self._reporting:
-            self._reporting = True
-            self.reporter.start(
-                {name: {i: t.pages for i, t in enumerate(self._tasks_of(name))} for name in self.plans}
-            )
+        self._start_reporting()
         tag = f"applier-tablesync-{self.subid}-{secrets.token_hex(4)}"
         outcome: dict[str, Any] = {}
 
         head_done = self.head_start.done if self.head_start is not None else frozenset()
         tasks = [t for t in self.tasks if t.task_id not in head_done]
+        started = time.monotonic()
+        worker = self._job_thread(session, tasks, tag, outcome)
+        worker.start()
+        stopped = self._follow(worker, session, tag)
+        if session is not None:
+            self.spark_seconds = time.monotonic() - started
+        if self.head_start is not None:
+            head_done = self.head_start.join()
+        final = self.markers()
+        self._record_progress(final)
+        self.reporter.update(final)
+        missing = [name for name, plan in self.plans.items() if len(final.get(name, {})) < len(plan.ranges)]
+        if stopped and ("error" in outcome or missing):
+            return False  # (a stop that came too late to interrupt anything lets the copy complete)
+        for r in outcome.get("results", []):
+            if r.skipped and r.task_id not in head_done:  # (not a retry: the driver's head start copied it)
+                self._skipped_parts[r.relname] = self._skipped_parts.get(r.relname, 0) + 1
+        self._raise_if_incomplete(outcome, missing, may_leave_rest=leave_rest and session is None)
+        return True
+
+    def _start_reporting(self) -> None:
+        if not self._reporting:
+            self._reporting = True
+            self.reporter.start(
+                {name: {i: t.pages for i, t in enumerate(self._tasks_of(name))} for name in self.plans}
+            )
+
+    def _job_thread(self, session: Any, tasks: list[PartitionTask], tag: str,
+                    outcome: dict[str, Any]) -> threading.Thread:  # fmt: skip
+        """The thread (not started) that runs the Spark job over ``tasks``, its results or error into ``outcome``;
+        without a session, it waits for the driver's head start instead."""
 
         def run() -> None:
             if session is None:
@@ -442,9 +472,11 @@ class InitialCopy:
             except BaseException as exc:  # noqa: BLE001 - handed to the driver thread
                 outcome["error"] = exc
 
-        started = time.monotonic()
-        worker = threading.Thread(target=run, name="tablesync-spark-job", daemon=True)
-        worker.start()
+        return threading.Thread(target=run, name="tablesync-spark-job", daemon=True)
+
+    def _follow(self, worker: threading.Thread, session: Any, tag: str) -> bool:
+        """Record and show the progress while ``worker`` runs; on ``stop``, cancel the job (or the head start) and
+        wait :data:`STOP_GRACE` at most. Whether a stop was asked for."""
         last: dict[str, dict[int, tuple[int, int]]] = {}
         stopped = False
         stopped_at = 0.0
@@ -466,31 +498,23 @@ class InitialCopy:
                     last = m
                     self._record_progress(m)
                     self.reporter.update(m)
-        if session is not None:
-            self.spark_seconds = time.monotonic() - started
-        if self.head_start is not None:
-            head_done = self.head_start.join()
-        final = self.markers()
-        self._record_progress(final)
-        self.reporter.update(final)
-        missing = [name for name, plan in self.plans.items() if len(final.get(name, {})) < len(plan.ranges)]
-        if stopped and ("error" in outcome or missing):
-            return False  # (a stop that came too late to interrupt anything lets the copy complete)
-        for r in outcome.get("results", []):
-            if r.skipped and r.task_id not in head_done:  # (not a retry: the driver's head start copied it)
-                self._skipped_parts[r.relname] = self._skipped_parts.get(r.relname, 0) + 1
-        # the failing table is known when it is the only one left unfinished
+        return stopped
+
+    def _raise_if_incomplete(
+        self, outcome: dict[str, Any], missing: list[str], *, may_leave_rest: bool
+    ) -> None:
+        """Fail the copy if the job failed, or if partitions are missing (unless the driver's head start may leave
+        some for Spark); the failing table is known when it is the only one left unfinished."""
         unfinished = missing[0] if len(missing) == 1 else None
         if "error" in outcome:
             raise TablesyncError(
                 f"initial copy of subscription {self.subname!r} failed: {_spark_error_summary(outcome['error'])}",
                 relation=unfinished,
             ) from outcome["error"]
-        if missing and not (leave_rest and session is None):
+        if missing and not may_leave_rest:
             raise TablesyncError(
                 f"initial copy finished without every partition of: {', '.join(missing)}", relation=unfinished
             )
-        return True
 
     def _tasks_of(self, relname: str) -> list[PartitionTask]:
         return sorted((t for t in self.tasks if t.relname == relname), key=lambda t: t.part)
@@ -545,81 +569,103 @@ class InitialCopy:
                 return self.result()
             if self.stop.is_set():
                 return self.result(stopped=True)
-            # The driver copies while a local Spark starts (tablesync.copy.HeadStart): on one machine its processes
-            # and Spark's local executors share the same cores anyway; a cluster does the copying.
-            default_streams = "2" if spark_job.runs_locally(spark_master) else "0"
-            streams = int(os.environ.get("APPLIER_TABLESYNC_HEAD_START", default_streams) or 0)
-            # A local Spark that would run no more tasks at once than the driver's streams adds nothing but its
-            # start-up (several CPU-seconds of JVM on the cores the copy needs): it is started only if the driver
-            # leaves partitions over (one failed), to copy those.
-            parallelism = spark_job.local_parallelism(spark_master)
-            spark_later = streams > 0 and parallelism is not None and parallelism <= streams
-            # Otherwise Spark starts in the background now (the JVM takes seconds; the next three steps need none).
-            starter = None if spark_later else spark_job.SessionStarter(spark_master, dict(spark_conf or {}))
-            try:
-                self.open_snapshot()
-                self.plan()
-                self.claim()
-                if self.stop.is_set():
-                    if starter is not None:
-                        starter.abandon()
-                    return self.result(stopped=True)
-                if streams > 0:
-                    try:
-                        self.head_start = HeadStart(
-                            self.tasks, self.publisher_conninfo, self.target_conninfo, streams=streams
-                        )
-                    except Exception as exc:  # noqa: BLE001 - e.g. a daemonic process may not start children
-                        self.reporter.note(f"copying with Spark only ({exc})")
-                if starter is None and self.head_start is not None:
-                    self.reporter.note(
-                        f"copying on the driver with {streams} stream(s): a local Spark would run {parallelism} "
-                        "task(s) at once on the same cores, and is started only for partitions left over"
-                    )
-                    if not self.copy(None, leave_rest=True):
-                        return self.result(stopped=True)
-                    self._raise_head_start_failure()
-                    left = len(self.tasks) - len(self.head_start.done)
-                    if not left:
-                        return self.complete()
-                    self.reporter.note(f"the driver left {left} partition(s): starting Spark to copy them")
-                if starter is None:
-                    starter = spark_job.SessionStarter(spark_master, dict(spark_conf or {}))
-                # Wait for Spark, unless the driver's head start copies everything first: then Spark is not needed.
-                while self.head_start is not None and not starter.ready(0.1):
-                    if self.stop.is_set():
-                        starter.abandon()
-                        return self.result(stopped=True)
-                    if self.head_start.failure is not None:
-                        starter.abandon()
-                        self._raise_head_start_failure()
-                    if len(self.head_start.done) == len(self.tasks):
-                        return self._finished_by_driver(starter, "every partition before Spark was ready")
-                handle = starter.handle()
-                if self.head_start is not None and len(self.tasks) - len(self.head_start.done) <= streams:
-                    # what is left is already under way in the driver: a Spark job would only wait for it
-                    if len(self.head_start.wait()) == len(self.tasks):
-                        return self._finished_by_driver(starter, "the last partitions as Spark got ready")
-                if self.head_start is not None:
-                    self.head_start.stop()
-                    self.reporter.note(
-                        f"Spark ready after {starter.ready_after or 0:.1f}s; meanwhile the driver copied "
-                        f"{len(self.head_start.done)}/{len(self.tasks)} partition(s)"
-                    )
-                if handle.ui_url:
-                    self.reporter.note(f"Spark UI: {handle.ui_url}")
-                elif handle.remote:
-                    self.reporter.note(f"Spark Connect: {handle.remote}")
-                if not self.copy(handle.session):
-                    return self.result(stopped=True)
-                return self.complete()  # before stopping Spark: the tables are ready a little sooner
-            finally:
-                if self.head_start is not None:
-                    self.head_start.join()
-                if starter is not None:
-                    starter.release()
+            return self._copy_at_snapshot(spark_master, dict(spark_conf or {}))
         finally:
             self.close()
+
+    def _copy_at_snapshot(self, spark_master: str | None, spark_conf: dict[str, str]) -> CopyResult:
+        """Take the snapshot, plan and claim the partitions, and copy them: on the driver first when a local Spark
+        would add nothing, on Spark for what is left."""
+        # The driver copies while a local Spark starts (tablesync.copy.HeadStart): on one machine its processes
+        # and Spark's local executors share the same cores anyway; a cluster does the copying.
+        default_streams = "2" if spark_job.runs_locally(spark_master) else "0"
+        streams = int(os.environ.get("APPLIER_TABLESYNC_HEAD_START", default_streams) or 0)
+        # A local Spark that would run no more tasks at once than the driver's streams adds nothing but its
+        # start-up (several CPU-seconds of JVM on the cores the copy needs): it is started only if the driver
+        # leaves partitions over (one failed), to copy those.
+        parallelism = spark_job.local_parallelism(spark_master)
+        spark_later = streams > 0 and parallelism is not None and parallelism <= streams
+        # Otherwise Spark starts in the background now (the JVM takes seconds; the next three steps need none).
+        starter = None if spark_later else spark_job.SessionStarter(spark_master, spark_conf)
+        try:
+            self.open_snapshot()
+            self.plan()
+            self.claim()
+            if self.stop.is_set():
+                if starter is not None:
+                    starter.abandon()
+                return self.result(stopped=True)
+            self._start_head_start(streams)
+            if starter is None and self.head_start is not None:
+                done = self._copy_on_driver(streams, parallelism)
+                if done is not None:
+                    return done
+            if starter is None:
+                starter = spark_job.SessionStarter(spark_master, spark_conf)
+            return self._copy_with_spark(starter, streams)
+        finally:
+            if self.head_start is not None:
+                self.head_start.join()
+            if starter is not None:
+                starter.release()
+
+    def _start_head_start(self, streams: int) -> None:
+        if streams <= 0:
+            return
+        try:
+            self.head_start = HeadStart(
+                self.tasks, self.publisher_conninfo, self.target_conninfo, streams=streams
+            )
+        except Exception as exc:  # noqa: BLE001 - e.g. a daemonic process may not start children
+            self.reporter.note(f"copying with Spark only ({exc})")
+
+    def _copy_on_driver(self, streams: int, parallelism: int | None) -> CopyResult | None:
+        """Spark not started yet: the driver copies everything it can; the result if that was all (or a stop),
+        None when partitions are left over for Spark."""
+        assert self.head_start is not None
+        self.reporter.note(
+            f"copying on the driver with {streams} stream(s): a local Spark would run {parallelism} "
+            "task(s) at once on the same cores, and is started only for partitions left over"
+        )
+        if not self.copy(None, leave_rest=True):
+            return self.result(stopped=True)
+        self._raise_head_start_failure()
+        left = len(self.tasks) - len(self.head_start.done)
+        if not left:
+            return self.complete()
+        self.reporter.note(f"the driver left {left} partition(s): starting Spark to copy them")
+        return None
+
+    def _copy_with_spark(self, starter: spark_job.SessionStarter, streams: int) -> CopyResult:
+        """Wait for Spark, unless the driver's head start copies everything first (then Spark is not needed), and
+        run the job over what the driver has not copied."""
+        while self.head_start is not None and not starter.ready(0.1):
+            if self.stop.is_set():
+                starter.abandon()
+                return self.result(stopped=True)
+            if self.head_start.failure is not None:
+                starter.abandon()
+                self._raise_head_start_failure()
+            if len(self.head_start.done) == len(self.tasks):
+                return self._finished_by_driver(starter, "every partition before Spark was ready")
+        handle = starter.handle()
+        if self.head_start is not None and len(self.tasks) - len(self.head_start.done) <= streams:
+            # what is left is already under way in the driver: a Spark job would only wait for it
+            if len(self.head_start.wait()) == len(self.tasks):
+                return self._finished_by_driver(starter, "the last partitions as Spark got ready")
+        if self.head_start is not None:
+            self.head_start.stop()
+            self.reporter.note(
+                f"Spark ready after {starter.ready_after or 0:.1f}s; meanwhile the driver copied "
+                f"{len(self.head_start.done)}/{len(self.tasks)} partition(s)"
+            )
+        if handle.ui_url:
+            self.reporter.note(f"Spark UI: {handle.ui_url}")
+        elif handle.remote:
+            self.reporter.note(f"Spark Connect: {handle.remote}")
+        if not self.copy(handle.session):
+            return self.result(stopped=True)
+        return self.complete()  # before stopping Spark: the tables are ready a little sooner
 
     def _raise_head_start_failure(self) -> None:
         """Fail the copy with the error of a partition the target refused outright (a unique or check constraint
