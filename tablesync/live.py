@@ -309,8 +309,9 @@ class LiveSync:
                 self.log.info('table synchronization for subscription "%s" stopped; the tables (%s) are copied '
                               "again later", self.subname, ", ".join(self.tables) or "none")  # fmt: skip
             else:
+                # logged once, by the apply worker's LiveSyncDriver, with the retry it plans (one line for all)
                 self.failure = self._failure_of(exc)
-                self.log.error('table synchronization for subscription "%s" failed (tables %s): %s',
+                self.log.debug('table synchronization for subscription "%s" failed (tables %s): %s',
                                self.subname, ", ".join(self.tables) or "?", explain(exc))  # fmt: skip
             self._set_phase(Phase.FAILED)
 
@@ -324,6 +325,7 @@ class LiveSync:
             return SyncFailure(
                 exc.message, (ctx.relation if ctx else None) or tables,
                 ctx.message_type if ctx else "CATCHUP", exc.sqlstate, ctx.xid if ctx else None,
+                ctx.describe() if ctx else None,
             )  # fmt: skip
         relation = getattr(exc, "relation", None) or tables
         sqlstate = exc.sqlstate if isinstance(exc, psycopg.Error) else None

@@ -21,13 +21,16 @@ from typing import Protocol
 class SyncFailure:
     """Why a sync failed, in the terms of an apply error's record (``applier status``, behaviour 54): the tables as
     ``relation`` (the one that failed when known, else every table of the sync), ``message_type`` ``COPY`` for the
-    copy or the catch-up's message (``INSERT``, ``COMMIT``..., ``CATCHUP`` when no message was being applied)."""
+    copy or the catch-up's message (``INSERT``, ``COMMIT``..., ``CATCHUP`` when no message was being applied).
+    ``context``: a catch-up error's context line (:meth:`applier.apply.context.ErrorContext.describe`), for the
+    log line only: the record keeps its parts in columns, and the message without it."""
 
     message: str
     relation: str | None
     message_type: str
     sqlstate: str | None = None
     remote_xid: int | None = None
+    context: str | None = None
 
 
 class TableSync(Protocol):

@@ -116,14 +116,19 @@ class LiveSyncDriver:
         self.retry_at = time.monotonic() + delay
         disable = self._record(failure, delay)
         where = f"during {failure.message_type}" + (f" on {failure.relation}" if failure.relation else "")
+        # one log line with everything: where, what comes next, the error and (a catch-up's) its context
+        error = " ".join(failure.message.split()) + (
+            f" CONTEXT: {failure.context}" if failure.context else ""
+        )
         if disable:
             self.disabled = True
             self.log.error('subscription "%s" has been disabled because of an error: table synchronization '
-                           "failed %s (disable_on_error); fix the cause, then: applier alter %s --enable",
-                           self.subname, where, self.subname)  # fmt: skip
+                           "failed %s (disable_on_error): %s; fix the cause, then: applier alter %s --enable",
+                           self.subname, where, error, self.subname)  # fmt: skip
             return
         self.log.error('table synchronization for subscription "%s" failed %s: failure %d in a row; next attempt '
-                       "in %.1f s (applier status shows the error)", self.subname, where, self.failures, delay)  # fmt: skip
+                       "in %.1f s (applier status shows the error): %s", self.subname, where, self.failures, delay,
+                       error)  # fmt: skip
 
     def _record(self, failure: SyncFailure, delay: float) -> bool:
         """The error into the catalog; disable the subscription when it says so. True when disabled. A target

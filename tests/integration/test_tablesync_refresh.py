@@ -257,7 +257,8 @@ def test_no_free_slot_is_reported_clearly_and_the_sync_retried(pair, run_cli) ->
             pair.publisher.execute("SELECT pg_create_physical_replication_slot(%s)", (name,))
         add_t2(pair)
         wait_until(lambda: re.search(
-            r'table synchronization for subscription "s" failed \(tables public\.t2\): cannot get a temporary slot'
+            r'table synchronization for subscription "s" failed during \w+ on public\.t2: failure 1 in a row; next '
+            r"attempt in [\d.]+ s \(applier status shows the error\): .*cannot get a temporary slot"
             r".*all replication slots are in use.* raise max_replication_slots on the publisher", log_text(cli)),
             timeout=TIMEOUT, what=f"the slot error in the log; log:\n{cli.log_tail()}")  # fmt: skip
         assert table_state(pair, "t2") == "i"
@@ -361,7 +362,9 @@ def test_failing_live_sync_is_in_status_backs_off_and_finishes_once_fixed(pair, 
     print_sync_lines(cli)
     log = log_text(cli)
     assert re.search(r'table synchronization for subscription "s" failed during COPY on public\.t2: failure 2 '
-                     r"in a row; next attempt in \d", log), log[-3000:]  # fmt: skip
+                     r"in a row; next attempt in [\d.]+ s \(applier status shows the error\): .*duplicate key", log), log[-3000:]  # fmt: skip
+    # one line per failure: the sync thread's own error line is gone (debug only)
+    assert not re.search(r"failed \(tables public\.t2\)", log), log[-3000:]
 
 
 def test_failing_live_sync_with_disable_on_error_disables_the_subscription(pair, run_cli) -> None:
@@ -418,6 +421,11 @@ def test_failing_catch_up_is_recorded_with_the_change_it_was_applying(pair, run_
         last = status(pair.target, "s")["last_error"]
         assert last["remote_xid"] and last["sqlstate"] == "23505" and last["finish_lsn"] is None, last
         assert last["skip_command"] is None and "CONTEXT" not in last["message"], last
+        # the log has it on one line, with the catch-up's error context
+        assert re.search(r'table synchronization for subscription "s" failed during INSERT on public\.t2: failure 1 in '
+                         r"a row; next attempt in [\d.]+ s \(applier status shows the error\): duplicate key.* "
+                         r'CONTEXT: processing remote data for replication origin "applier_\d+(_sync)?" during message '
+                         r'type "INSERT"', log_text(cli)), log_text(cli)[-3000:]  # fmt: skip
         # the retry empties t2 (its rows are a copy of ours, ``f``) and copies it again, the publisher's row included
         wait_ready(pair, cli, "t2", timeout=4 * TIMEOUT)
         work.finish()

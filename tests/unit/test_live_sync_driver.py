@@ -134,3 +134,33 @@ def test_every_failure_is_counted_once_and_a_stop_is_not() -> None:
     coordinator.syncs[-1].finished = coordinator.syncs[-1].failed = True  # stopped
     live.at_boundary(600, lambda: None, lambda: None)
     assert len(counted) == 2
+
+
+def test_a_failure_is_one_log_line_with_the_error_where_and_the_next_attempt(caplog) -> None:
+    """One ERROR record per failed sync (the sync thread's own line is debug only), on one line: where it failed,
+    the failure count and wait, the error with its DETAIL folded in, and a catch-up error's context."""
+    live, coordinator = driver()
+    live.retry_at = 0.0
+    live.start_if_needed([rel("f")])
+    sync = coordinator.syncs[-1]
+    sync.finished = sync.failed = True
+    sync.failure = SyncFailure(
+        'duplicate key value violates unique constraint "t_pkey"\nDETAIL:  Key (id)=(5) already exists.',
+        "public.t", "INSERT", "23505", 812,
+        'processing remote data for replication origin "applier_7_sync" during message type "INSERT"',
+    )  # fmt: skip
+    with caplog.at_level(logging.DEBUG, logger="t"):
+        assert live.at_boundary(300, lambda: None, lambda: None)
+    errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(errors) == 1, [r.getMessage() for r in caplog.records]
+    line = errors[0].getMessage()
+    assert "\n" not in line, line
+    assert line.startswith(
+        'table synchronization for subscription "s" failed during INSERT on public.t: failure 1 in a row; next '
+        "attempt in "
+    ), line
+    assert line.endswith(
+        '(applier status shows the error): duplicate key value violates unique constraint "t_pkey" DETAIL: Key '
+        '(id)=(5) already exists. CONTEXT: processing remote data for replication origin "applier_7_sync" during '
+        'message type "INSERT"'
+    ), line
