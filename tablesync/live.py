@@ -452,6 +452,8 @@ class LiveSync:
                 spool=Spool(spool_dir, sub.subid), tables=tables, skip=SkipState(0, sub.subname),
                 clear_skip_lsn=lambda _subid, _lsn: False, logger=self.log,
             )  # fmt: skip
+            # its errors' context names the origin this session applies through, not the subscription's
+            applier.origin = origin
             context = _CatchupContext(self.stop, repl, target, applier, tracker, tables)
             # one message per read: the catch-up stops right after its end point, never past it
             ApplyLoop(repl, applier, tracker, context, batch_limit=1).run()

@@ -421,10 +421,10 @@ def test_failing_catch_up_is_recorded_with_the_change_it_was_applying(pair, run_
         last = status(pair.target, "s")["last_error"]
         assert last["remote_xid"] and last["sqlstate"] == "23505" and last["finish_lsn"] is None, last
         assert last["skip_command"] is None and "CONTEXT" not in last["message"], last
-        # the log has it on one line, with the catch-up's error context
+        # the log has it on one line, with the catch-up's error context, which names the catch-up's own origin
         assert re.search(r'table synchronization for subscription "s" failed during INSERT on public\.t2: failure 1 in '
                          r"a row; next attempt in [\d.]+ s \(applier status shows the error\): duplicate key.* "
-                         r'CONTEXT: processing remote data for replication origin "applier_\d+(_sync)?" during message '
+                         r'CONTEXT: processing remote data for replication origin "applier_\d+_sync" during message '
                          r'type "INSERT"', log_text(cli)), log_text(cli)[-3000:]  # fmt: skip
         # the retry empties t2 (its rows are a copy of ours, ``f``) and copies it again, the publisher's row included
         wait_ready(pair, cli, "t2", timeout=4 * TIMEOUT)
