@@ -373,14 +373,8 @@ def _drop_slot(pub: ReplicationConnection, slot: str, *, patience: float = 10.0)
             return False
         active_pid = row[0]
         if active_pid is None:
-            try:
-                pub.drop_slot(slot, wait=False)
+            if _drop_idle_slot(pub, slot):
                 return True
-            except ReplicationConnectionError as exc:
-                if exc.sqlstate != "55006":  # object_in_use: taken meanwhile; look again
-                    raise SubscriptionError(
-                        f'could not drop replication slot "{slot}" on the publisher: {exc}'
-                    ) from None
         elif time.monotonic() >= deadline:
             raise SubscriptionError(
                 f'replication slot "{slot}" on the publisher is in use by walsender pid {active_pid}',
@@ -388,6 +382,19 @@ def _drop_slot(pub: ReplicationConnection, slot: str, *, patience: float = 10.0)
                 f"runs this subscription, end it on the publisher: SELECT pg_terminate_backend({active_pid})",
             )
         time.sleep(0.2)
+
+
+def _drop_idle_slot(pub: ReplicationConnection, slot: str) -> bool:
+    """Drop a slot nobody held a moment ago; False when someone took it meanwhile (look again)."""
+    try:
+        pub.drop_slot(slot, wait=False)
+        return True
+    except ReplicationConnectionError as exc:
+        if exc.sqlstate != "55006":  # object_in_use: taken meanwhile; look again
+            raise SubscriptionError(
+                f'could not drop replication slot "{slot}" on the publisher: {exc}'
+            ) from None
+        return False
 
 
 # --- create ------------------------------------------------------------------------------------------------------
@@ -457,25 +464,7 @@ def create(target: str, opts: CreateOptions, console: Console = QUIET) -> Subscr
                 disable_on_error=opts.disable_on_error, origin=opts.origin, slot_name=opts.slot,
                 enabled=opts.enabled, copy_data=opts.copy_data,
             )  # fmt: skip
-        slot_created = False
-        try:
-            state = initial_sync_state(opts.copy_data)
-            with target_errors(target), catalog.engine.begin() as c:
-                for name in tables:
-                    catalog.add_table(sub.subid, relids[name], name, state, conn=c)
-            if opts.create_slot:
-                lsn = _create_slot(pub, opts.slot, slot_two_phase, console)
-                slot_created = True
-                with target_errors(target):
-                    catalog.update_subscription(sub.subid, subslotconsistentlsn=lsn)
-        except BaseException:
-            # no half-created subscription: the slot, the rows and the origin go (Ctrl-C included)
-            with contextlib.suppress(Exception):
-                if slot_created:
-                    _drop_slot(pub, opts.slot)
-            with contextlib.suppress(Exception):
-                catalog.delete_subscription(sub.subid)
-            raise
+        state = _add_tables_and_slot(catalog, target, pub, sub, opts, tables, relids, slot_two_phase, console)
 
     if has_password(opts.publisher):
         console.warn(
@@ -493,6 +482,32 @@ def create(target: str, opts: CreateOptions, console: Console = QUIET) -> Subscr
         )
     )
     return created
+
+
+def _add_tables_and_slot(catalog: Catalog, target: str, pub: ReplicationConnection, sub: Subscription,
+                         opts: CreateOptions, tables: Sequence[str], relids: dict[str, int], slot_two_phase: bool,
+                         console: Console) -> SyncState:  # fmt: skip
+    """The new subscription's tables, in their first state (returned), then its slot; on any failure (Ctrl-C
+    included) the slot, the rows and the origin go: no half-created subscription."""
+    slot_created = False
+    try:
+        state = initial_sync_state(opts.copy_data)
+        with target_errors(target), catalog.engine.begin() as c:
+            for name in tables:
+                catalog.add_table(sub.subid, relids[name], name, state, conn=c)
+        if opts.create_slot:
+            lsn = _create_slot(pub, opts.slot, slot_two_phase, console)
+            slot_created = True
+            with target_errors(target):
+                catalog.update_subscription(sub.subid, subslotconsistentlsn=lsn)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            if slot_created:
+                _drop_slot(pub, opts.slot)
+        with contextlib.suppress(Exception):
+            catalog.delete_subscription(sub.subid)
+        raise
+    return state
 
 
 def _check_target(catalog: Catalog, opts: CreateOptions) -> None:
@@ -810,15 +825,21 @@ def _two_phase_off(catalog: Catalog, sub: Subscription, target: str, values: dic
         with target_errors(target), catalog.engine.begin() as c:
             catalog.update_subscription(sub.subid, c, subtwophasestate=TwoPhaseState.DISABLED, **values)
             if pub is not None and slot_two_phase:
-                try:
-                    pub.connection.execute(
-                        sql.SQL("ALTER_REPLICATION_SLOT {} ( TWO_PHASE false )").format(sql.Identifier(slot))  # type: ignore[arg-type]
-                    )
-                except psycopg.Error as exc:
-                    raise SubscriptionError(
-                        f'could not turn two-phase off on slot "{slot}" on the publisher: {str(exc).strip()}'
-                    ) from None
-                console.info(f'two-phase turned off on slot "{slot}" on the publisher')
+                _slot_two_phase_off(pub, slot, console)  # type: ignore[arg-type]
+
+
+def _slot_two_phase_off(pub: ReplicationConnection, slot: str, console: Console) -> None:
+    """``ALTER_REPLICATION_SLOT ... (TWO_PHASE false)`` (PostgreSQL 18+), inside the caller's catalog transaction,
+    which commits only if this succeeded."""
+    try:
+        pub.connection.execute(
+            sql.SQL("ALTER_REPLICATION_SLOT {} ( TWO_PHASE false )").format(sql.Identifier(slot))  # type: ignore[arg-type]
+        )
+    except psycopg.Error as exc:
+        raise SubscriptionError(
+            f'could not turn two-phase off on slot "{slot}" on the publisher: {str(exc).strip()}'
+        ) from None
+    console.info(f'two-phase turned off on slot "{slot}" on the publisher')
 
 
 def set_skip_lsn(target: str, name: str, value: str, console: Console = QUIET) -> None:

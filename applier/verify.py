@@ -41,13 +41,16 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql
 
 from applier.conninfo import scrub
 from applier.errors import ApplierError
+
+if TYPE_CHECKING:
+    from applier.catalog.store import RelState
 
 __all__ = ["TableReport", "VerifyError", "VerifyReport", "format_report", "verify"]
 
@@ -556,26 +559,33 @@ def verify(
         ctx = _Context(pub_conninfo, target, sub.origin_name, sub.subslotname or sub.subname, settle_timeout,
                        max(attempts, 1), pool, spark_rows, spark_master)  # fmt: skip
         for rel in rels:
-            t_schema, t_name = _names(tconn, rel.relid)
-            p_schema, p_name = _names(pconn, rel.remote_name)
-            columns = _columns(pconn, p_schema, p_name)
-            t_columns = set(_columns(tconn, t_schema, t_name))
-            columns = [c for c in columns if c in t_columns]
-            key = _primary_key(pconn, p_schema, p_name)
-            if key is not None and not set(key) <= t_columns:
-                key = None
-            tr = TableReport(rel.name, f"{p_schema}.{p_name}", key)
-            pub_side = _Side(pub_conninfo, sql.Identifier(p_schema, p_name), columns, key)
-            tgt_side = _Side(target, sql.Identifier(t_schema, t_name), columns, key)
-            check = _TableCheck(ctx, pub_side, tgt_side, tr)
-            try:
-                if key is None:
-                    check.whole_table()
-                else:
-                    check.by_ranges(ranges)
-            except psycopg.Error as exc:
-                raise VerifyError(
-                    f"comparing {rel.name} failed: {scrub(str(exc), pub_conninfo, target).strip()}"
-                ) from None
-            report.tables.append(tr)
+            report.tables.append(_verify_table(ctx, pconn, tconn, rel, ranges))
     return report
+
+
+def _verify_table(ctx: _Context, pconn: psycopg.Connection[Any], tconn: psycopg.Connection[Any], rel: RelState,
+                  ranges: int) -> TableReport:  # fmt: skip
+    """One table: the columns both sides have, by key ranges when both have its primary key, else as a whole."""
+    pub_conninfo, target = ctx.publisher, ctx.target
+    t_schema, t_name = _names(tconn, rel.relid)
+    p_schema, p_name = _names(pconn, rel.remote_name)
+    columns = _columns(pconn, p_schema, p_name)
+    t_columns = set(_columns(tconn, t_schema, t_name))
+    columns = [c for c in columns if c in t_columns]
+    key = _primary_key(pconn, p_schema, p_name)
+    if key is not None and not set(key) <= t_columns:
+        key = None
+    tr = TableReport(rel.name, f"{p_schema}.{p_name}", key)
+    pub_side = _Side(pub_conninfo, sql.Identifier(p_schema, p_name), columns, key)
+    tgt_side = _Side(target, sql.Identifier(t_schema, t_name), columns, key)
+    check = _TableCheck(ctx, pub_side, tgt_side, tr)
+    try:
+        if key is None:
+            check.whole_table()
+        else:
+            check.by_ranges(ranges)
+    except psycopg.Error as exc:
+        raise VerifyError(
+            f"comparing {rel.name} failed: {scrub(str(exc), pub_conninfo, target).strip()}"
+        ) from None
+    return tr
