@@ -315,13 +315,16 @@ class HeadStart:
         for r in self._results:
             with contextlib.suppress(EOFError, OSError):
                 while r.poll():
-                    item = r.recv()
-                    if isinstance(item, tuple):
-                        if self._failure is None:
-                            self._failure, self._failure_relation = item[1], item[2]
-                    else:
-                        self._done.add(item)
+                    self._receive(r.recv())
         return frozenset(self._done)
+
+    def _receive(self, item: Any) -> None:
+        """One report of a head-start process: a task id it copied, or ``("failed", error, relation)`` (the first
+        failure is kept)."""
+        if not isinstance(item, tuple):
+            self._done.add(item)
+        elif self._failure is None:
+            self._failure, self._failure_relation = item[1], item[2]
 
     @property
     def failure(self) -> str | None:
@@ -389,12 +392,16 @@ def _head_start_main(
             try:
                 copier.copy(task)
             except Exception as exc:  # noqa: BLE001 - left to the Spark job, which reports real failures
-                if isinstance(exc, psycopg.Error) and (exc.sqlstate or "")[:2] in DEFINITE_SQLSTATE_CLASSES:
-                    # the target refuses these rows: every Spark attempt would too (after a JVM start)
-                    results.send(
-                        ("failed", f"psycopg.errors.{type(exc).__name__}: {str(exc).strip()}", task.relname)
-                    )
-                    return
-                log.info("head start: %s part %d left to Spark (%s)", task.relname, task.part, exc)
+                _give_up(exc, task, results)
                 return
             results.send(task.task_id)
+
+
+def _give_up(exc: Exception, task: PartitionTask, results: Any) -> None:
+    """The head start stops at a partition it could not copy: an error the target will give every attempt is
+    reported (the copy fails with it); any other is left to the Spark job, which retries."""
+    if isinstance(exc, psycopg.Error) and (exc.sqlstate or "")[:2] in DEFINITE_SQLSTATE_CLASSES:
+        # the target refuses these rows: every Spark attempt would too (after a JVM start)
+        results.send(("failed", f"psycopg.errors.{type(exc).__name__}: {str(exc).strip()}", task.relname))
+        return
+    log.info("head start: %s part %d left to Spark (%s)", task.relname, task.part, exc)

@@ -274,6 +274,14 @@ def _lower_this_thread_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
 
 
+def _warm_up(session: Any) -> None:
+    """Spark's first job, one task per core that imports the copy's modules, paid now rather than by the copy; a
+    failure here is the copy's to meet, not the start's."""
+    with contextlib.suppress(Exception):
+        n = default_parallelism(session)
+        session.range(0, n, 1, n).mapInArrow(_warm_workers, "n long").collect()
+
+
 class SessionStarter:
     """Starts the Spark session in a background thread, so the JVM's start-up overlaps the work that does not need
     it (the snapshot, planning, claims, the driver's head start); :meth:`handle` waits for it.
@@ -305,9 +313,7 @@ class SessionStarter:
             try:
                 self._handle = spark_session(self._master, self._conf)
                 if self._handle.created and self._handle.remote is None:
-                    with contextlib.suppress(Exception):
-                        n = default_parallelism(self._handle.session)
-                        self._handle.session.range(0, n, 1, n).mapInArrow(_warm_workers, "n long").collect()
+                    _warm_up(self._handle.session)
                 self.ready_after = time.monotonic() - self.started
             except BaseException as exc:  # noqa: BLE001 - handed to the caller of handle()
                 self._error = exc
@@ -429,25 +435,35 @@ def run_partition_tasks(
 
     classic = _classic_context(session)
     if tag is not None:
-        if classic is not None:
-            # interruptOnCancel: cancelling interrupts the task threads, and Spark then kills the Python workers
-            # (after spark.python.task.killTimeout), closing their connections: the partitions roll back.
-            classic.setJobGroup(tag, "applier initial copy", interruptOnCancel=True)
-        else:
-            session.addTag(tag)
+        _tag_job(session, classic, tag)
     try:
         df = session.range(0, n, 1, n).mapInArrow(copy_bins, RESULT_SCHEMA)
         rows = df.collect()
     finally:
         if tag is not None:
             with contextlib.suppress(Exception):
-                if classic is not None:
-                    classic.setLocalProperty("spark.jobGroup.id", None)
-                else:
-                    session.removeTag(tag)
+                _untag_job(session, classic, tag)
     return [
         PartitionResult(r.task_id, r.relname, r.part, r.rows, r.bytes, r.skipped, r.seconds) for r in rows
     ]
+
+
+def _tag_job(session: Any, classic: Any, tag: str) -> None:
+    """Label this thread's next job with ``tag`` (a job group on classic Spark, a tag on Spark Connect), for
+    :func:`cancel_job`."""
+    if classic is not None:
+        # interruptOnCancel: cancelling interrupts the task threads, and Spark then kills the Python workers
+        # (after spark.python.task.killTimeout), closing their connections: the partitions roll back.
+        classic.setJobGroup(tag, "applier initial copy", interruptOnCancel=True)
+    else:
+        session.addTag(tag)
+
+
+def _untag_job(session: Any, classic: Any, tag: str) -> None:
+    if classic is not None:
+        classic.setLocalProperty("spark.jobGroup.id", None)
+    else:
+        session.removeTag(tag)
 
 
 def _classic_context(session: Any) -> Any:
