@@ -131,13 +131,7 @@ class Demo:
         )
         self.say(f"initial copy done in {time.monotonic() - t0:.1f}s: {result}")
 
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        with open(self.log_path, "ab") as log:
-            self.worker = subprocess.Popen(
-                [sys.executable, "-m", "applier.cli", "--target", self.target.dsn, "run", SUBNAME],
-                stdout=log, stderr=subprocess.STDOUT, env=env,
-            )  # fmt: skip
-        self.say(f"applier run started (pid {self.worker.pid}, log {self.log_path})")
+        self._start_worker()
 
         max_order = self.publisher.scalar("SELECT max(id) FROM orders") or 0
         workload = LiveWorkload(
@@ -148,19 +142,9 @@ class Demo:
         deadline = time.monotonic() + a.duration
         try:
             if self.plain:
-                last = 0.0
-                while time.monotonic() < deadline:
-                    self._check_worker()
-                    if time.monotonic() - last >= 2.0:
-                        print(plain_line(self._keep(watcher.snapshot())), flush=True)
-                        last = time.monotonic()
-                    time.sleep(0.2)
+                self._watch_plain(watcher, deadline)
             else:
-                with Live(render(watcher.snapshot()), console=self.console, refresh_per_second=4) as live:
-                    while time.monotonic() < deadline:
-                        self._check_worker()
-                        live.update(render(self._keep(watcher.snapshot())))
-                        time.sleep(0.25)
+                self._watch_live(watcher, deadline)
         finally:
             workload.stop_event.set()
             workload.join(timeout=60)
@@ -169,6 +153,34 @@ class Demo:
         if a.capture is not None and self.best is not None:
             self._capture(a.capture, self.best)
         return self._finish(watcher)
+
+    def _start_worker(self) -> None:
+        """``applier run`` as a user starts it, in a process of its own, its output to the demo's log file."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with open(self.log_path, "ab") as log:
+            self.worker = subprocess.Popen(
+                [sys.executable, "-m", "applier.cli", "--target", self.target.dsn, "run", SUBNAME],
+                stdout=log, stderr=subprocess.STDOUT, env=env,
+            )  # fmt: skip
+        self.say(f"applier run started (pid {self.worker.pid}, log {self.log_path})")
+
+    def _watch_plain(self, watcher: Watcher, deadline: float) -> None:
+        """Until ``deadline``: a plain status line every 2 s (not a terminal, or ``--plain``)."""
+        last = 0.0
+        while time.monotonic() < deadline:
+            self._check_worker()
+            if time.monotonic() - last >= 2.0:
+                print(plain_line(self._keep(watcher.snapshot())), flush=True)
+                last = time.monotonic()
+            time.sleep(0.2)
+
+    def _watch_live(self, watcher: Watcher, deadline: float) -> None:
+        """Until ``deadline``: the live view, redrawn four times a second."""
+        with Live(render(watcher.snapshot()), console=self.console, refresh_per_second=4) as live:
+            while time.monotonic() < deadline:
+                self._check_worker()
+                live.update(render(self._keep(watcher.snapshot())))
+                time.sleep(0.25)
 
     def _keep(self, snap: Snapshot) -> Snapshot:
         """Remember the most telling frame for ``--capture``: two-phase enabled with transactions prepared on both

@@ -186,17 +186,7 @@ class MigrateDemo:
         self.target_cluster.start()
         self.source = self.source_cluster.create_database(DBNAME)
         self.target = self.target_cluster.create_database(DBNAME)
-        t0 = time.monotonic()
-        create_schema(self.source)
-        self.source.execute(EXTRA_SQL)
-        counts = populate(self.source, a.orders)
-        self.source.execute("INSERT INTO invoices (order_id) SELECT id FROM orders WHERE id % 3 = 0")
-        self.source.execute("ANALYZE invoices")
-        counts["public.invoices"] = self.source.scalar("SELECT count(*) FROM invoices")
-        self.say(
-            f"source has {sum(counts.values()):,} rows in {len(counts)} tables ({time.monotonic() - t0:.1f}s), "
-            "with identity columns, a sequence, foreign keys and GIN indexes; the target is empty"
-        )
+        self._populate_source()
 
         if self._cli("plan", "--source", self.source.dsn, "--target", self.target.dsn) != 0:
             self.say("FAILED: applier migrate plan found a blocker")
@@ -241,6 +231,21 @@ class MigrateDemo:
             self.say(f"FAILED: the workload failed: {self.workload.error}")
             return 1
         return self._check("\n".join(start_out))
+
+    def _populate_source(self) -> None:
+        """The shop's tables on the source, with what a migration must carry besides rows (identity columns, a
+        sequence, foreign keys, GIN indexes); the target stays empty."""
+        t0 = time.monotonic()
+        create_schema(self.source)
+        self.source.execute(EXTRA_SQL)
+        counts = populate(self.source, self.args.orders)
+        self.source.execute("INSERT INTO invoices (order_id) SELECT id FROM orders WHERE id % 3 = 0")
+        self.source.execute("ANALYZE invoices")
+        counts["public.invoices"] = self.source.scalar("SELECT count(*) FROM invoices")
+        self.say(
+            f"source has {sum(counts.values()):,} rows in {len(counts)} tables ({time.monotonic() - t0:.1f}s), "
+            "with identity columns, a sequence, foreign keys and GIN indexes; the target is empty"
+        )
 
     def _cli(self, verb: str, *args: str, keep: list[str] | None = None) -> int:
         """Run ``applier migrate VERB ...`` as a user would, printing its output as it comes (passwords: none, the

@@ -46,19 +46,22 @@ class LiveWorkload(threading.Thread):
                 while not self.stop_event.is_set():
                     started = time.monotonic()
                     n += 1
-                    if self.rng.random() < self.prepared_share:
-                        self._prepared(conn, n)
-                    else:
-                        self._ordinary(conn)
-                    if self.pending and (len(self.pending) > 3 or self.rng.random() < 0.3):
-                        self._resolve(conn)
+                    self._step(conn, n)
                     pause = 1.0 / self.rate - (time.monotonic() - started)
-                    if pause > 0:
-                        self.stop_event.wait(pause)
+                    self.stop_event.wait(max(pause, 0.0))
                 while self.pending:
                     self._resolve(conn)
         except BaseException as exc:  # noqa: BLE001 - reported by the demo
             self.error = exc
+
+    def _step(self, conn: psycopg.Connection, n: int) -> None:
+        """One transaction, prepared or ordinary, and sometimes the decision of earlier prepared ones."""
+        if self.rng.random() < self.prepared_share:
+            self._prepared(conn, n)
+        else:
+            self._ordinary(conn)
+        if self.pending and (len(self.pending) > 3 or self.rng.random() < 0.3):
+            self._resolve(conn)
 
     def _new_order(self, conn: psycopg.Connection) -> None:
         oid = self.next_order

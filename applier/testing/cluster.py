@@ -208,19 +208,25 @@ def reap_orphans(tmpdir: str | None = None) -> list[Path]:
             if _alive(int(owner.read_text().strip() or 0)):
                 continue
             datadir = owner.parent
-            pidfile = datadir / "postmaster.pid"
-            if pidfile.exists():
-                postmaster = int(pidfile.read_text().split("\n", 1)[0])
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(postmaster, signal.SIGQUIT)  # immediate shutdown
-                deadline = time.monotonic() + 10
-                while _alive(postmaster) and time.monotonic() < deadline:
-                    time.sleep(0.05)
+            _quit_postmaster(datadir)
             shutil.rmtree(datadir, ignore_errors=True)
             reaped.append(datadir)
         except (OSError, ValueError):
             continue
     return reaped
+
+
+def _quit_postmaster(datadir: Path) -> None:
+    """Immediate shutdown of the postmaster of ``datadir``, if its pid file says one runs; waits up to 10 s."""
+    pidfile = datadir / "postmaster.pid"
+    if not pidfile.exists():
+        return
+    postmaster = int(pidfile.read_text().split("\n", 1)[0])
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(postmaster, signal.SIGQUIT)  # immediate shutdown
+    deadline = time.monotonic() + 10
+    while _alive(postmaster) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def free_port() -> int:
