@@ -1,11 +1,12 @@
-"""The shape of the apply package, checked so that it stays readable (issue 18): no function in ``applier/apply``
-or in the live table sync (``tablesync/live.py``, which runs the apply loop in a sync-worker context) longer than :data:`MAX_FUNCTION_LINES` lines or with ``if``/``for``/``while``/``try``/``with`` nested deeper than
-:data:`MAX_DEPTH`, and the transaction/dispatch core class (:class:`applier.apply.handlers.Applier`) no longer than
-:data:`MAX_CORE_LINES` lines. A function that grows past a limit is a sign that a strategy or a step wants its own
-function or module; see docs/architecture.md for where each belongs.
+"""The shape of the code, checked so that it stays readable (issue 18): no function in ``applier``, ``tablesync``
+or ``state`` longer than :data:`MAX_FUNCTION_LINES` lines or with ``if``/``for``/``while``/``try``/``with`` nested
+deeper than :data:`MAX_DEPTH`, and the transaction/dispatch core class (:class:`applier.apply.handlers.Applier`) no
+longer than :data:`MAX_CORE_LINES` lines. A function that grows past a limit is a sign that a strategy or a step
+wants its own function or module; see docs/architecture.md for where each belongs.
 
-The rest of ``tablesync`` is not checked yet: ``copy.py``, ``initial.py`` and ``job.py`` have functions over the
-limits (``InitialCopy.copy`` and ``InitialCopy.run``, each about 80 lines; a few nest 4 deep)."""
+The check covered ``applier/apply`` and ``tablesync/live.py`` first; it covers every package since the CLI's parser,
+the migration, the runner and the initial copy were split into named steps. A function let off goes in
+:data:`EXEMPT` with the reason."""
 
 from __future__ import annotations
 
@@ -16,12 +17,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 APPLY = ROOT / "applier" / "apply"
-#: the files checked: the apply package, and the live table sync that drives the same loop and core
-CHECKED = [*sorted(APPLY.glob("*.py")), ROOT / "tablesync" / "live.py"]
+#: the packages checked, every module of each
+PACKAGES = ("applier", "tablesync", "state")
+CHECKED = sorted(path for package in PACKAGES for path in (ROOT / package).rglob("*.py"))
 MAX_FUNCTION_LINES = 60
 MAX_DEPTH = 3
 MAX_CORE_LINES = 400
-EXEMPT: set[str] = set()  # files let off these limits, each with the reason (none today)
+#: functions let off these limits ("path name"), each with the reason
+EXEMPT: dict[str, str] = {
+    "applier/decoder.py _read_tuple": "the codec's hottest loop, one turn per column of every row: its fourth level "
+    "is a text/binary column's length check, and flattening it reorders the per-column tests (or adds a call per "
+    "column); not without a benchmark on a quiet machine (tests/unit/test_decoder_fastpath.py, bench/)",
+}
 _NESTING = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.Try, ast.With, ast.AsyncWith)
 _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 
@@ -45,12 +52,10 @@ def _depth(node: ast.AST) -> int:
 def _functions() -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
     found = []
     for path in CHECKED:
-        if path.name in EXEMPT:
-            continue
         tree = ast.parse(path.read_text(), str(path))
-        where = path.relative_to(ROOT).as_posix() if path.parent != APPLY else path.name
+        where = path.relative_to(ROOT).as_posix()
         for node in ast.walk(tree):
-            if isinstance(node, _FUNCTIONS):
+            if isinstance(node, _FUNCTIONS) and f"{where} {node.name}" not in EXEMPT:
                 found.append((f"{where}:{node.lineno} {node.name}", node))
     return found
 
@@ -59,8 +64,21 @@ FUNCTIONS = _functions()
 
 
 def test_there_is_something_to_check():
-    assert len(FUNCTIONS) > 100
-    assert any(w.startswith("tablesync/live.py:") for w, _ in FUNCTIONS)
+    assert len(FUNCTIONS) > 1000
+    for module in ("applier/apply/handlers.py", "applier/cli.py", "applier/migrate/", "tablesync/initial.py",
+                   "tablesync/live.py", "state/"):  # fmt: skip
+        assert any(w.startswith(module) for w, _ in FUNCTIONS), module
+
+
+def test_every_exemption_names_a_function_that_exists():
+    """An exemption outlives its function only by mistake: a renamed or split function must leave the list."""
+    names = set()
+    for path in CHECKED:
+        where = path.relative_to(ROOT).as_posix()
+        names |= {
+            f"{where} {n.name}" for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, _FUNCTIONS)
+        }
+    assert set(EXEMPT) <= names, set(EXEMPT) - names
 
 
 @pytest.mark.parametrize("where,node", FUNCTIONS, ids=[w for w, _ in FUNCTIONS])
