@@ -103,6 +103,11 @@ class LiveSyncDriver:
             self.failures = 0  # the next failure starts the backoff from its first step again
         elif job.failure is not None and not self.stop.is_set():
             self._failed(job.failure)
+        elif job.failure is not None:  # failed as the worker stops: not recorded, but not silent either
+            self.log.error('table synchronization for subscription "%s" failed as the worker stopped; it is '
+                           "copied again at the next start: %s", self.subname,
+                           " ".join(job.failure.message.split()))  # fmt: skip
+            self.retry_at = time.monotonic() + self.initial
         else:  # stopped, not failed: start again soon (the tables stay d/f, copied again)
             self.retry_at = time.monotonic() + self.initial
 

@@ -164,3 +164,23 @@ def test_a_failure_is_one_log_line_with_the_error_where_and_the_next_attempt(cap
         '(id)=(5) already exists. CONTEXT: processing remote data for replication origin "applier_7_sync" during '
         'message type "INSERT"'
     ), line
+
+
+def test_a_failure_while_the_worker_stops_is_logged_not_recorded(caplog) -> None:
+    """A sync that fails as the worker stops is not counted nor recorded (the table is copied again at the next
+    start), but its error still reaches the log at ERROR: the sync thread's own line is debug only."""
+    live, coordinator = driver()
+    live.retry_at = 0.0
+    live.start_if_needed([rel("d")])
+    sync = coordinator.syncs[-1]
+    sync.finished = sync.failed = True
+    sync.failure = SyncFailure("connection to the target was lost", "public.t", "COPY", "08006", None)
+    live.stop.set()
+    with caplog.at_level(logging.DEBUG, logger="t"):
+        live.end()
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [
+        'table synchronization for subscription "s" failed as the worker stopped; it is copied again at the next '
+        "start: connection to the target was lost"
+    ]
+    assert live.failures == 0
