@@ -321,6 +321,7 @@ class Target:
         self.pipeline.send_query(b"PREPARE TRANSACTION " + gid_literal(gid, self.conn), None, ctx,
                                  self.confirming(end_lsn, on_ok, ts, "prepare"))  # fmt: skip
         self.in_transaction = False
+        self.pipeline.push()  # the target starts it now, not when the loop's round ends
 
     def finish_prepared(self, commit: bool, gid: str, end_lsn: int, ts: int, ctx: ErrorContext | None,
                         on_ok: Callable[[Any], None]) -> None:  # fmt: skip
@@ -347,6 +348,7 @@ class Target:
         verb = b"COMMIT PREPARED " if commit else b"ROLLBACK PREPARED "
         kind = "commit_prepared" if commit else "rollback_prepared"
         p.send_query(verb + gid_literal(gid, self.conn), None, ctx, self.confirming(end_lsn, on_ok, ts, kind))
+        p.push()  # as prepare()
 
     def abort(self) -> None:
         """Abandon the current transaction: drop pending results, ROLLBACK, reset the session's origin values
