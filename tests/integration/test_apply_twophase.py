@@ -270,10 +270,14 @@ def test_prepare_and_commit_prepared_reach_the_target_without_a_poll(pair):
         assert ours(s) == [] and done == [] and target.pipeline.pending > 0
         target.pipeline.drain()
         assert done == [1, -1]
-        assert (
-            pair.target.scalar("SELECT pg_replication_origin_progress(%s, false)::text", (origin,))
-            == "0/1010"
-        )
+        progress = "SELECT pg_replication_origin_progress(%s, false)::text"
+        assert pair.target.scalar(progress, (origin,)) == "0/1010"
+        # ROLLBACK PREPARED carries its origin values too (from the empty transaction before it)
+        ctx, gid = _record_and_prepare(target, origin, subid, 2, 0x2000, lambda _r: done.append(2))
+        target.finish_prepared(False, gid, 0x2010, 2002, ctx, lambda _r: done.append(-2))
+        target.pipeline.drain()
+        assert done == [1, -1, 2, -2] and ours(s) == []
+        assert pair.target.scalar(progress, (origin,)) == "0/2010"
     finally:
         target.close()
 
