@@ -30,7 +30,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from applier.apply.context import ErrorContext
+from applier.apply.context import ApplyError, ErrorContext
 from applier.apply.lag import LagWindow
 from applier.apply.pipeline import CHECK_ROWS, MAX_IN_FLIGHT, Pipeline, TargetConnectionError
 from applier.apply.ports import copy_eligible
@@ -338,8 +338,10 @@ class Target:
         commits at once, and what follows starts a transaction of its own. Its error, if any, surfaces at the next
         sync point, as a plain COMMIT's does (see commit()), with its own context."""
         self.end_copy()
-        if self.in_transaction:  # the BEGIN below would not open a transaction, the COMMIT would end this one
-            raise RuntimeError("COMMIT/ROLLBACK PREPARED queued inside an open local transaction")
+        # In an open local transaction the BEGIN below would open none and the COMMIT would end that one. The server
+        # refused COMMIT PREPARED there (an error that restarts the session), and so does this.
+        if self.in_transaction:
+            raise ApplyError("COMMIT/ROLLBACK PREPARED cannot run inside a transaction block", ctx)
         self.prepare_fixed(ctx)
         p = self.pipeline
         p.send_prepared(b"applier_begin", (), None, ctx)

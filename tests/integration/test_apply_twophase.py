@@ -253,7 +253,9 @@ def test_prepare_and_commit_prepared_reach_the_target_without_a_poll(pair):
     """``Target.prepare`` and ``Target.finish_prepared`` write their statements to the socket themselves
     (``Pipeline.push``): the target runs them while the apply loop goes on with what else it read, instead of when
     the loop's round ends and polls. Nothing here reads a result or polls until both have been seen on the target;
-    the results then arrive in order, and the flush request they carried means poll() sends no second one."""
+    the results then arrive in order. COMMIT and ROLLBACK PREPARED record their origin progress (set in an empty
+    transaction just before them, in the same pipeline segment)."""
+    from applier.apply.context import ApplyError
     from applier.apply.target import Target
 
     both(pair, "CREATE TABLE t (id int PRIMARY KEY)")
@@ -278,6 +280,12 @@ def test_prepare_and_commit_prepared_reach_the_target_without_a_poll(pair):
         target.pipeline.drain()
         assert done == [1, -1, 2, -2] and ours(s) == []
         assert pair.target.scalar(progress, (origin,)) == "0/2010"
+        # inside an open local transaction it is refused, as the server refused it, instead of committing that one
+        target.begin(ctx)
+        with pytest.raises(ApplyError, match="inside a transaction block"):
+            target.finish_prepared(True, gid, 0x3010, 2003, ctx, lambda _r: done.append(-3))
+        target.abort()
+        assert pair.target.scalar(progress, (origin,)) == "0/2010" and done[-1] == -2
     finally:
         target.close()
 
