@@ -20,8 +20,9 @@ The speed strategies live in their own modules and are called from here at one p
 * skip-LSN clearing — :mod:`applier.apply.skip_clear`.
 
 Progress is exactly-once because every local COMMIT / PREPARE TRANSACTION / COMMIT PREPARED / ROLLBACK PREPARED is
-preceded, in the same local transaction (or, for the standalone 2PC commands, as the statement just before), by
-``pg_replication_origin_xact_setup(end_lsn, time)`` (behaviours 94, 113).
+preceded, in the same local transaction (or, for the standalone 2PC commands, in an empty local transaction just
+before, whose COMMIT writes no record and so leaves the values set), by ``pg_replication_origin_xact_setup(end_lsn,
+time)`` (behaviours 94, 113).
 """
 
 from __future__ import annotations

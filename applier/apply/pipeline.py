@@ -207,6 +207,20 @@ class Pipeline:
         self._wait(0)
         self._process_available()
 
+    def push(self) -> None:
+        """Write what is queued to the socket now, with a flush request after it, without waiting for anything.
+
+        For the end of a remote transaction that the target should start at once (a PREPARE TRANSACTION, a COMMIT
+        PREPARED): otherwise it waits in libpq's buffer until the loop's round ends and polls, and while the round
+        goes on applying what else arrived, the target backend idles. The flush request makes the server send the
+        results as soon as it has them; :meth:`poll` then sends no second one. Whatever the socket does not take at
+        once goes with the next poll."""
+        pending = self._pending
+        if pending and pending[-1] is not _SYNC and pending[-1] is not self._flush_requested:
+            self.pgconn.send_flush_request()
+            self._flush_requested = pending[-1]
+        self._flush_some()
+
     def _relieve(self) -> None:
         """Too many statements in flight: make sure the server sees a sync point and wait for about half."""
         if self._pending[-1] is not _SYNC:

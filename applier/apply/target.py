@@ -30,7 +30,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from applier.apply.context import ErrorContext
+from applier.apply.context import ApplyError, ErrorContext
 from applier.apply.lag import LagWindow
 from applier.apply.pipeline import CHECK_ROWS, MAX_IN_FLIGHT, Pipeline, TargetConnectionError
 from applier.apply.ports import copy_eligible
@@ -321,23 +321,36 @@ class Target:
         self.pipeline.send_query(b"PREPARE TRANSACTION " + gid_literal(gid, self.conn), None, ctx,
                                  self.confirming(end_lsn, on_ok, ts, "prepare"))  # fmt: skip
         self.in_transaction = False
+        self.pipeline.push()  # the target starts it now, not when the loop's round ends
 
     def finish_prepared(self, commit: bool, gid: str, end_lsn: int, ts: int, ctx: ErrorContext | None,
                         on_ok: Callable[[Any], None]) -> None:  # fmt: skip
-        """COMMIT/ROLLBACK PREPARED, preceded by the origin setup as its own statement (behaviour 113: the values
-        persist in the session until the next transaction that writes a commit/abort record)."""
+        """COMMIT/ROLLBACK PREPARED, its origin setup queued just before it in an empty transaction of its own:
+        BEGIN, ``pg_replication_origin_xact_setup``, COMMIT, then the command, all in the open pipeline segment.
+
+        Why the empty transaction: COMMIT PREPARED refuses to run after a statement of its pipeline segment that
+        left the implicit transaction open (PostgreSQL's "cannot be executed within a pipeline"), which the origin
+        setup, a SELECT, does; a transaction command (COMMIT, PREPARE TRANSACTION) closes it. It used to be a sync
+        point, which made libpq write the origin setup to the socket at once (``pipeline_sync`` flushes) and the
+        target answer it on its own: one more write on each side per prepared transaction. The origin values
+        persist in the session until a transaction writes a commit or abort record (behaviour 113); the empty
+        transaction writes none, so COMMIT PREPARED records them. Nothing needs to end a segment after it: it
+        commits at once, and what follows starts a transaction of its own. Its error, if any, surfaces at the next
+        sync point, as a plain COMMIT's does (see commit()), with its own context."""
         self.end_copy()
+        # In an open local transaction the BEGIN below would open none and the COMMIT would end that one. The server
+        # refused COMMIT PREPARED there (an error that restarts the session), and so does this.
+        if self.in_transaction:
+            raise ApplyError("COMMIT/ROLLBACK PREPARED cannot run inside a transaction block", ctx)
+        self.prepare_fixed(ctx)
+        p = self.pipeline
+        p.send_prepared(b"applier_begin", (), None, ctx)
         self.origin_setup(end_lsn, ts, ctx)
-        # COMMIT PREPARED refuses to run after another statement of its pipeline segment (PostgreSQL's "cannot be
-        # executed within a pipeline"), so it starts a segment. Nothing needs to end one after it: it commits at
-        # once, and what follows (BEGIN, or the origin setup of the next one) starts a transaction of its own. Its
-        # error, if any, surfaces at the next sync point, as a plain COMMIT's does (see commit()).
-        self.pipeline.sync()
+        p.send_prepared(b"applier_commit", (), None, ctx)
         verb = b"COMMIT PREPARED " if commit else b"ROLLBACK PREPARED "
         kind = "commit_prepared" if commit else "rollback_prepared"
-        self.pipeline.send_query(
-            verb + gid_literal(gid, self.conn), None, ctx, self.confirming(end_lsn, on_ok, ts, kind)
-        )
+        p.send_query(verb + gid_literal(gid, self.conn), None, ctx, self.confirming(end_lsn, on_ok, ts, kind))
+        p.push()  # as prepare()
 
     def abort(self) -> None:
         """Abandon the current transaction: drop pending results, ROLLBACK, reset the session's origin values

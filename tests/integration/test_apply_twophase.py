@@ -249,6 +249,47 @@ def test_target_two_phase_statements_share_pipeline_segments(pair):
         target.close()
 
 
+def test_prepare_and_commit_prepared_reach_the_target_without_a_poll(pair):
+    """``Target.prepare`` and ``Target.finish_prepared`` write their statements to the socket themselves
+    (``Pipeline.push``): the target runs them while the apply loop goes on with what else it read, instead of when
+    the loop's round ends and polls. Nothing here reads a result or polls until both have been seen on the target;
+    the results then arrive in order. COMMIT and ROLLBACK PREPARED record their origin progress (set in an empty
+    transaction just before them, in the same pipeline segment)."""
+    from applier.apply.context import ApplyError
+    from applier.apply.target import Target
+
+    both(pair, "CREATE TABLE t (id int PRIMARY KEY)")
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"], two_phase_state="e")
+    origin, subid = s.sub.origin_name, s.sub.subid
+    target = Target.connect(pair.target.dsn, origin=origin)
+    done: list[int] = []
+    try:
+        ctx, gid = _record_and_prepare(target, origin, subid, 1, 0x1000, lambda _r: done.append(1))
+        wait_until(lambda: ours(s) == [gid], timeout=30, what="the PREPARE to run without a poll")
+        target.finish_prepared(True, gid, 0x1010, 2001, ctx, lambda _r: done.append(-1))
+        wait_until(lambda: pair.target.scalar("SELECT count(*) FROM public.t") == 1, timeout=30,
+                   what="the COMMIT PREPARED to run without a poll")  # fmt: skip
+        assert ours(s) == [] and done == [] and target.pipeline.pending > 0
+        target.pipeline.drain()
+        assert done == [1, -1]
+        progress = "SELECT pg_replication_origin_progress(%s, false)::text"
+        assert pair.target.scalar(progress, (origin,)) == "0/1010"
+        # ROLLBACK PREPARED carries its origin values too (from the empty transaction before it)
+        ctx, gid = _record_and_prepare(target, origin, subid, 2, 0x2000, lambda _r: done.append(2))
+        target.finish_prepared(False, gid, 0x2010, 2002, ctx, lambda _r: done.append(-2))
+        target.pipeline.drain()
+        assert done == [1, -1, 2, -2] and ours(s) == []
+        assert pair.target.scalar(progress, (origin,)) == "0/2010"
+        # inside an open local transaction it is refused, as the server refused it, instead of committing that one
+        target.begin(ctx)
+        with pytest.raises(ApplyError, match="inside a transaction block"):
+            target.finish_prepared(True, gid, 0x3010, 2003, ctx, lambda _r: done.append(-3))
+        target.abort()
+        assert pair.target.scalar(progress, (origin,)) == "0/2010" and done[-1] == -2
+    finally:
+        target.close()
+
+
 def test_records_of_several_prepared_transactions_are_written_in_one_statement(pair):
     """``Target.record_prepared_many`` (records written ahead for a batch of BEGIN PREPAREs): one transaction, every
     record as ``record_prepared`` writes it, and a record already there (a transaction prepared again after a
