@@ -462,8 +462,9 @@ class LiveSync:
             target.pipeline.drain()
             self.caught_up = applier.transactions
             target.mark_ready(
-                sub.subid, [(relid, SyncState.SYNCDONE, reached) for relid in self.tables.values()], reached
-            )
+                sub.subid, [(relid, SyncState.SYNCDONE, reached) for relid in self.tables.values()], reached,
+                origin,
+            )  # fmt: skip
             with contextlib.suppress(Exception):
                 target.query("SELECT pg_catalog.pg_replication_origin_session_reset()")
                 target.query("SELECT pg_catalog.pg_replication_origin_drop(%s)", (origin,))

@@ -42,11 +42,13 @@ class CatalogWrites:
         self._reconcile_ready = False
 
     def mark_ready(
-        self, subid: int, tables: Sequence[tuple[int, SyncState, int | None]], origin_lsn: int
-    ) -> None:
+        self, subid: int, tables: Sequence[tuple[int, SyncState, int | None]], origin_lsn: int,
+        origin: str | None = None,
+    ) -> None:  # fmt: skip
         """Set table states and advance the session's origin to ``origin_lsn`` in one local transaction, and wait
-        for it. Only between remote transactions (nothing else may be open)."""
-        ctx = ErrorContext(f"applier_{subid}", "COMMIT")
+        for it. Only between remote transactions (nothing else may be open). ``origin`` names the session's origin
+        in an error's context: a live sync's catch-up applies through its own, not the subscription's."""
+        ctx = ErrorContext(origin or f"applier_{subid}", "COMMIT")
         self.session.begin(ctx)
         for relid, state, lsn in tables:
             self.pipeline.send_query(
