@@ -287,7 +287,8 @@ class Target:
         if not oids:
             return 0
         try:
-            self._side = psycopg.connect(conninfo, autocommit=True, application_name="applier catalog check")
+            name = (self.conn.info.parameter_status("application_name") or "applier") + " catalog check"
+            self._side = psycopg.connect(conninfo, autocommit=True, application_name=name)
         except psycopg.Error as exc:
             log.debug("no preloaded tables: %s", exc)
             return 0

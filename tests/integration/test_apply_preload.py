@@ -34,7 +34,7 @@ def _side_sessions(db) -> int:
     return int(
         db.scalar(
             "SELECT count(*) FROM pg_stat_activity"
-            " WHERE datname = current_database() AND application_name = 'applier catalog check'"
+            " WHERE datname = current_database() AND application_name LIKE 'applier% catalog check'"
         )
     )
 
