@@ -76,6 +76,13 @@ BULK_OK_SQL = _BULK_OK.as_string(None)
 #: checks them open): the start's burst of first uses is over by then; a table first used later is read then.
 PRELOAD_KEEP_S = 30.0
 
+#: A check of the preloaded tables' stamps answers for every table still preloaded, and a first use within this long
+#: after it takes that answer: the first transaction after a start touches several tables within a few milliseconds,
+#: and one check a table cost 1-2.6 ms each on a loaded host (a round trip to a backend that must be scheduled). A
+#: change committed in the last 10 ms before a table's first use may thus be missed, like one committed just after
+#: a lookup, before the statements queued behind it run (neither is seen until the next session).
+CHECK_FRESH_S = 0.01
+
 #: A stamp of the catalog rows a :class:`LocalTable` is read from (of table ``c`` in namespace ``n``): the
 #: transaction ids that last wrote its pg_class and pg_namespace rows, its columns, indexes, triggers and rules.
 #: Any ALTER of these writes a new row version (a new xmin), or adds or removes one, so a different stamp means
@@ -116,8 +123,9 @@ _LOCAL_TABLES = (
 )
 _BY_NAME = sql.SQL("n.nspname = %s AND c.relname = %s")
 _BY_OIDS = sql.SQL("c.oid = ANY(%s::pg_catalog.oid[])")
-_STAMP_BY_OID = sql.SQL(
-    "SELECT {} FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = %s"
+_STAMPS = sql.SQL(
+    "SELECT c.oid::int, {} FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
+    " WHERE c.oid = ANY(%s::pg_catalog.oid[])"
 ).format(sql.SQL(STAMP_SQL))
 
 
@@ -155,6 +163,9 @@ class Target:
         #: the second connection that checks the preloaded tables' stamps; open while some are left
         self._side: psycopg.Connection[Any] | None = None
         self._side_until = 0.0  # time.monotonic() when the preloaded tables left are dropped and it is closed
+        #: the preloaded tables (oids) the last check found unchanged, and when (time.monotonic())
+        self._checked: set[int] = set()
+        self._checked_at = 0.0
         self.in_transaction = False
         self._fixed_prepared = False
         # the parts, by what they hold: COPY state, the row-change statements, the catalog statements
@@ -267,9 +278,14 @@ class Target:
         catalog stamp is still the one it was read with (:meth:`_unchanged`); else (a table the preload did not
         know, a lookup again after a Relation message, a table altered since) it is read now, in one query after
         draining the pipeline."""
-        found = self.preloaded.pop((schema, name), None)
-        if found is not None and self._unchanged(*found):
-            return found[0]
+        found = self.preloaded.get((schema, name))
+        if found is not None:
+            unchanged = self._unchanged(found[0])
+            self.preloaded.pop((schema, name), None)
+            if not self.preloaded:
+                self._close_side()
+            if unchanged:
+                return found[0]
         rows = self.query(
             sql.SQL(_LOCAL_TABLES).format(bulk=_BULK_OK, stamp=sql.SQL(STAMP_SQL), where=_BY_NAME),
             (schema, name),
@@ -301,27 +317,35 @@ class Target:
         if not self.preloaded:
             self._close_side()
             return 0
-        self._unchanged(next(iter(self.preloaded.values()))[0], "")  # prepares the check; warms its backend
+        self._check_stamps()  # prepares the check's statement and warms its backend
         return len(rows)
 
-    def _unchanged(self, table: LocalTable, stamp: str) -> bool:
-        """Whether ``table``'s catalog stamp is still ``stamp``, asked on the second connection (a prepared
-        statement, about a millisecond against 3-8 for the lookup); a failure there only means reading it again."""
-        side = self._side
-        if side is None:
+    def _unchanged(self, table: LocalTable) -> bool:
+        """Whether preloaded ``table`` still has the catalog stamp it was read with: by the last check if it is at
+        most ``CHECK_FRESH_S`` old, else by a new one (of every table still preloaded)."""
+        if self._side is None:
             return False
+        if time.monotonic() - self._checked_at > CHECK_FRESH_S:
+            self._check_stamps()
+        return table.oid in self._checked
+
+    def _check_stamps(self) -> None:
+        """Check the stamps of every preloaded table in one statement on the second connection (prepared): the
+        unchanged ones go to ``_checked``, the others are dropped. A failure there only means reading again."""
+        stamps = {t.oid: stamp for t, stamp in self.preloaded.values()}
         try:
-            row = side.execute(_STAMP_BY_OID, (table.oid,), prepare=True).fetchone()
+            assert self._side is not None
+            rows = self._side.execute(_STAMPS, (list(stamps),), prepare=True).fetchall()
         except psycopg.Error as exc:
-            log.debug("catalog check failed, reading the table again: %s", exc)
+            log.debug("catalog check failed, reading the tables again: %s", exc)
             self._close_side()
-            return False
-        if not self.preloaded:
-            self._close_side()
-        return row is not None and row[0] == stamp
+            return
+        self._checked_at = time.monotonic()
+        self._checked = {oid for oid, stamp in rows if stamps.get(oid) == stamp}
+        self.preloaded = {k: v for k, v in self.preloaded.items() if v[0].oid in self._checked}
 
     def _close_side(self) -> None:
-        side, self._side, self.preloaded = self._side, None, {}
+        side, self._side, self.preloaded, self._checked = self._side, None, {}, set()
         if side is not None:
             try:
                 side.close()

@@ -9,8 +9,11 @@ as it did when it was always read at first use.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
+from applier.apply import target as target_module
 from applier.apply.relmap import LocalColumn, LocalTable
 from applier.apply.target import Target
 from applier.apply.testing import setup_subscription
@@ -89,6 +92,8 @@ def test_preload_reads_each_shape_as_the_lookup_and_rereads_an_altered_table(pai
 
         db.execute("ALTER TABLE altered ALTER COLUMN v TYPE numeric, ADD COLUMN w text")
         db.execute("DROP TABLE dropped")
+        # a check answers for the first uses of the next CHECK_FRESH_S, which must come after this DDL's
+        time.sleep(2 * target_module.CHECK_FRESH_S)
         assert target.load_local_table("public", "ri") is preloaded["ri"]
         again = target.load_local_table("public", "altered")
         assert again is not None and again is not preloaded["altered"]
