@@ -100,11 +100,12 @@ STAMP_SQL = (
     "   FROM pg_catalog.pg_rewrite r WHERE r.ev_class = c.oid), '')"
 )
 
-#: What ``logicalrep_rel_open`` reads about a local table, in one query (``{}``: the bulk test, then the WHERE
-#: condition): columns in attnum order, and the key of GetRelationIdentityOrPK (the replica identity index when
-#: REPLICA IDENTITY USING INDEX, else the primary key), and the stamp.
+#: What ``logicalrep_rel_open`` reads about a local table, in one query (``{bulk}``: ``_BULK_OK``, ``{stamp}``:
+#: ``STAMP_SQL``, ``{where}``: which tables): columns in attnum order, the key of GetRelationIdentityOrPK (the
+#: replica identity index when REPLICA IDENTITY USING INDEX, else the primary key), and the stamp. The oid is not
+#: cast to int: oids above 2^31 would come back negative.
 _LOCAL_TABLES = (
-    "SELECT c.oid::int, n.nspname::text, c.relname::text, c.relkind::text, {bulk},"
+    "SELECT c.oid, n.nspname::text, c.relname::text, c.relkind::text, {bulk},"
     " cols.names, cols.types, cols.generated, cols.arrays, cols.identity, keys.key, {stamp}"
     " FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
     " LEFT JOIN LATERAL (SELECT array_agg(a.attname::text ORDER BY a.attnum) AS names,"
@@ -124,7 +125,7 @@ _LOCAL_TABLES = (
 _BY_NAME = sql.SQL("n.nspname = %s AND c.relname = %s")
 _BY_OIDS = sql.SQL("c.oid = ANY(%s::pg_catalog.oid[])")
 _STAMPS = sql.SQL(
-    "SELECT c.oid::int, {} FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
+    "SELECT c.oid, {} FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
     " WHERE c.oid = ANY(%s::pg_catalog.oid[])"
 ).format(sql.SQL(STAMP_SQL))
 
@@ -333,9 +334,11 @@ class Target:
         """Check the stamps of every preloaded table in one statement on the second connection (prepared): the
         unchanged ones go to ``_checked``, the others are dropped. A failure there only means reading again."""
         stamps = {t.oid: stamp for t, stamp in self.preloaded.values()}
+        side = self._side
+        if side is None:
+            return
         try:
-            assert self._side is not None
-            rows = self._side.execute(_STAMPS, (list(stamps),), prepare=True).fetchall()
+            rows = side.execute(_STAMPS, (list(stamps),), prepare=True).fetchall()
         except psycopg.Error as exc:
             log.debug("catalog check failed, reading the tables again: %s", exc)
             self._close_side()
