@@ -76,12 +76,16 @@ BULK_OK_SQL = _BULK_OK.as_string(None)
 #: checks them open): the start's burst of first uses is over by then; a table first used later is read then.
 PRELOAD_KEEP_S = 30.0
 
-#: A check of the preloaded tables' stamps answers for every table still preloaded, and a first use within this long
-#: after it takes that answer: the first transaction after a start touches several tables within a few milliseconds,
-#: and one check a table cost 1-2.6 ms each on a loaded host (a round trip to a backend that must be scheduled). A
-#: change committed in the last 10 ms before a table's first use may thus be missed, like one committed just after
-#: a lookup, before the statements queued behind it run (neither is seen until the next session).
+#: A check of the preloaded tables' stamps answers for up to ``CHECK_BATCH`` tables still preloaded, and a first use
+#: of one of them within this long after it takes that answer: the first transaction after a start touches several
+#: tables within a few milliseconds, and one check a table cost 1-2.6 ms each on a loaded host (a round trip to a
+#: backend that must be scheduled). A change committed in the last 10 ms before a table's first use may thus be
+#: missed, like one committed just after a lookup, before the statements queued behind it run (neither is seen until
+#: the next session).
 CHECK_FRESH_S = 0.01
+#: How many tables one check covers at most (the first used and others still preloaded): with thousands of tables a
+#: check of all would cost more than it saves.
+CHECK_BATCH = 100
 
 #: A stamp of the catalog rows a :class:`LocalTable` is read from (of table ``c`` in namespace ``n``): the
 #: transaction ids that last wrote its pg_class and pg_namespace rows, its columns, indexes, triggers and rules.
@@ -323,29 +327,32 @@ class Target:
 
     def _unchanged(self, table: LocalTable) -> bool:
         """Whether preloaded ``table`` still has the catalog stamp it was read with: by the last check if it is at
-        most ``CHECK_FRESH_S`` old, else by a new one (of every table still preloaded)."""
+        most ``CHECK_FRESH_S`` old and covered it, else by a new one (of it and other tables still preloaded)."""
         if self._side is None:
             return False
-        if time.monotonic() - self._checked_at > CHECK_FRESH_S:
-            self._check_stamps()
+        if table.oid not in self._checked or time.monotonic() - self._checked_at > CHECK_FRESH_S:
+            self._check_stamps(table.oid)
         return table.oid in self._checked
 
-    def _check_stamps(self) -> None:
-        """Check the stamps of every preloaded table in one statement on the second connection (prepared): the
-        unchanged ones go to ``_checked``, the others are dropped. A failure there only means reading again."""
+    def _check_stamps(self, first: int | None = None) -> None:
+        """Check the stamps of table ``first`` and of other preloaded tables, ``CHECK_BATCH`` in all, in one
+        statement on the second connection (prepared): the unchanged ones go to ``_checked``, the others are no
+        longer preloaded. A failure there only means reading tables again."""
         stamps = {t.oid: stamp for t, stamp in self.preloaded.values()}
+        oids = ([first] if first in stamps else []) + [o for o in stamps if o != first][: CHECK_BATCH - 1]
         side = self._side
-        if side is None:
+        if side is None or not oids:
             return
         try:
-            rows = side.execute(_STAMPS, (list(stamps),), prepare=True).fetchall()
+            rows = side.execute(_STAMPS, (oids,), prepare=True).fetchall()
         except psycopg.Error as exc:
             log.debug("catalog check failed, reading the tables again: %s", exc)
             self._close_side()
             return
         self._checked_at = time.monotonic()
-        self._checked = {oid for oid, stamp in rows if stamps.get(oid) == stamp}
-        self.preloaded = {k: v for k, v in self.preloaded.items() if v[0].oid in self._checked}
+        self._checked = {oid for oid, stamp in rows if stamps[oid] == stamp}
+        changed = set(oids) - self._checked
+        self.preloaded = {k: v for k, v in self.preloaded.items() if v[0].oid not in changed}
 
     def _close_side(self) -> None:
         side, self._side, self.preloaded, self._checked = self._side, None, {}, set()

@@ -172,3 +172,26 @@ def test_table_added_while_running_is_read_at_first_use(pair):
         assert s.catalog.last_error(s.sub.subid) is None
     finally:
         w.stop()
+
+
+def test_a_check_covers_at_most_a_batch_of_tables(pair, monkeypatch):
+    """With one table a check (and its answer never too old), each first use checks its own table: an unchanged
+    one is taken as preloaded, one altered after an earlier check is read again."""
+    monkeypatch.setattr(target_module, "CHECK_BATCH", 1)
+    monkeypatch.setattr(target_module, "CHECK_FRESH_S", 3600.0)
+    db = pair.target
+    for name in ("a", "b", "c"):
+        db.execute(f"CREATE TABLE {name} (id int PRIMARY KEY, v int)")
+    db.execute("SELECT pg_replication_origin_create('preload_batch')")
+    target = Target.connect(db.dsn, origin="preload_batch")
+    try:
+        assert target.preload_local_tables([oid(db, f"public.{n}") for n in ("a", "b", "c")], db.dsn) == 3
+        preloaded = {name: table for (_schema, name), (table, _stamp) in target.preloaded.items()}
+        assert target.load_local_table("public", "a") is preloaded["a"]
+        db.execute("ALTER TABLE b ADD COLUMN w text")
+        again = target.load_local_table("public", "b")
+        assert again is not None and [c.name for c in again.columns] == ["id", "v", "w"]
+        assert target.load_local_table("public", "c") is preloaded["c"]
+    finally:
+        target.close()
+        db.execute("SELECT pg_replication_origin_drop('preload_batch')")
