@@ -20,18 +20,23 @@ Lag (what the figures mean)
 ---------------------------
 Both sides are measured the same way, and nothing in it runs more often for one side than for the other.
 
-* **commit lag** (``lag``): a marker thread commits ``INSERT INTO live_marker VALUES (n, clock_timestamp())`` on
-  the publisher every ``MARKER_S`` (75 ms), interleaved with the load, and notes the wall-clock time its COMMIT
-  returned. On the target, an ``ENABLE ALWAYS`` row trigger on ``live_marker`` (:func:`create_marker_notify`)
+* **commit lag** (``lag``): a marker thread commits ``INSERT INTO live_marker VALUES (n, clock_timestamp())`` on the
+  publisher every ``--marker-ms`` (``MARKER_S``, 20 ms), interleaved with the load, and notes the wall-clock time its
+  COMMIT returned. On the target, an ``ENABLE ALWAYS`` row trigger on ``live_marker`` (:func:`create_marker_notify`)
   does ``pg_notify('live_marker', id)``: both apply workers fire it (they apply with ``session_replication_role =
-  replica``, where only ALWAYS and REPLICA triggers fire; ``tests/integration/test_live_bench.py`` checks both on
-  a real server), and PostgreSQL delivers a notification only after its transaction committed. A LISTEN
-  connection (:class:`MarkerListener`) notes when each arrives. Lag = arrival - publisher commit, to well under a
-  millisecond: the listener's backend wakes on the commit's signal and the bench process reads at once (its GIL
-  switch interval is lowered to ``SWITCH_INTERVAL_S`` so that another bench thread cannot delay the read). Same
-  host, same clock. Transactions apply in commit order, so a visible marker means every transaction committed
-  before it is visible too. The trigger costs one notification per marker (13 a second) and makes
-  ``live_marker`` unfit for our bulk (COPY) apply, which only matters for the marker's own one-row transactions.
+  replica``, where only ALWAYS and REPLICA triggers fire; ``tests/integration/test_live_bench.py`` checks both on a
+  real server), and PostgreSQL delivers a notification only after its transaction committed. A LISTEN connection
+  (:class:`MarkerListener`) notes when each arrives. Lag = arrival - publisher commit, to well under a millisecond:
+  the listener's backend wakes on the commit's signal and the bench process reads at once (its GIL switch interval is
+  lowered to ``SWITCH_INTERVAL_S`` so that another bench thread cannot delay the read). Same host, same clock.
+  Transactions apply in commit order, so a visible marker means every transaction committed before it is visible too.
+  The trigger costs one notification per marker and makes ``live_marker`` unfit for our bulk (COPY) apply, which only
+  matters for the marker's own one-row transactions.
+* **Why a marker every 20 ms.** A percentile rests on the markers: at 75 ms (up to run 7) a 15 s run had about 200,
+  so its p99 was the 2nd-3rd worst marker and one slow marker (the first one after the worker's start, say) set it.
+  At 20 ms a 15 s run has about 750 and the p99 is the 7th-8th worst. A marker costs, on each side alike, one
+  one-row transaction on the publisher (50 a second, a small addition to the load's hundreds to thousands), its
+  decoding and apply, and one NOTIFY with its delivery to the listener on the target.
 * ``lag_poll``: the old measure, a poller on the target every ``POLL_S`` (10 ms) noting when each marker id
   became visible; kept beside the new one as a cross-check, readings up to 10 ms high.
 * **prepare lag** (two-phase workload), from the servers' own stamps (``prepare_lag_stamp``): the publisher's
@@ -135,7 +140,7 @@ PREPARE_POLL_S = 0.01  # the target's pg_prepared_xacts (--prepare-poll-ms): the
 NOTIFY_CHANNEL = "live_marker"
 SWITCH_INTERVAL_S = 0.0005  # the bench's own GIL hand-off: a waking listener thread must not wait 5 ms for it
 JSON_VERSION = 2  # 2: commit lag by LISTEN/NOTIFY, prepare lag by server stamps (1: both polled every 10 ms)
-MARKER_S = 0.075
+MARKER_S = 0.02  # --marker-ms: ~750 markers per 15 s run, so that p99 is not one marker (see the docstring)
 SAMPLE_S = 0.5
 WARMUP_S = 1.0
 BOUND_FLOOR_S = 0.5
@@ -664,6 +669,7 @@ class Env:
     strace_dir: Path | None = None
     prepare_poll_s: float = PREPARE_POLL_S
     trace_dir: Path | None = None
+    marker_s: float = MARKER_S
 
 
 def run_side(env: Env, wl: Workload, rate: int, side: str) -> SideRun:
@@ -739,7 +745,7 @@ def _stream_txns(pub: Database, slot: str, expect: bool) -> int | None:
 def run_load(env: Env, wl: Workload, rate: int, run: SideRun, pub: Database, tgt: Database,
              proc: subprocess.Popen[bytes] | None, tag: str, threads: list[threading.Thread]) -> None:  # fmt: skip
     """The load, the lag measurement and the costs of one side at one rate; fills ``run``."""
-    writer = MarkerWriter(pub)
+    writer = MarkerWriter(pub, env.marker_s)
     poller = VisibilityPoller(tgt)
     listener = MarkerListener(tgt)
     pub_prep = PublisherPreparePoller(pub) if wl.two_phase_load else None
@@ -834,6 +840,7 @@ def run_load(env: Env, wl: Workload, rate: int, run: SideRun, pub: Database, tgt
     if worker is not None and worker in cpu.hwm_kb:
         run.worker_hwm_mb = cpu.hwm_kb[worker] / 1024
     _fill_lags(run, writer.committed, listener.visible, load_start, pub_prep, tgt_prep, poller.visible)
+    run.lag_method += f", a marker every {env.marker_s * 1000:g} ms"
     if env.trace_dir is not None and pub_prep is not None and tgt_prep is not None:
         stamps = {"pub": pub_prep.prepared_at, "tgt": tgt_prep.stamp, "seen": tgt_prep.seen}
         (env.trace_dir / f"{tag}.prepares.json").write_text(json.dumps(stamps))
@@ -1062,6 +1069,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prepare-poll-ms", type=float, default=PREPARE_POLL_S * 1000,
                     help="interval of the target's pg_prepared_xacts poll (two-phase); the stamp lag does not "
                     "depend on it, the 'seen by poll' figure does, and a faster poll costs CPU (reported)")  # fmt: skip
+    ap.add_argument("--marker-ms", type=float, default=MARKER_S * 1000,
+                    help="interval of the commit-lag markers, the same on both sides (up to run 7: 75); p99 rests "
+                    "on duration / interval markers")  # fmt: skip
     ap.add_argument("--pg", default="18", help="server version (15, 16, 18) or a bindir")
     ap.add_argument("--profile-dir", type=Path, help="run ours under py-spy (wall time, raw stacks); its lag is "
                     "then not comparable")  # fmt: skip
@@ -1168,7 +1178,7 @@ def main(argv: list[str] | None = None) -> int:
             args.trace_dir = args.trace_dir.resolve()
             args.trace_dir.mkdir(parents=True, exist_ok=True)
         env = Env(pubc, tgtc, binaries.bindir, args.duration, args.drain_timeout, spool, args.profile_dir,
-                  args.strace_dir, args.prepare_poll_ms / 1000, args.trace_dir)  # fmt: skip
+                  args.strace_dir, args.prepare_poll_ms / 1000, args.trace_dir, args.marker_ms / 1000)  # fmt: skip
         first = [0]
         for key in args.keys:
             runs += run_workload(env, WORKLOADS[key], args.rate_map[key], args.step_up, args.max_rate, first)

@@ -72,6 +72,79 @@ _BULK_OK = sql.SQL(
 #: the same, as plain SQL text (for a query on another session: applier.apply.worker)
 BULK_OK_SQL = _BULK_OK.as_string(None)
 
+#: How long after the session's start the preloaded tables not used yet are kept (and the second connection that
+#: checks them open): the start's burst of first uses is over by then; a table first used later is read then.
+PRELOAD_KEEP_S = 30.0
+
+#: A check of the preloaded tables' stamps answers for up to ``CHECK_BATCH`` tables still preloaded, and a first use
+#: of one of them within this long after it takes that answer: the first transaction after a start touches several
+#: tables within a few milliseconds, and one check a table cost 1-2.6 ms each on a loaded host (a round trip to a
+#: backend that must be scheduled). A change committed in the last 10 ms before a table's first use may thus be
+#: missed, like one committed just after a lookup, before the statements queued behind it run (neither is seen until
+#: the next session).
+CHECK_FRESH_S = 0.01
+#: How many tables one check covers at most (the first used and others still preloaded): with thousands of tables a
+#: check of all would cost more than it saves.
+CHECK_BATCH = 100
+
+#: A stamp of the catalog rows a :class:`LocalTable` is read from (of table ``c`` in namespace ``n``): the
+#: transaction ids that last wrote its pg_class and pg_namespace rows, its columns, indexes, triggers and rules.
+#: Any ALTER of these writes a new row version (a new xmin), or adds or removes one, so a different stamp means
+#: "read it again". It can change without a relevant change (a TRUNCATE rewrites pg_class): only a re-read follows.
+#: ANALYZE and VACUUM update pg_class in place, keeping its xmin.
+STAMP_SQL = (
+    "c.xmin::text || '/' || n.xmin::text || '/' || c.relname || '/' || n.nspname"
+    " || '/' || coalesce((SELECT string_agg(a.attnum::text || ':' || a.xmin::text, ',' ORDER BY a.attnum)"
+    "   FROM pg_catalog.pg_attribute a WHERE a.attrelid = c.oid AND a.attnum > 0), '')"
+    " || '/' || coalesce((SELECT string_agg(x.indexrelid::text || ':' || x.xmin::text, ',' ORDER BY x.indexrelid)"
+    "   FROM pg_catalog.pg_index x WHERE x.indrelid = c.oid), '')"
+    " || '/' || coalesce((SELECT string_agg(g.oid::text || ':' || g.xmin::text, ',' ORDER BY g.oid)"
+    "   FROM pg_catalog.pg_trigger g WHERE g.tgrelid = c.oid), '')"
+    " || '/' || coalesce((SELECT string_agg(r.oid::text || ':' || r.xmin::text, ',' ORDER BY r.oid)"
+    "   FROM pg_catalog.pg_rewrite r WHERE r.ev_class = c.oid), '')"
+)
+
+#: What ``logicalrep_rel_open`` reads about a local table, in one query (``{bulk}``: ``_BULK_OK``, ``{stamp}``:
+#: ``STAMP_SQL``, ``{where}``: which tables): columns in attnum order, the key of GetRelationIdentityOrPK (the
+#: replica identity index when REPLICA IDENTITY USING INDEX, else the primary key), and the stamp. The oid is not
+#: cast to int: oids above 2^31 would come back negative.
+_LOCAL_TABLES = (
+    "SELECT c.oid, n.nspname::text, c.relname::text, c.relkind::text, {bulk},"
+    " cols.names, cols.types, cols.generated, cols.arrays, cols.identity, keys.key, {stamp}"
+    " FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
+    " LEFT JOIN LATERAL (SELECT array_agg(a.attname::text ORDER BY a.attnum) AS names,"
+    "   array_agg(a.atttypid::int ORDER BY a.attnum) AS types, array_agg(a.attgenerated::text ORDER BY a.attnum)"
+    "   AS generated, array_agg(CASE WHEN t.typdelim = ',' THEN t.typarray::int ELSE 0 END ORDER BY a.attnum)"
+    "   AS arrays, array_agg(a.attidentity::text ORDER BY a.attnum) AS identity"
+    "   FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_type t ON t.oid = a.atttypid"
+    "   WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped) cols ON true"
+    " LEFT JOIN LATERAL (SELECT array_agg(a.attname::text ORDER BY k.ord) AS key FROM pg_catalog.pg_index i"
+    "   CROSS JOIN LATERAL unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord)"
+    "   JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum"
+    "   WHERE i.indexrelid = (SELECT i2.indexrelid FROM pg_catalog.pg_index i2 WHERE i2.indrelid = c.oid"
+    "     AND i2.indisvalid AND ((c.relreplident = 'i' AND i2.indisreplident) OR i2.indisprimary)"
+    "     ORDER BY (c.relreplident = 'i' AND i2.indisreplident) DESC LIMIT 1)) keys ON true"
+    " WHERE {where}"
+)
+_BY_NAME = sql.SQL("n.nspname = %s AND c.relname = %s")
+_BY_OIDS = sql.SQL("c.oid = ANY(%s::pg_catalog.oid[])")
+_STAMPS = sql.SQL(
+    "SELECT c.oid, {} FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
+    " WHERE c.oid = ANY(%s::pg_catalog.oid[])"
+).format(sql.SQL(STAMP_SQL))
+
+
+def _local_table(row: Sequence[Any]) -> LocalTable:
+    """A :class:`LocalTable` from a row of ``_LOCAL_TABLES``."""
+    oid, schema, name, relkind, bulk, names, types, generated, arrays, identity, key = row[:11]
+    columns = tuple(
+        LocalColumn(n, t, g or "", a, i or "")
+        for n, t, g, a, i in zip(
+            names or (), types or (), generated or (), arrays or (), identity or (), strict=True
+        )
+    )
+    return LocalTable(int(oid), schema, name, relkind, columns, tuple(key) if key else None, bool(bulk))
+
 
 class Target:
     """The apply session on the target database."""
@@ -89,6 +162,15 @@ class Target:
         #: its tables' LSN there: tablesync.live); called with (end_lsn, ctx)
         self.before_commit: Callable[[int, ErrorContext | None], None] | None = None
         self.binary = binary
+        #: local tables read at the session's start, by (schema, name), with their catalog stamp
+        #: (:meth:`preload_local_tables`); each is used once, by :meth:`load_local_table`
+        self.preloaded: dict[tuple[str, str], tuple[LocalTable, str]] = {}
+        #: the second connection that checks the preloaded tables' stamps; open while some are left
+        self._side: psycopg.Connection[Any] | None = None
+        self._side_until = 0.0  # time.monotonic() when the preloaded tables left are dropped and it is closed
+        #: the preloaded tables (oids) the last check found unchanged, and when (time.monotonic())
+        self._checked: set[int] = set()
+        self._checked_at = 0.0
         self.in_transaction = False
         self._fixed_prepared = False
         # the parts, by what they hold: COPY state, the row-change statements, the catalog statements
@@ -137,6 +219,7 @@ class Target:
         return cls(conn, origin=origin, binary=binary)
 
     def close(self) -> None:
+        self._close_side()
         try:
             if not self.conn.closed:
                 self.conn.close()
@@ -178,6 +261,8 @@ class Target:
         then ends at or before ``insert_lsn``). Returns False (and queues nothing) while a COPY is open."""
         if self.copy.run is not None:
             return False
+        if self._side is not None and time.monotonic() > self._side_until:
+            self._close_side()  # the tables not used by now are read at their first use
 
         def done(res: Any) -> None:
             callback(parse_lsn(res.get_value(0, 0).decode()), parse_lsn(res.get_value(0, 1).decode()))
@@ -192,39 +277,90 @@ class Target:
         return True
 
     def load_local_table(self, schema: str, name: str) -> LocalTable | None:
-        """Read a table's columns and key from the target's catalogs (``logicalrep_rel_open``); None if absent."""
+        """A table's columns and key from the target's catalogs (``logicalrep_rel_open``); None if absent.
+
+        A table preloaded at the session's start (:meth:`preload_local_tables`) is taken from there, once, if its
+        catalog stamp is still the one it was read with (:meth:`_unchanged`); else (a table the preload did not
+        know, a lookup again after a Relation message, a table altered since) it is read now, in one query after
+        draining the pipeline."""
+        found = self.preloaded.get((schema, name))
+        if found is not None:
+            unchanged = self._unchanged(found[0])
+            self.preloaded.pop((schema, name), None)
+            if not self.preloaded:
+                self._close_side()
+            if unchanged:
+                return found[0]
         rows = self.query(
-            sql.SQL(
-                "SELECT c.oid, c.relkind::text, c.relreplident::text, {} FROM pg_catalog.pg_class c"
-                " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s"
-            ).format(_BULK_OK),
+            sql.SQL(_LOCAL_TABLES).format(bulk=_BULK_OK, stamp=sql.SQL(STAMP_SQL), where=_BY_NAME),
             (schema, name),
         )
-        if not rows:
-            return None
-        oid, relkind, replident, bulk = rows[0]
-        cols = self.query(
-            "SELECT a.attname, a.atttypid::int, a.attgenerated::text,"
-            " CASE WHEN t.typdelim = ',' THEN t.typarray::int ELSE 0 END, a.attidentity::text"
-            " FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_type t ON t.oid = a.atttypid"
-            " WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum",
-            (oid,),
+        return _local_table(rows[0]) if rows else None
+
+    def preload_local_tables(self, oids: Sequence[int], conninfo: str) -> int:
+        """Read the local tables ``oids`` (the subscription's) in one query, before streaming starts, so that the
+        first change of each needs no catalog lookup on this session, which drains the pipeline and took 3-8 ms a
+        table (docs/live-replication.md, "The first transactions after a start"). Each is kept with a stamp of its
+        catalog rows (``STAMP_SQL``), checked again at its first use on a second connection (``conninfo``), so
+        that nothing waits here: that is where the native worker would have seen a change, through the relcache
+        invalidation that marks its entry invalid. Returns how many were found; 0 (nothing preloaded) when the
+        second connection cannot be opened."""
+        if not oids:
+            return 0
+        try:
+            name = (self.conn.info.parameter_status("application_name") or "applier") + " catalog check"
+            self._side = psycopg.connect(conninfo, autocommit=True, application_name=name)
+        except psycopg.Error as exc:
+            log.debug("no preloaded tables: %s", exc)
+            return 0
+        self._side_until = time.monotonic() + PRELOAD_KEEP_S
+        rows = self.query(
+            sql.SQL(_LOCAL_TABLES).format(bulk=_BULK_OK, stamp=sql.SQL(STAMP_SQL), where=_BY_OIDS),
+            (list(oids),),
         )
-        # GetRelationIdentityOrPK: the replica identity index when REPLICA IDENTITY USING INDEX, else the PK.
-        key_rows = self.query(
-            "SELECT a.attname FROM pg_catalog.pg_index i"
-            " CROSS JOIN LATERAL unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, ord)"
-            " JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum"
-            " WHERE i.indrelid = %s AND i.indexrelid = ("
-            "   SELECT i2.indexrelid FROM pg_catalog.pg_index i2 WHERE i2.indrelid = %s AND i2.indisvalid"
-            "   AND ((%s = 'i' AND i2.indisreplident) OR i2.indisprimary)"
-            "   ORDER BY (%s = 'i' AND i2.indisreplident) DESC LIMIT 1)"
-            " ORDER BY k.ord",
-            (oid, oid, replident, replident),
-        )
-        key = tuple(r[0] for r in key_rows) or None
-        columns = tuple(LocalColumn(n, t, g or "", a, i or "") for n, t, g, a, i in cols)
-        return LocalTable(int(oid), schema, name, relkind, columns, key, bool(bulk))
+        self.preloaded = {(r[1], r[2]): (_local_table(r), r[-1]) for r in rows}
+        if not self.preloaded:
+            self._close_side()
+            return 0
+        self._check_stamps()  # prepares the check's statement and warms its backend
+        return len(rows)
+
+    def _unchanged(self, table: LocalTable) -> bool:
+        """Whether preloaded ``table`` still has the catalog stamp it was read with: by the last check if it is at
+        most ``CHECK_FRESH_S`` old and covered it, else by a new one (of it and other tables still preloaded)."""
+        if self._side is None:
+            return False
+        if table.oid not in self._checked or time.monotonic() - self._checked_at > CHECK_FRESH_S:
+            self._check_stamps(table.oid)
+        return table.oid in self._checked
+
+    def _check_stamps(self, first: int | None = None) -> None:
+        """Check the stamps of table ``first`` and of other preloaded tables, ``CHECK_BATCH`` in all, in one
+        statement on the second connection (prepared): the unchanged ones go to ``_checked``, the others are no
+        longer preloaded. A failure there only means reading tables again."""
+        stamps = {t.oid: stamp for t, stamp in self.preloaded.values()}
+        oids = ([first] if first in stamps else []) + [o for o in stamps if o != first][: CHECK_BATCH - 1]
+        side = self._side
+        if side is None or not oids:
+            return
+        try:
+            rows = side.execute(_STAMPS, (oids,), prepare=True).fetchall()
+        except psycopg.Error as exc:
+            log.debug("catalog check failed, reading the tables again: %s", exc)
+            self._close_side()
+            return
+        self._checked_at = time.monotonic()
+        self._checked = {oid for oid, stamp in rows if stamps[oid] == stamp}
+        changed = set(oids) - self._checked
+        self.preloaded = {k: v for k, v in self.preloaded.items() if v[0].oid not in changed}
+
+    def _close_side(self) -> None:
+        side, self._side, self.preloaded, self._checked = self._side, None, {}, set()
+        if side is not None:
+            try:
+                side.close()
+            except Exception:  # noqa: BLE001 - closing a broken connection
+                pass
 
     def bulk_tables(self, oids: Sequence[int]) -> set[int]:
         """Which of these tables may still be applied a batch at a time (what ``LocalTable.bulk`` says, read

@@ -259,6 +259,8 @@ class ApplyWorker:
         spool.cleanup()
         start_lsn = target.origin_progress(sub.origin_name)
         target.good_origin_lsn = start_lsn
+        # the local tables, now: the first change of each then needs no lookup that would stall the pipeline
+        target.preload_local_tables(sorted(tables.by_oid), self.target_conninfo)
         held.tracker = tracker = FeedbackTracker(start_lsn)
         two_phase = stream_two_phase(sub.subtwophasestate, tables.table_states())
         held.repl = repl = self._connect_publisher(sub, start_lsn, two_phase)
