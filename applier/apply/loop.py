@@ -36,6 +36,7 @@ from applier.messages import (
     BEGIN_PREPARE_TYPE,
     INSERT_TYPE,
     SPOOLED_TYPES,
+    UPDATE_TYPE,
     XLOG_ENVELOPE,
     PrimaryKeepalive,
     XLogData,
@@ -236,10 +237,12 @@ class ApplyLoop:
         """:meth:`apply_one` as a closure over what it calls (it runs once per message: no attribute lookups)."""
         decoder, decode, handle = self.decoder, self.decoder.decode, self.applier.handle
         insert, spool_raw = self.applier.handle_insert_bytes, self.applier.spool_raw
+        update = self.applier.handle_update_bytes
 
         def apply_one(payload: bytes) -> None:
             """One pgoutput message (``apply_dispatch``): a streamed change is spooled undecoded, an Insert outside
-            a stream goes in from its bytes, anything else is decoded and handled."""
+            a stream goes in from its bytes, an Update too (when the core takes it so), anything else is decoded
+            and handled."""
             if decoder.in_stream:
                 if payload[0] in SPOOLED_TYPES:
                     spool_raw(payload)
@@ -247,7 +250,7 @@ class ApplyLoop:
                     handle(decode(payload), payload)
             elif payload[0] == INSERT_TYPE:
                 insert(payload)
-            else:
+            elif payload[0] != UPDATE_TYPE or not update(payload):
                 handle(decode(payload), payload)
 
         return apply_one
