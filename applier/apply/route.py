@@ -68,9 +68,11 @@ def kinds_of(messages: Sequence[bytes]) -> bytes:
 #: table and column whatever its length: on tpcb-like transactions (four tables, 17 columns) a batch of 10 cost
 #: 230 µs of CPU per transaction in bulk against 80 one by one, 32: 98 against 72, 64: 69 against 62, 100: 41
 #: against 61 (docs/performance.md). Under a live load a round reads a few transactions, and a worker that fell a
-#: little behind reads tens: there bulk apply tripled the CPU per transaction, and so fell further behind. A backlog
-#: is read in batches of hundreds to thousands of transactions, which this does not touch.
-BULK_WORTHWHILE = 100
+#: little behind reads tens: there bulk apply tripled the CPU per transaction, and so fell further behind. Where
+#: the break-even lies depends on the tables: 100 would suit tpcb-like transactions, but apply_bench's backlog of
+#: small update+insert transactions then fell to 0.68-0.84 of native in single runs (0.92-1.17 before; its reads
+#: presumably come in batches of tens where the walsender is the slower side); at 32 it kept its spread (0.81-1.12).
+BULK_WORTHWHILE = 32
 
 
 def bulk_worthwhile(kinds: bytes, min_transactions: int = BULK_WORTHWHILE) -> bool:
