@@ -496,6 +496,23 @@ def decode_plain_insert(buf: bytes) -> tuple[int, TupleData]:
     return relid, new
 
 
+def decode_plain_update(buf: bytes) -> tuple[int, TupleData | None, TupleData]:
+    """An Update outside a stream, as ``(relid, old tuple or None, new tuple)``: what :func:`decode_message` checks
+    and raises, without building the :class:`Update` (the apply loop's path for the usual Update, whose key did
+    not change: no old tuple)."""
+    try:
+        relid, action = _RELID_MARKER(buf, 1)
+    except struct.error:
+        raise _CHANGE_HEAD.truncated(buf, 1, "Update") from None
+    if action != _MARK_NEW:
+        m = _decode_update(buf, False, "")  # an old tuple or key first (or a bad marker, raised there)
+        return m.relid, m.old, m.new
+    new, off = _read_tuple(buf, 6, "Update")
+    if off != len(buf):
+        raise _trailing(buf, off, "Update")
+    return relid, None, new
+
+
 def _decode_update(buf: bytes, in_stream: bool, encoding: str) -> Update:
     xid, relid, action, off = _change_head(buf, in_stream, "Update")
     old_kind: str | None

@@ -347,6 +347,7 @@ XLOG_ENVELOPE = 25
 #: pgoutput message type bytes the apply loop routes on without decoding (the others: :data:`MESSAGE_TYPES`).
 BEGIN_TYPE = ord("B")
 INSERT_TYPE = ord("I")
+UPDATE_TYPE = ord("U")
 BEGIN_PREPARE_TYPE = ord("b")
 STREAM_START_TYPE = ord("S")
 #: The changes a stream chunk spools undecoded, decoded once at replay (Relation, Type and the row changes).

@@ -113,11 +113,15 @@ class FeedbackTracker:
         """
         write = 0
         flush = 0
-        for e in self._entries:
-            # only commits the target has confirmed count as applied: a COMMIT still queued in the pipeline is
-            # not visible yet, and pg_stat_replication.replay_lsn (what wait_for_catchup polls) shows this value
+        # Only commits the target has confirmed count as applied: a COMMIT still queued in the pipeline is not
+        # visible yet, and pg_stat_replication.replay_lsn (what wait_for_catchup polls) shows this value. Entries
+        # are queued in stream order (remote ends ascending), so the newest confirmed one has the highest: looked
+        # for from the newest end, past the few still in flight, rather than over the whole map, which holds a
+        # tenth of a second of commits between two reads of the flush position (160 at 1,600 tps).
+        for e in reversed(self._entries):
             if e.local_end != _UNCONFIRMED and e.local_end != _UNCONFIRMED_2PC:
-                write = max(write, e.remote_end)
+                write = e.remote_end
+                break
         # Release the oldest entries while each is flushed on its own. Not past one that is not: a later
         # entry's record may not even exist (a skipped ROLLBACK PREPARED writes nothing), so it proves nothing
         # about the WAL before it, and an unconfirmed commit before it may still fail.

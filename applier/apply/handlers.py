@@ -48,7 +48,7 @@ from applier.apply.relmap import (
 )
 from applier.apply.skip_clear import SkipClearing, SkipState
 from applier.apply.spool import Spool
-from applier.decoder import decode_message, decode_plain_insert
+from applier.decoder import decode_message, decode_plain_insert, decode_plain_update
 from applier.errors import ProtocolError
 from applier.lsn import format_lsn
 from applier.messages import (
@@ -148,14 +148,12 @@ class Applier(PublicNames):
         self, *, subid: int, subname: str, target: ApplyTarget, tracker: FeedbackTracker, spool: Spool,
         tables: TableStates, skip: SkipState, clear_skip_lsn: Callable[[int, int], bool], encoding: str = "utf-8",
         logger: logging.Logger | None = None, prepared: dict[str, tuple[int, int]] | None = None,
-        group_commit: bool = False, ungrouped_until: int = 0, bulk: bool = False,
-    ) -> None:  # fmt: skip
+        group_commit: bool = False, ungrouped_until: int = 0, bulk: bool = False) -> None:  # fmt: skip
         self.subid, self.subname, self.origin = subid, subname, f"applier_{subid}"
         self.target, self.tracker, self.spool, self.tables = target, tracker, spool, tables
         self.skip, self.encoding, self.log = skip, encoding, logger or log
         self.tx, self.stream, self.stats, self.relmap = RemoteTransaction(), StreamChunk(), ApplyStats(), RelationMap()  # fmt: skip
-        self._ctx_cache: dict[tuple[str, int], ErrorContext] = {}
-        # the strategies
+        self._ctx_cache: dict[tuple[str, int], ErrorContext] = {}  # then the strategies:
         self.commit_policy = CommitPolicy(tracker, enabled=group_commit, ungrouped_until=ungrouped_until)
         self.group = GroupCommit(self, self.commit_policy)
         self.inserts = InsertRuns(target, self.stats, self.tx, self.stream, self.relmap)
@@ -270,10 +268,9 @@ class Applier(PublicNames):
 
     def _spooled(self, subxid: int | None, payload: bytes) -> bool:
         """Inside a stream chunk a change is spooled (``handle_streamed_transaction``), not applied."""
-        if self.stream.xid is None:
-            return False
-        self.spool.write(subxid, payload)
-        return True
+        if spooled := self.stream.xid is not None:
+            self.spool.write(subxid, payload)
+        return spooled
 
     def handle_message(self, m: Message, payload: bytes = b"") -> None:
         """Logical decoding messages are ignored, as by the native worker (we never ask for them)."""
@@ -286,15 +283,13 @@ class Applier(PublicNames):
     # --- relations -------------------------------------------------------------------------------------------
     def handle_relation(self, m: Relation, payload: bytes = b"") -> None:
         """``apply_handle_relation``: replace the map entry; the local table is looked up at first use."""
-        if self._spooled(m.xid, payload):
-            return
-        self.inserts.flush_if(m.relid)
-        self.relmap.describe(m)
+        if not self._spooled(m.xid, payload):
+            self.inserts.flush_if(m.relid)
+            self.relmap.describe(m)
 
     def _entry(self, relid: int, message_type: str) -> RelMapEntry:
         """``logicalrep_rel_open``: the mapped local table of a publisher relation, resolved by name."""
-        entry = self.relmap.entries.get(relid)
-        if entry is not None:
+        if (entry := self.relmap.entries.get(relid)) is not None:
             return entry
         if relid not in self.relmap.relations:
             raise self.protocol_error(message_type, f"no relation map entry for remote relation ID {relid}")
@@ -306,8 +301,7 @@ class Applier(PublicNames):
 
     def _open_change(self, relid: int, message_type: str) -> tuple[RelMapEntry, ErrorContext] | None:
         """The relation and error context of an Update or Delete about to be sent, with a local transaction open,
-        or None when its relation does not take changes now (behaviour 75)."""
-        self.inserts.flush()
+        or None when its relation does not take changes now (behaviour 75). (The open insert run ended before.)"""
         entry = self._entry(relid, message_type)
         if not self.tables.should_apply(entry.local.oid, self.tx.final_lsn):
             return None
@@ -321,10 +315,9 @@ class Applier(PublicNames):
     # --- row changes -----------------------------------------------------------------------------------------
     def handle_insert(self, m: Insert, payload: bytes = b"") -> None:
         """``apply_handle_insert``, into a run of inserts per relation (:mod:`applier.apply.insert_sink`)."""
-        if self._spooled(m.xid, payload) or self.inserts.add(m.relid, m.new) or self.tx.discarding:
-            return
-        self.inserts.flush()
-        self._new_run(m.relid, m.new)
+        if not (self._spooled(m.xid, payload) or self.inserts.add(m.relid, m.new) or self.tx.discarding):
+            self.inserts.flush()
+            self._new_run(m.relid, m.new)
 
     def handle_insert_bytes(self, payload: bytes) -> None:
         """An Insert outside a stream, from its bytes: as :meth:`handle_insert`, with no message object."""
@@ -341,19 +334,26 @@ class Applier(PublicNames):
 
     def handle_update(self, m: Update, payload: bytes = b"") -> None:
         """``apply_handle_update``: by replica identity; no row found is a conflict, not an error."""
-        if self._spooled(m.xid, payload) or self.tx.discarding:
-            return
-        opened = self._open_change(m.relid, "UPDATE")
-        if opened is not None:
-            self.target.update(opened[0], m.old, m.new, opened[1])
+        if not self._spooled(m.xid, payload) and not self.tx.discarding:
+            self._update(m.relid, m.old, m.new)
+
+    def handle_update_bytes(self, payload: bytes) -> bool:
+        """:meth:`handle_update` from the bytes of an Update outside a stream (no message object); False if not."""
+        if applies := self.tx.active and not self.tx.discarding and self.stream.xid is None:
+            self.inserts.flush()  # as handle() does first
+            self._update(*decode_plain_update(payload))
+        return applies
+
+    def _update(self, relid: int, old: TupleData | None, new: TupleData) -> None:
+        if (opened := self._open_change(relid, "UPDATE")) is not None:
+            self.target.update(opened[0], old, new, opened[1])
             self.stats.pending_rows[1] += 1
 
     def handle_delete(self, m: Delete, payload: bytes = b"") -> None:
         """``apply_handle_delete``: by replica identity; no row found is a conflict, not an error."""
         if self._spooled(m.xid, payload) or self.tx.discarding:
             return
-        opened = self._open_change(m.relid, "DELETE")
-        if opened is not None:
+        if (opened := self._open_change(m.relid, "DELETE")) is not None:
             self.target.delete(opened[0], m.old, opened[1])
             self.stats.pending_rows[2] += 1
 

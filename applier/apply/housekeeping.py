@@ -175,16 +175,17 @@ class ApplyHousekeeping:
 
     def housekeeping(self, received: int, reply_requested: bool) -> None:
         s, now = self.s, time.monotonic()
+        applier = s.applier  # its parts read directly (not through its aliases): this runs every round
         self.worker.stats.messages += received
-        if s.applier.group_pending and not s.applier.in_remote_transaction:
-            s.applier.end_group()  # the publisher has nothing more waiting (or a burst ended): commit the group
+        if applier.commit_policy.pending is not None and not applier.tx.active:
+            applier.group.end()  # the publisher has nothing more waiting (or a burst ended): commit the group
         if now - self.last_published >= METRICS_INTERVAL:
             self.last_published = now
             self.worker.publish(s.applier)
         if s.target.pipeline.pending:
             s.target.pipeline.poll()
         self._keep_alive(received, now)
-        if s.applier.idle:
+        if not applier.tx.active and applier.stream.xid is None:  # Applier.idle
             self._idle(received, now)
         self._feedback(reply_requested, now)
 

@@ -36,6 +36,7 @@ from applier.messages import (
     BEGIN_PREPARE_TYPE,
     INSERT_TYPE,
     SPOOLED_TYPES,
+    UPDATE_TYPE,
     XLOG_ENVELOPE,
     PrimaryKeepalive,
     XLogData,
@@ -112,6 +113,9 @@ class ApplyLoop:
         self.sleep = sleep
         self._batch: list[bytes] = []  # XLogData read undecoded, envelope included, handled together
         self._insert = applier.handle_insert_bytes
+        self._tx = (
+            applier.tx
+        )  # the core's remote transaction, read directly each round (not through its alias)
         #: one pgoutput message, as ``apply_dispatch`` (see :meth:`_dispatcher`)
         self.apply_one = self._dispatcher()
 
@@ -160,7 +164,7 @@ class ApplyLoop:
         socket empty: mid-transaction it waits for the rest of the transaction, once per round (``waited``: done
         already), and otherwise the round ends."""
         if n:
-            if waited or not self.applier.in_remote_transaction:
+            if waited or not self._tx.active:
                 return None
             return self.pacer.rest_wait
         wait = self.pacer.wait_for_data(bool(self.tracker.pending), True)
@@ -179,7 +183,7 @@ class ApplyLoop:
         due, so nothing is arriving. Under a steady load of small transactions, one per round, reading on would
         only find the socket empty twice more: two system calls and two passes through the read path each."""
         emptied = refilled and self.source.ran_dry
-        in_transaction = self.applier.in_remote_transaction
+        in_transaction = self._tx.active
         pause = self.pacer.pause_after(len(batch), emptied, in_transaction)
         if pause:
             self.sleep(pause)
@@ -207,12 +211,13 @@ class ApplyLoop:
         kinds = kinds_of(messages)
         if self.two_phase and has_prepares(kinds):
             self._announce_prepares(messages)
-        bulk_ready = applier.bulk_ready if applier.bulk and bulk_worthwhile(kinds) else None
-        lane, apply_one, ONE = applier.copy_lane, self.apply_one, Route.ONE  # noqa: N806 - a local alias
+        bulk = applier.bulk_exec
+        bulk_ready = bulk.ready if bulk.enabled and bulk_worthwhile(kinds) else None
+        lane, apply_one, ONE = applier.inserts.lane, self.apply_one, Route.ONE  # noqa: N806 - a local alias
         batch: Batch | None = None
         i, count = 0, len(messages)
         while i < count:
-            route, j = plan(kinds, i, decoder.in_stream, applier.stream_xid is not None, bulk_ready, lane)
+            route, j = plan(kinds, i, decoder.in_stream, applier.stream.xid is not None, bulk_ready, lane)
             if route is Route.BULK:
                 batch = batch or Batch(messages)
                 j = applier.apply_bulk(batch, i)
@@ -236,10 +241,12 @@ class ApplyLoop:
         """:meth:`apply_one` as a closure over what it calls (it runs once per message: no attribute lookups)."""
         decoder, decode, handle = self.decoder, self.decoder.decode, self.applier.handle
         insert, spool_raw = self.applier.handle_insert_bytes, self.applier.spool_raw
+        update = self.applier.handle_update_bytes
 
         def apply_one(payload: bytes) -> None:
             """One pgoutput message (``apply_dispatch``): a streamed change is spooled undecoded, an Insert outside
-            a stream goes in from its bytes, anything else is decoded and handled."""
+            a stream goes in from its bytes, an Update too (when the core takes it so), anything else is decoded
+            and handled."""
             if decoder.in_stream:
                 if payload[0] in SPOOLED_TYPES:
                     spool_raw(payload)
@@ -247,7 +254,7 @@ class ApplyLoop:
                     handle(decode(payload), payload)
             elif payload[0] == INSERT_TYPE:
                 insert(payload)
-            else:
+            elif payload[0] != UPDATE_TYPE or not update(payload):
                 handle(decode(payload), payload)
 
         return apply_one

@@ -26,7 +26,6 @@ import operator
 import re
 from collections.abc import Callable, Sequence
 
-from applier.apply.bulk import MIN_TRANSACTIONS as BULK_MIN_TRANSACTIONS
 from applier.apply.handlers import VECTOR_MIN
 from applier.messages import (
     BEGIN_PREPARE_TYPE,
@@ -64,8 +63,21 @@ def kinds_of(messages: Sequence[bytes]) -> bytes:
     return bytes(map(_TYPE_BYTE, messages))
 
 
-def bulk_worthwhile(kinds: bytes, min_transactions: int = BULK_MIN_TRANSACTIONS) -> bool:
-    """Whether a batch can hold enough whole transactions for bulk apply to be tried on it at all."""
+#: Bulk apply is tried on a read batch only when it holds at least this many transactions (bulk.MIN_TRANSACTIONS,
+#: 8, still bounds each bulk run within it). Planning a run costs a fixed 1.5-2 ms of small-array numpy work per
+#: table and column whatever its length: on tpcb-like transactions (four tables, 17 columns) a batch of 10 cost
+#: 230 µs of CPU per transaction in bulk against 80 one by one, 32: 98 against 72, 64: 69 against 62, 100: 41
+#: against 61 (docs/performance.md). Under a live load a round reads a few transactions, and a worker that fell a
+#: little behind reads tens: there bulk apply tripled the CPU per transaction, and so fell further behind. Where
+#: the break-even lies depends on the tables: 100 would suit tpcb-like transactions, but apply_bench's backlog of
+#: small update+insert transactions then fell to 0.68-0.84 of native in single runs (0.92-1.17 before; its reads
+#: presumably come in batches of tens where the walsender is the slower side); at 32 it kept its spread (0.81-1.12).
+BULK_WORTHWHILE = 32
+
+
+def bulk_worthwhile(kinds: bytes, min_transactions: int = BULK_WORTHWHILE) -> bool:
+    """Whether a batch holds enough whole transactions for bulk apply to be tried on it at all
+    (:data:`BULK_WORTHWHILE`)."""
     return len(kinds) >= 3 * min_transactions and kinds.count(BEGIN_TYPE) >= min_transactions
 
 

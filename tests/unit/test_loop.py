@@ -15,6 +15,7 @@ from test_applier_core import REL_B, B
 from applier.apply.loop import ApplyLoop
 from applier.apply.pacing import READ_REST_WAIT
 from applier.apply.ports import COPY_THRESHOLD
+from applier.apply.route import BULK_WORTHWHILE
 from applier.encoder import encode_envelope, encode_message
 from applier.messages import (
     Begin,
@@ -214,7 +215,7 @@ def test_with_group_commit_a_short_run_reaches_the_target_in_five_calls_too(tmp_
     assert _sends_within_five(core, [REL_T, *txn(1, 1), *stream]) == {"insert"}
     core = make_core(tmp_path, tables=(B,), group_commit=True, bulk=True)
     first, *bulk_run = ([dataclasses.replace(m, relid=3) if isinstance(m, Insert) else m for m in txn(x, x)]
-                        for x in range(1, 12))  # fmt: skip
+                        for x in range(1, BULK_WORTHWHILE + 3))  # fmt: skip
     bulk_rounds = [REL_B, *first], [m for t in bulk_run for m in t]  # the relation is mapped first
     assert _sends_within_five(core, *bulk_rounds) == {"insert", "bulk_insert"}
     # the second round's first read waits for one message (the round's first look is libpq's buffer only), so

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from applier.apply.handlers import VECTOR_MIN
-from applier.apply.route import Route, bulk_worthwhile, has_prepares, kinds_of, plan
+from applier.apply.route import BULK_WORTHWHILE, Route, bulk_worthwhile, has_prepares, kinds_of, plan
 from applier.messages import SPOOLED_TYPES, XLOG_ENVELOPE
 
 NEVER = None  # bulk apply off, or not worth it for the batch
@@ -91,7 +91,8 @@ def test_batch_helpers() -> None:
     messages = [b"w" + bytes(XLOG_ENVELOPE - 1) + bytes([k]) + b"...." for k in b"BIC"]
     assert kinds_of(messages) == b"BIC"
     assert has_prepares(b"bPK") and not has_prepares(b"b") and not has_prepares(b"BIC")
-    assert bulk_worthwhile(b"BIC" * 40) and not bulk_worthwhile(b"BIC") and not bulk_worthwhile(b"I" * 200)
+    assert bulk_worthwhile(b"BIC" * BULK_WORTHWHILE) and not bulk_worthwhile(b"BIC" * (BULK_WORTHWHILE - 1))
+    assert not bulk_worthwhile(b"I" * 2000)
 
 
 KIND = st.sampled_from(b"BCIUDTRYMSEcAbPKrp")
