@@ -142,7 +142,7 @@ def test_carry_refuses_a_transaction_prepared_before_two_phase_was_on(pair, proc
     proc = start(pair, "mig", log=log)
     procs.append(proc)
     wait_until(lambda: phase(tgt, "mig") == "copy" or proc.poll() is not None, timeout=120, what="phase copy")
-    _prepare(pub, "early", "INSERT INTO acc (v) VALUES (5)")
+    _prepare(pub, "early", "INSERT INTO acc (v) VALUES (5005)")  # no seed row has it
     wait_phase(tgt, "mig", "following", proc, log)
     wait_until(lambda: _two_phase_on(tgt), timeout=60, what="two-phase on")
     if "early" in _prepared(tgt):
@@ -154,7 +154,9 @@ def test_carry_refuses_a_transaction_prepared_before_two_phase_was_on(pair, proc
     )
     assert "the source is unfenced" in res.stderr
     pub.execute("COMMIT PREPARED 'early'")
-    wait_until(lambda: tgt.scalar("SELECT count(*) FROM acc WHERE v = 5") == 1, timeout=60, what="committed")
+    wait_until(
+        lambda: tgt.scalar("SELECT count(*) FROM acc WHERE v = 5005") == 1, timeout=60, what="committed"
+    )
     res = migrate(tgt, "cutover", "mig", "--prepared", "carry", "--timeout", "60")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "nothing to carry" in res.stdout
