@@ -185,6 +185,17 @@ def test_skip_lsn_of_a_prepared_transaction_prepares_it_empty(pair):
         w.stop()
 
 
+def _apply_session(pair: Any) -> tuple[Any, str, int, Any]:
+    """Table ``t`` on both sides, a subscription with two-phase enabled, and an apply session (``Target``) on its
+    origin, for the tests that drive the 2PC statements directly: (subscription, origin, subid, target)."""
+    from applier.apply.target import Target
+
+    both(pair, "CREATE TABLE t (id int PRIMARY KEY)")
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"], two_phase_state="e")
+    origin, subid = s.sub.origin_name, s.sub.subid
+    return s, origin, subid, Target.connect(pair.target.dsn, origin=origin)
+
+
 def _record_and_prepare(target: Any, origin: str, subid: int, n: int, lsn: int,
                         on_prepared: Callable[[Any], None]) -> tuple[Any, str]:  # fmt: skip
     """Queue what the apply session sends for remote prepared transaction ``n`` (finish LSN ``lsn``): its record,
@@ -207,12 +218,8 @@ def test_target_two_phase_statements_share_pipeline_segments(pair):
     session; and a failing COMMIT PREPARED still reports its own context (remote xid, finish LSN) once the segment
     is read, with nothing after it applied."""
     from applier.apply.context import ApplyError, ErrorContext
-    from applier.apply.target import Target
 
-    both(pair, "CREATE TABLE t (id int PRIMARY KEY)")
-    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"], two_phase_state="e")
-    origin, subid = s.sub.origin_name, s.sub.subid
-    target = Target.connect(pair.target.dsn, origin=origin)
+    s, origin, subid, target = _apply_session(pair)
     done: list[int] = []
     try:
         for n, lsn in ((1, 0x1000), (2, 0x2000), (3, 0x3000)):
@@ -256,12 +263,8 @@ def test_prepare_and_commit_prepared_reach_the_target_without_a_poll(pair):
     the results then arrive in order. COMMIT and ROLLBACK PREPARED record their origin progress (set in an empty
     transaction just before them, in the same pipeline segment)."""
     from applier.apply.context import ApplyError
-    from applier.apply.target import Target
 
-    both(pair, "CREATE TABLE t (id int PRIMARY KEY)")
-    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"], two_phase_state="e")
-    origin, subid = s.sub.origin_name, s.sub.subid
-    target = Target.connect(pair.target.dsn, origin=origin)
+    s, origin, subid, target = _apply_session(pair)
     done: list[int] = []
     try:
         ctx, gid = _record_and_prepare(target, origin, subid, 1, 0x1000, lambda _r: done.append(1))
@@ -295,12 +298,8 @@ def test_records_of_several_prepared_transactions_are_written_in_one_statement(p
     record as ``record_prepared`` writes it, and a record already there (a transaction prepared again after a
     crash) replaced."""
     from applier.apply.context import ErrorContext
-    from applier.apply.target import Target
 
-    both(pair, "CREATE TABLE t (id int PRIMARY KEY)")
-    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"], two_phase_state="e")
-    origin, subid = s.sub.origin_name, s.sub.subid
-    target = Target.connect(pair.target.dsn, origin=origin)
+    s, origin, subid, target = _apply_session(pair)
     try:
         ctx = ErrorContext(origin, "BEGIN PREPARE", None, 1, 0x1000)
         target.record_prepared(f"pg_gid_{subid}_2", subid, 2, 0x10, 0x18, 5, ctx)  # an old record of xid 2
@@ -326,12 +325,8 @@ def test_records_of_finished_prepared_transactions_are_removed_in_pipeline_order
     removal is queued, a record of a transaction still prepared is kept (behaviour 65: ROLLBACK PREPARED after a
     restart needs it), and only the records of finished ones go. Another session's work is left alone."""
     from applier.apply.context import ErrorContext
-    from applier.apply.target import Target
 
-    both(pair, "CREATE TABLE t (id int PRIMARY KEY)")
-    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"], two_phase_state="e")
-    origin, subid = s.sub.origin_name, s.sub.subid
-    target = Target.connect(pair.target.dsn, origin=origin)
+    s, origin, subid, target = _apply_session(pair)
     try:
         for n, lsn in ((1, 0x1000), (2, 0x2000), (3, 0x3000)):
             ctx, gid = _record_and_prepare(target, origin, subid, n, lsn, lambda _r: None)
