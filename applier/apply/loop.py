@@ -113,9 +113,8 @@ class ApplyLoop:
         self.sleep = sleep
         self._batch: list[bytes] = []  # XLogData read undecoded, envelope included, handled together
         self._insert = applier.handle_insert_bytes
-        self._tx = (
-            applier.tx
-        )  # the core's remote transaction, read directly each round (not through its alias)
+        # the core's remote transaction, read directly each round (not through its alias)
+        self._tx = applier.tx
         #: one pgoutput message, as ``apply_dispatch`` (see :meth:`_dispatcher`)
         self.apply_one = self._dispatcher()
 
