@@ -396,10 +396,11 @@ class ApplyWorker:
                 except Exception as exc:  # noqa: BLE001 - a live figure: never worth failing the apply for
                     self.log.debug("could not record the apply lag: %s", exc)
 
-    def bulk_tables(self, oids: list[int]) -> set[int]:
-        """``Target.bulk_tables`` on the catalog's connection: the same committed catalog state, without draining
-        the apply session's pipeline (which, under a steady load, would stall it once a second)."""
-        with self.catalog.engine.connect() as c:
+    def bulk_tables(self, oids: list[int], conn: sqlalchemy.Connection | None = None) -> set[int]:
+        """``Target.bulk_tables`` on the catalog's connection (``conn``, or one of its own): the same committed
+        catalog state, without draining the apply session's pipeline (which, under a steady load, would stall it
+        once a second)."""
+        with contextlib.nullcontext(conn) if conn is not None else self.catalog.engine.connect() as c:
             rows = c.execute(
                 sqlalchemy.text(
                     "SELECT c.oid FROM pg_catalog.pg_class c WHERE c.oid = ANY(CAST(:oids AS pg_catalog.oid[]))"  # noqa: S608 - constant SQL of ours

@@ -476,14 +476,14 @@ class Catalog:
             )
 
     # apply lag -------------------------------------------------------------------------------------------------
-    def record_lag(self, subid: int, figures: dict[str, Any]) -> None:
+    def record_lag(self, subid: int, figures: dict[str, Any], conn: sa.Connection | None = None) -> None:
         """Upsert the subscription's recent apply lag (``last_s``, ``last_kind``, ``p50_s``, ``p99_s``, ``max_s``,
         ``samples``, ``window_s``): its own short transaction, not waited for on disk (an unlogged table)."""
         stmt = pg.insert(apply_lag).values(subid=subid, updated_at=sa.func.now(), **figures)
         stmt = stmt.on_conflict_do_update(
             index_elements=[apply_lag.c.subid], set_={"updated_at": sa.func.now(), **figures}
         )
-        with self.engine.begin() as c:
+        with self._conn(conn) as c:
             c.execute(stmt)
 
     def lag(self, subid: int, conn: sa.Connection | None = None) -> dict[str, Any] | None:
