@@ -61,6 +61,11 @@ __all__ = ["WorkerOutcome", "configure_logging", "run", "worker_main"]
 #: How often a worker checks that its lock's session is still alive (it dies with a target restart).
 LOCK_CHECK_INTERVAL = 5.0
 
+#: The worker process's GIL hand-off (CPython's default is 5 ms): the apply loop sleeps in ``poll`` and must get the
+#: interpreter back at once when a change arrives, not after a helper thread (the catalog watch, the lock watchdog)
+#: ran its Python for up to 5 ms; that wait showed as a millisecond-scale tail in the live lag (bench/live_bench.py).
+SWITCH_INTERVAL_S = 0.0005
+
 #: How long ``run`` waits for a target that is down or still starting before it gives up (``--wait-target``).
 WAIT_TARGET = 60.0
 
@@ -348,6 +353,7 @@ def worker_main(target: str, subname: str, report: multiprocessing.connection.Co
                 log_level: int, wait_target: float = WAIT_TARGET) -> None:  # fmt: skip
     """Entry point of a worker process (spawned: it imports everything afresh)."""
     configure_logging(target, log_level)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     stop = threading.Event()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
