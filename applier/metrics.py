@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from applier.apply.lag import HistogramDelta
 from applier.lsn import parse_lsn
 from state.tables import SyncState
 from state.twophase import TwoPhaseState
@@ -72,6 +73,9 @@ FOLDED = Counter(
     ["subscription"],
 )
 
+#: the apply-lag histogram's bucket bounds (seconds); the worker counts its samples into these (applier.apply.lag)
+APPLY_LAG_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                    300.0)  # fmt: skip
 APPLY_LAG = Histogram(
     "applier_apply_lag_seconds",
     "Apply lag: from the publisher's commit (or prepare) timestamp in the message to the local commit (or prepare) "
@@ -79,8 +83,24 @@ APPLY_LAG = Histogram(
     "commit, one observation per local commit, for its last remote transaction. Includes any clock difference "
     "between the two hosts.",
     ["subscription", "kind"],
-    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0),
+    buckets=APPLY_LAG_BOUNDS,
 )
+
+
+def observe_counts(child: Any, delta: HistogramDelta) -> None:
+    """``Histogram.observe`` for every sample counted in ``delta``, done once per bucket: observing each sample
+    (thousands a second at high rates, each walking the bounds, in multi-process mode each writing a memory-mapped
+    file) stalled the apply loop for milliseconds once a second. This uses what ``observe`` itself updates, the
+    child's non-cumulative bucket values (``_buckets``) and its sum (``_sum``), both with ``inc(amount)`` in either
+    mode; ``tests/unit/test_metrics_lag.py`` compares the result with ``observe`` per sample, so a
+    ``prometheus_client`` that stores them otherwise fails there rather than counting wrong."""
+    buckets = child._buckets  # noqa: SLF001 - see the docstring
+    if len(buckets) != len(delta.counts):
+        raise ValueError(f"histogram has {len(buckets)} buckets, the counts {len(delta.counts)}")
+    child._sum.inc(delta.total)  # noqa: SLF001
+    for bucket, count in zip(buckets, delta.counts, strict=True):
+        if count:
+            bucket.inc(count)
 
 
 class WorkerMetrics:
@@ -117,14 +137,10 @@ class WorkerMetrics:
                 one.labels(self.subscription).inc(total - seen)
                 self._seen[(family, "")] = total
 
-    def observe_lag(self, samples: Sequence[tuple[str, float]]) -> None:
-        """Apply lag samples (kind, seconds) taken since the last call, into the histogram."""
-        children: dict[str, Any] = {}
-        for kind, seconds in samples:
-            child = children.get(kind)
-            if child is None:
-                child = children[kind] = APPLY_LAG.labels(self.subscription, kind)
-            child.observe(seconds)
+    def observe_lag(self, new: Mapping[str, HistogramDelta]) -> None:
+        """Apply lag samples taken since the last call (counted per bucket, by kind), into the histogram."""
+        for kind, delta in new.items():
+            observe_counts(APPLY_LAG.labels(self.subscription, kind), delta)
 
     def session_ended(self) -> None:
         """The next session's totals start from zero again."""

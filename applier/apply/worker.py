@@ -56,7 +56,7 @@ from applier.apply.target import BULK_OK_SQL, Target, TargetConnectionError
 from applier.catalog.store import Catalog, Subscription
 from applier.errors import ApplierError, ProtocolError
 from applier.lsn import format_lsn
-from applier.metrics import WorkerMetrics
+from applier.metrics import APPLY_LAG_BOUNDS, WorkerMetrics
 from applier.replication import ReplicationConnection, ReplicationConnectionError, StreamOptions
 from applier.retry import RETRY_INITIAL, max_retry_interval_default
 from state.twophase import TwoPhaseState, stream_two_phase
@@ -153,7 +153,7 @@ class ApplyWorker:
         self.stats = WorkerStats()
         self.metrics = WorkerMetrics(subname)
         #: apply lag samples (applier.apply.lag), kept across sessions; summarised into the catalog for status
-        self.lag = LagWindow()
+        self.lag = LagWindow(histogram_bounds=APPLY_LAG_BOUNDS)
         self._lag_written = 0  # LagWindow.added when the summary was last written
         self._lag_written_at = 0.0
         self._lag_table: bool | None = None  # whether the catalog has applier.apply_lag (version 3)

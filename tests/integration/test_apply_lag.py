@@ -36,13 +36,14 @@ def test_lag_window_summarises_the_recent_samples() -> None:
     # the window keeps what was confirmed within 10 s of 1199: i = 89..99 (lags 0.90..1.00) and the prepare (0)
     assert s.samples == 12
     assert s.max_s == pytest.approx(1.0)
-    assert s.p50_s == pytest.approx(0.94)
-    assert s.p99_s == pytest.approx(1.0)
+    assert s.p50_s == pytest.approx(0.94, rel=0.012)  # counted in buckets: within 1.1 % (applier.apply.lag)
+    assert s.p99_s == pytest.approx(1.0, rel=0.012)
     # idle for longer than the window: the last sample alone remains
     idle = w.summary(5000.0)
     assert idle is not None and idle.samples == 1 and idle.p99_s == 0.0
-    assert [k for k, _ in w.take_new()].count("commit") == 100
-    assert w.take_new() == []
+    new = w.take_new()
+    assert new["commit"].samples == 100 and new["prepare"].samples == 1
+    assert w.take_new() == {}
     assert pg_time_to_unix(0) == PG_EPOCH_UNIX
     assert nearest_rank([1.0, 2.0, 3.0], 99) == 3.0 and nearest_rank([1.0, 2.0, 3.0, 4.0], 50) == 2.0
 
