@@ -71,6 +71,13 @@ bounded *and* pgbench delivered at least 90 % of the rate (else the publisher, n
 Rates are stepped up per workload (``--rates``), then doubled further (unless ``--no-step-up``) until a side's lag is
 unbounded or the publisher cannot deliver the rate.
 
+How long a run lasts
+--------------------
+60 s of load by default (``--duration``). Runs of 15 s (runs 7 and 8) hid a worker's steady state: what grows
+with the time a worker has run, such as the apply-lag window of the last minute (whose summary once sorted every
+sample in it, every 2 s: a stall that grew to 7-17 ms after 45 s at 1,600 tps) or a full garbage collection, does
+not show in 15 s, and the start of the load weighs more in every percentile.
+
 Workloads
 ---------
 * ``tpcb``: pgbench's builtin ``tpcb-like`` script.
@@ -87,7 +94,7 @@ our backend, walwriter, checkpointer, the bench's poller and listener backends â
 peak RSS (``VmHWM``) of our worker process and of the native apply worker.
 
     .venv/bin/python bench/live_bench.py --quick          # ~3 minutes
-    .venv/bin/python bench/live_bench.py                  # ~15 minutes on 2 cores, writes bench/live-lag.svg
+    .venv/bin/python bench/live_bench.py                  # ~35 minutes on 2 cores, writes bench/live-lag.svg
     .venv/bin/python bench/live_bench.py --workloads 2pc --rates 2pc=50,100 --duration 30
     .venv/bin/python bench/live_bench.py --render bench/out/live_bench.json   # report and chart of a saved run
     .venv/bin/python bench/live_bench.py --workloads 2pc --rates 2pc=400 --no-step-up --trace-dir bench/out/trace
@@ -1064,7 +1071,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="only the given rates; by default (not with --quick) the rate is then doubled while a "
                     "side's lag stays bounded and pgbench delivers it (at most --max-rate)")  # fmt: skip
     ap.add_argument("--max-rate", type=int, default=6400)
-    ap.add_argument("--duration", type=float, help="seconds of load per run (default 20, --quick 8)")
+    ap.add_argument("--duration", type=float, help="seconds of load per run (default 60: a steady state, see the "
+                    "module docstring; --quick 8)")  # fmt: skip
     ap.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to wait for the last marker")
     ap.add_argument("--prepare-poll-ms", type=float, default=PREPARE_POLL_S * 1000,
                     help="interval of the target's pg_prepared_xacts poll (two-phase); the stamp lag does not "
@@ -1100,7 +1108,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.error(f"--rates: unknown workload {key!r}")
         args.rate_map[key] = tuple(int(v) for v in values.split(",") if v)
     args.step_up = not (args.no_step_up or args.quick)
-    args.duration = args.duration or (8.0 if args.quick else 20.0)
+    args.duration = args.duration or (8.0 if args.quick else 60.0)
     args.chart = (args.chart or (OUT_DIR / "live-lag.svg" if args.quick else CHART)).resolve()
     args.json = args.json.resolve()
     return args
