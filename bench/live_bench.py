@@ -105,6 +105,7 @@ The chart needs matplotlib: ``pip install -e '.[bench]'`` (or ``pip install matp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -635,17 +636,26 @@ def _is_cli(command: str) -> bool:
     return "applier.cli" in command and "py-spy" not in command and not command.startswith("strace")
 
 
-def _stop_ours(proc: subprocess.Popen[bytes]) -> None:
+def _stop_ours(proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
     """SIGTERM to ``applier run`` (under py-spy or strace: to the CLI below it, so that the wrapper writes its
     profile or counts)."""
     if proc.poll() is not None:
         return
-    cli = next((p for p in _tree(proc.pid) if _is_cli(cmdline(p))), proc.pid)
+    tree = _tree(proc.pid)
+    cli = next((p for p in tree if _is_cli(cmdline(p))), proc.pid)
     os.kill(cli, signal.SIGTERM)
     try:
-        proc.wait(60)
+        proc.wait(timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        # every process of the tree as it was, not only the wrapper: killing py-spy alone once left the worker
+        # running into the next run
+        print(
+            f"  applier run did not stop within {timeout:g} s of SIGTERM: killing {len(tree)} processes",
+            file=sys.stderr,
+        )
+        for pid in reversed(tree):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         proc.wait(10)
 
 

@@ -3,8 +3,10 @@ run of JSON version 1 (lags polled every 10 ms, none of version 2's fields) stil
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,3 +41,46 @@ def test_a_version_1_run_renders_as_polled() -> None:
     assert "7.0 / 16.0 / 30.0" in out
     assert "Commit lag: poll 10 ms." in out and "Prepare lag seen by: poll 10 ms." in out
     assert "Prepare poll cost" not in out
+
+
+def test_an_applier_run_that_ignores_sigterm_is_killed_whole(tmp_path: Path) -> None:
+    """A wrapper (py-spy, strace) whose ``applier run`` below it does not stop: every process of the tree goes,
+    not only the wrapper (killing py-spy alone once left the worker running into the next run)."""
+    import os
+    import subprocess
+
+    pids = tmp_path / "pids"
+    child = "import time; time.sleep(600)"
+    cli = (  # stands in for `python -m applier.cli ... run`: ignores SIGTERM, has a worker below it
+        "import os, signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
+        f"w = subprocess.Popen([sys.executable, '-c', {child!r}]);"
+        f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{w.pid}}'); time.sleep(600)"
+    )
+    # the wrapper's own command line must not name applier.cli (py-spy's does not: _is_cli leaves it out)
+    wrapper = subprocess.Popen(
+        [sys.executable, "-c", "import os, subprocess, sys; subprocess.run([sys.executable, '-c', os.environ['CLI'], "
+         "'applier' + '.cli'])"], env={**os.environ, "CLI": cli},
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not (pids.exists() and len(pids.read_text().split()) == 2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    below = [int(p) for p in pids.read_text().split()]
+    lb._stop_ours(wrapper, timeout=0.5)  # noqa: SLF001
+    assert wrapper.poll() is not None
+    deadline = time.monotonic() + 10
+    alive = below
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in below if _running(p)]
+        time.sleep(0.05)
+    assert alive == [], f"left running: {alive}"
+    for p in below:  # reap what is ours to reap (the test process is their grandparent: nothing to do)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(p, os.WNOHANG)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
