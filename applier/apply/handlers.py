@@ -96,9 +96,9 @@ RAW_SPOOL_TYPES = frozenset(b"RYIUDTM")
 _KEEP_GROUP = frozenset(
     (Begin, Commit, Origin, Relation, Type, Insert, Update, Delete, Truncate, Message, BeginPrepare)
 )
-#: Messages whose handler ends the open insert run: :meth:`Applier.handle` flushes it before dispatching them (their
-#: handlers flush too, for the spool's replay); a COMMIT only without group commit: one that joins a group keeps the
-#: run open for the next transaction's inserts (whether it may join is not asked twice: the commit path flushes then)
+#: Messages whose handler ends the open insert run: :meth:`Applier.handle` flushes it before dispatching them, and so
+#: does the spool's replay (:meth:`Applier._replay`); a COMMIT only without group commit: one that joins a group keeps
+#: the run open for the next transaction's inserts (whether it may join is not asked twice: the commit path flushes)
 _ENDS_RUN = frozenset((Update, Delete, Truncate, StreamStart, Commit))
 
 
@@ -497,19 +497,13 @@ class Applier(PublicNames):
             self.stats.kinds["stream_abort"] += 1
 
     def _replay(self, xid: int, final_lsn: int, message_type: str) -> None:
-        """``apply_spooled_messages``: run the spooled changes through the normal handlers (stretches of Inserts
-        into an open COPY converted at once)."""
+        """``apply_spooled_messages``: the spooled changes through the handlers (Insert stretches into a COPY)."""
         self._start_remote(xid, final_lsn, message_type)
         for buffer, starts, ends in self.spool.replay_batches(xid):
             at, to = starts.tolist(), ends.tolist()
 
             def one(i: int, buffer: bytes = buffer, at: list[int] = at, to: list[int] = to) -> None:
-                payload = buffer[at[i] : to[i]]
-                msg = decode_message(payload, in_stream=True, encoding=self.encoding)
-                if not isinstance(msg, _SPOOLED):
-                    text = f"unexpected {MESSAGE_NAMES[msg.__class__]} in spool of {xid}"
-                    raise self.protocol_error(message_type, text)
-                self._dispatch[msg.__class__](msg, payload)
+                _replay_one(self, buffer[at[i] : to[i]], xid, message_type)
 
             self.handle_insert_run(InsertRun(buffer, starts, ends, 0, 5), 0, len(at), one)
 
@@ -541,3 +535,16 @@ class Applier(PublicNames):
         for part in (self.relmap, self.folding, self.inserts, self.commit_policy, self.records):
             part.reset()
         self._ctx_cache.clear()
+
+
+def _replay_one(core: Applier, payload: bytes, xid: int, message_type: str) -> None:
+    """One spooled message of a replay (:meth:`Applier._replay`), through its handler as :meth:`Applier.handle`
+    would send it: a message that ends the open insert run flushes it first, so that an Update or Delete goes after
+    the Inserts before it (the handlers do not: on the live path ``handle`` has done it)."""
+    msg = decode_message(payload, in_stream=True, encoding=core.encoding)
+    cls = msg.__class__
+    if not isinstance(msg, _SPOOLED):
+        raise core.protocol_error(message_type, f"unexpected {MESSAGE_NAMES[cls]} in spool of {xid}")
+    if cls in _ENDS_RUN:
+        core.inserts.flush()
+    core._dispatch[cls](msg, payload)  # noqa: SLF001 - the core's own dispatch table, for its replay
