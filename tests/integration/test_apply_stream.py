@@ -72,6 +72,33 @@ def test_streamed_commit_with_rolled_back_subtransaction_and_abort(streaming_pai
         w.stop()
 
 
+def test_a_streamed_transaction_updates_and_deletes_rows_it_inserted(streaming_pair, tmp_path):
+    """Rows inserted, then updated or deleted, in one streamed transaction: the replay sends each Update/Delete
+    after the Inserts before it (the few inserted rows of ``small`` wait in the insert run until something ends it;
+    the Delete once went out first and missed its row)."""
+    pair = streaming_pair
+    s = setup_subscription(
+        pair.publisher, pair.target, pair.name, ["public.t", "public.small"], streaming="on"
+    )
+    w = s.start(spool_dir=tmp_path)
+    try:
+        with pair.publisher.connect() as big:
+            big.execute("BEGIN")
+            big.execute("INSERT INTO t SELECT g, repeat('x', 100) FROM generate_series(1, 3000) g")
+            big.execute("INSERT INTO small VALUES (1), (2), (3)")
+            big.execute("DELETE FROM small WHERE id = 2")
+            big.execute("UPDATE small SET id = 10 WHERE id = 3")
+            big.execute("INSERT INTO t VALUES (5000, 'last')")
+            big.execute("DELETE FROM t WHERE id = 5000")
+            wait_until(lambda: stream_txns(pair) >= 1, timeout=30, what="the transaction to stream")
+            big.execute("COMMIT")
+        wait_for_catchup(pair.publisher, pair.name, timeout=60)
+        assert [r[0] for r in pair.target.query("SELECT id FROM small ORDER BY id")] == [1, 10]
+        assert_tables_equal(pair.publisher, pair.target, "public.t", "public.small")
+    finally:
+        w.stop()
+
+
 def test_streamed_prepare_then_commit_and_rollback_prepared(streaming_pair, tmp_path):
     pair = streaming_pair
     s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"], streaming="on",
