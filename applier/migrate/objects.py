@@ -89,7 +89,8 @@ ORDER BY e.oid
 EVENT_TRIGGER_ORD = 20_000
 
 _EVENT_STATE = {"A": "ENABLE ALWAYS", "R": "ENABLE REPLICA", "D": "DISABLE"}
-# comments on the other post-data objects: indexes (not a constraint's), constraints made after the copy, triggers
+# comments on the other post-data objects: indexes (not a constraint's), constraints made after the copy (a
+# partition's copy of its parent's key or exclusion constraint too: postdata builds those), triggers
 _COMMENTS = """
 SELECT 'INDEX', x.indrelid::regclass::text, format('%%I.%%I', n.nspname, i.relname), NULL,
        obj_description(i.oid, 'pg_class')
@@ -99,7 +100,8 @@ WHERE x.indrelid = ANY(%s::oid[]) AND obj_description(i.oid, 'pg_class') IS NOT 
 UNION ALL
 SELECT 'CONSTRAINT', k.conrelid::regclass::text, k.conname, k.contype::text, obj_description(k.oid, 'pg_constraint')
 FROM pg_constraint k WHERE k.conrelid = ANY(%s::oid[]) AND obj_description(k.oid, 'pg_constraint') IS NOT NULL
-  AND (k.contype IN ('p', 'u', 'x', 'f') OR (k.contype = 'c' AND NOT k.convalidated)) AND k.conparentid = 0
+  AND (k.contype IN ('p', 'u', 'x', 'f') OR (k.contype = 'c' AND NOT k.convalidated))
+  AND (k.conparentid = 0 OR k.contype IN ('p', 'u', 'x'))
 UNION ALL
 SELECT 'TRIGGER', t.tgrelid::regclass::text, t.tgname, NULL, obj_description(t.oid, 'pg_trigger')
 FROM pg_trigger t WHERE t.tgrelid = ANY(%s::oid[]) AND NOT t.tgisinternal AND t.tgparentid = 0
