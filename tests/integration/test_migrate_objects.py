@@ -1,7 +1,7 @@
 """``applier migrate`` against real servers, for what the change stream does not carry by itself: large objects
 (copied at the snapshot, changes re-copied at the cutover), partitioned tables (range and list: leaves copied and
 followed as tables, the parents' keys, indexes, exclusion constraints and foreign keys as post-data), materialized
-views (refreshed after post-data and at the cutover), ``status``'s
+views (refreshed after post-data and at the cutover; their indexes' ``CLUSTER ON`` and comments), ``status``'s
 cutover estimate; and ``kill -9`` in the schema phase and while following with prepared transactions open."""
 
 from __future__ import annotations
@@ -86,6 +86,55 @@ def test_large_objects_and_materialized_views_are_equal_after_the_cutover(pair, 
     )
     assert tgt.scalar("SELECT total FROM grp_total") == pub.scalar("SELECT count(*) FROM item") == 7
     assert tgt.scalar("SELECT relispopulated FROM pg_class WHERE relname = 'never'") is False
+
+
+SALES = """
+CREATE TABLE sale (id int PRIMARY KEY, shop text NOT NULL, amount numeric NOT NULL);
+INSERT INTO sale SELECT g, 'shop' || g % 4, g FROM generate_series(1, 200) g;
+CREATE MATERIALIZED VIEW shop_total AS SELECT shop, sum(amount) AS total, count(*) AS n FROM sale GROUP BY shop;
+CREATE UNIQUE INDEX shop_total_shop ON shop_total (shop);
+CREATE INDEX "Shop total by n" ON shop_total (n, total);
+ALTER MATERIALIZED VIEW shop_total CLUSTER ON "Shop total by n";
+COMMENT ON INDEX shop_total_shop IS 'one row per shop';
+COMMENT ON INDEX "Shop total by n" IS 'the view''s rows in n order';
+"""
+
+# a materialized view's indexes: which one is clustered, their comments
+SHOP_INDEXES = """
+SELECT c.relname, x.indisclustered, obj_description(x.indexrelid, 'pg_class')
+FROM pg_index x JOIN pg_class c ON c.oid = x.indexrelid WHERE x.indrelid = 'public.shop_total'::regclass ORDER BY 1
+"""
+
+
+def test_a_materialized_views_indexes_keep_their_cluster_on_and_comments(pair, procs, tmp_path) -> None:  # noqa: F811
+    """pg_dump restores ``ALTER MATERIALIZED VIEW … CLUSTER ON`` and ``COMMENT ON INDEX`` for a view's indexes: made
+    after the step that builds them, and kept through the cutover's refresh."""
+    pub, tgt = pair.publisher, pair.target
+    pub.execute(SALES)
+    source = pub.query(SHOP_INDEXES)
+    assert source == [
+        ("Shop total by n", True, "the view's rows in n order"),
+        ("shop_total_shop", False, "one row per shop"),
+    ]
+    log = tmp_path / "start.log"
+    proc = start(pair, "mig", log=log)
+    procs.append(proc)
+    wait_phase(tgt, "mig", "following", proc, log)
+    assert tgt.query(SHOP_INDEXES) == source
+    assert tgt.query("SELECT kind, count(*) FROM applier.migration_step WHERE name = 'mig' AND done"
+                     " AND kind IN ('matview', 'cluster', 'comment') GROUP BY 1 ORDER BY 1") == [  # fmt: skip
+        ("cluster", 1), ("comment", 2), ("matview", 1)
+    ]  # fmt: skip
+    pub.execute("INSERT INTO sale VALUES (201, 'shop9', 1)")
+    res = migrate(tgt, "cutover", "mig", "--timeout", "90")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "materialized views: 1 refreshed" in res.stdout
+    assert exit_status(proc, log) == 0, log.read_text()
+    assert tgt.query(SHOP_INDEXES) == source
+    assert tgt.query("SELECT * FROM shop_total ORDER BY shop") == pub.query(
+        "SELECT shop, sum(amount), count(*) FROM sale GROUP BY shop ORDER BY shop"
+    )
+    assert schema_dump(tgt) == schema_dump(pub)
 
 
 PARTITIONED = """
