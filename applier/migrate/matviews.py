@@ -5,7 +5,8 @@ Two post-data steps, read from the source inside the migration's snapshot (:func
 - ``matview``: once every migrated table is copied, ``REFRESH MATERIALIZED VIEW`` of each view populated on the
   source (an unpopulated one stays unpopulated, as on the source), in creation order (a view over another view
   comes after it), then the views' indexes (pg_dump's post-data; :mod:`applier.migrate.postdata` builds only the
-  tables'). One transaction with its done mark, like every step: a kill redoes it whole or not at all.
+  tables'). One transaction with its done mark, like every step: a kill redoes it whole or not at all. The ``CLUSTER
+  ON`` of a view's index and the comments on its indexes are :mod:`applier.migrate.objects`' steps after this one.
 - ``cutover_refresh``: the same refreshes again at the cutover, under the fence and before the verification, so the
   views hold what the source's last rows give. This costs write downtime: each view's query runs once on the
   target (``applier migrate plan`` lists the views; a big one is cheaper refreshed after the cutover by hand).
@@ -21,7 +22,11 @@ from psycopg import sql
 
 from applier.migrate.postdata import Step
 
-__all__ = ["refresh_at_cutover", "steps"]
+__all__ = ["STEP", "refresh_at_cutover", "steps"]
+
+#: The name of the step that refreshes the views and builds their indexes: the ``CLUSTER ON`` of a view's index
+#: and the comments on its indexes (:mod:`applier.migrate.objects`) come after it.
+STEP = "matview refresh"
 
 _MATVIEWS = """
 SELECT c.oid, format('%%I.%%I', n.nspname, c.relname), c.relispopulated
@@ -50,7 +55,7 @@ def steps(
             ([oid for oid, _, _ in views],),
         )
     ]
-    out = [Step("matview refresh", "matview", tuple(tables), (), (*refresh, *indexes), first)]
+    out = [Step(STEP, "matview", tuple(tables), (), (*refresh, *indexes), first)]
     if refresh:
         out.append(Step("cutover_refresh matviews", "cutover_refresh", (), (), tuple(refresh), first + 1))
     return out

@@ -5,7 +5,8 @@ constraints and triggers of :mod:`applier.migrate.postdata`: ``RULE`` (with ``AL
 RULE`` or ``DISABLE RULE``), ``ROW SECURITY`` (``ALTER TABLE … ENABLE ROW LEVEL SECURITY``; the ``FORCE`` is in the
 pre-data table definition, and has no effect until the ``ENABLE``), ``POLICY``, ``STATISTICS`` (with ``ALTER
 STATISTICS … SET STATISTICS`` and its owner), the ``CLUSTER ON`` of an index, the comments of each and of the
-indexes, constraints and triggers (each after the step that makes its object); also event triggers and publications,
+indexes, constraints and triggers (each after the step that makes its object; a materialized view's indexes, their
+``CLUSTER ON`` and comments, after :mod:`applier.migrate.matviews`' step); also event triggers and publications,
 which a dump restricted with ``--schema`` (as ours always is) leaves out. Publications stay the source's own; event
 triggers are database-wide and move with a whole-database migration, made by the cutover (:func:`event_triggers`).
 
@@ -31,6 +32,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from applier.migrate import matviews
 from applier.migrate.postdata import Step
 
 __all__ = ["event_triggers", "relations", "steps"]
@@ -69,8 +71,10 @@ WHERE s.stxrelid = ANY(%s::oid[]) ORDER BY s.oid
 """
 
 _CLUSTERED = """
-SELECT x.indrelid::regclass::text, i.relname, format('%%I.%%I', n.nspname, i.relname), k.conname
+SELECT x.indrelid::regclass::text, i.relname, format('%%I.%%I', n.nspname, i.relname), k.conname,
+       t.relkind = 'm'
 FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid JOIN pg_namespace n ON n.oid = i.relnamespace
+JOIN pg_class t ON t.oid = x.indrelid
 LEFT JOIN pg_constraint k ON k.conindid = x.indexrelid AND k.conrelid = x.indrelid AND k.contype IN ('p', 'u', 'x')
 WHERE x.indisclustered AND x.indrelid = ANY(%s::oid[]) ORDER BY x.indrelid
 """
@@ -89,19 +93,23 @@ ORDER BY e.oid
 EVENT_TRIGGER_ORD = 20_000
 
 _EVENT_STATE = {"A": "ENABLE ALWAYS", "R": "ENABLE REPLICA", "D": "DISABLE"}
-# comments on the other post-data objects: indexes (not a constraint's), constraints made after the copy, triggers
+# comments on the other post-data objects: indexes (not a constraint's; a materialized view's too), constraints
+# made after the copy (a partition's copy of its parent's key or exclusion constraint too: postdata builds those),
+# triggers. The fourth column: the index is a materialized view's.
 _COMMENTS = """
-SELECT 'INDEX', x.indrelid::regclass::text, format('%%I.%%I', n.nspname, i.relname), NULL,
+SELECT 'INDEX', x.indrelid::regclass::text, format('%%I.%%I', n.nspname, i.relname), t.relkind = 'm',
        obj_description(i.oid, 'pg_class')
 FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid JOIN pg_namespace n ON n.oid = i.relnamespace
+JOIN pg_class t ON t.oid = x.indrelid
 WHERE x.indrelid = ANY(%s::oid[]) AND obj_description(i.oid, 'pg_class') IS NOT NULL
   AND NOT EXISTS (SELECT FROM pg_constraint k WHERE k.conindid = i.oid AND k.conrelid = x.indrelid)
 UNION ALL
-SELECT 'CONSTRAINT', k.conrelid::regclass::text, k.conname, k.contype::text, obj_description(k.oid, 'pg_constraint')
+SELECT 'CONSTRAINT', k.conrelid::regclass::text, k.conname, false, obj_description(k.oid, 'pg_constraint')
 FROM pg_constraint k WHERE k.conrelid = ANY(%s::oid[]) AND obj_description(k.oid, 'pg_constraint') IS NOT NULL
-  AND (k.contype IN ('p', 'u', 'x', 'f') OR (k.contype = 'c' AND NOT k.convalidated)) AND k.conparentid = 0
+  AND (k.contype IN ('p', 'u', 'x', 'f') OR (k.contype = 'c' AND NOT k.convalidated))
+  AND (k.conparentid = 0 OR k.contype IN ('p', 'u', 'x'))
 UNION ALL
-SELECT 'TRIGGER', t.tgrelid::regclass::text, t.tgname, NULL, obj_description(t.oid, 'pg_trigger')
+SELECT 'TRIGGER', t.tgrelid::regclass::text, t.tgname, false, obj_description(t.oid, 'pg_trigger')
 FROM pg_trigger t WHERE t.tgrelid = ANY(%s::oid[]) AND NOT t.tgisinternal AND t.tgparentid = 0
   AND obj_description(t.oid, 'pg_trigger') IS NOT NULL
 ORDER BY 1, 2, 3
@@ -189,23 +197,37 @@ def _statistics(src: psycopg.Connection[Any], rels: list[int]) -> list[tuple[str
     return out
 
 
-def _cluster(src: psycopg.Connection[Any], rels: list[int], built: set[str]) -> list[Step]:
-    """``ALTER TABLE … CLUSTER ON`` of each clustered index, after the step that builds the index."""
+def _cluster(src: psycopg.Connection[Any], rels: list[int], tables: Sequence[str], built: dict[str, Step]
+             ) -> list[Step]:  # fmt: skip
+    """``ALTER TABLE … CLUSTER ON`` of each migrated table's clustered index, after the step that builds the index;
+    ``ALTER MATERIALIZED VIEW … CLUSTER ON`` (as pg_dump writes it) of a view's, after the step that builds the
+    views' indexes (:mod:`applier.migrate.matviews`), waiting for the tables that step waits for."""
     out = []
-    for table, index_name, index, conname in src.execute(_CLUSTERED, (rels,)):
-        after = tuple(a for a in (f"index {index}", f"attach {table}.{conname}", f"constraint {table}.{conname}")
-                      if a in built)  # fmt: skip
-        statement = sql.SQL("ALTER TABLE {} CLUSTER ON {}").format(sql.SQL(table), sql.Identifier(index_name))
-        out.append(Step(f"cluster {table}", "cluster", (table,), after, (statement.as_string(src),)))
+    for table, index_name, index, conname, matview in src.execute(_CLUSTERED, (rels,)):
+        if matview:
+            makers, what, relnames = (matviews.STEP,), "MATERIALIZED VIEW", None
+        else:
+            makers = (f"index {index}", f"attach {table}.{conname}", f"constraint {table}.{conname}")
+            what, relnames = "TABLE", (table,)
+        after = tuple(a for a in makers if a in built)
+        if not after or (relnames is not None and table not in tables):
+            continue  # its index is not made (a table not migrated)
+        statement = sql.SQL("ALTER {} {} CLUSTER ON {}").format(
+            sql.SQL(what), sql.SQL(table), sql.Identifier(index_name)
+        )
+        out.append(Step(f"cluster {table}", "cluster", relnames or built[after[0]].relnames, after,
+                        (statement.as_string(src),)))  # fmt: skip
     return out
 
 
 def _comments(src: psycopg.Connection[Any], rels: list[int], built: dict[str, Step]) -> list[Step]:
-    """``COMMENT ON`` the indexes, constraints and triggers that other steps make, each after its object's step (an
-    object left out, such as a foreign key to a table not migrated, keeps no comment)."""
+    """``COMMENT ON`` the indexes, constraints and triggers that other steps make, each after its object's step (a
+    materialized view's index after the views' step; an object left out, such as a foreign key to a table not
+    migrated, keeps no comment)."""
     out = []
-    for what, table, name, _, text in src.execute(_COMMENTS, (rels, rels, rels)):
-        after = [a for a in (m.format(table=table, name=name) for m in _MAKERS[what]) if a in built][:1]
+    for what, table, name, matview, text in src.execute(_COMMENTS, (rels, rels, rels)):
+        makers = (matviews.STEP,) if matview else _MAKERS[what]
+        after = [a for a in (m.format(table=table, name=name) for m in makers) if a in built][:1]
         if not after:
             continue
         target = (
@@ -233,9 +255,8 @@ def steps(
     rels = relations(src, schemas, exclude)
     if not rels:
         return []
-    names = {s.step for s in built}
-    clustered = [s for s in _cluster(src, rels, names) if s.after and s.relnames[0] in tables]
-    clustered += _comments(src, rels, {s.step: s for s in built})
+    made_by = {s.step: s for s in built}
+    clustered = [*_cluster(src, rels, tables, made_by), *_comments(src, rels, made_by)]
     made = [*_rules(src, rels), *_policies(src, rels), *_statistics(src, rels)]
     out = [Step(name, kind, tuple(tables), (), statements) for name, kind, statements in made]
     return [

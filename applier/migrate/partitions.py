@@ -8,11 +8,16 @@ How a partitioned table moves:
   stream names the leaf a row is in, and the target puts it in the same leaf), copied and followed like any table,
   their own indexes and keys built by :mod:`applier.migrate.postdata` as each lands;
 - the **parents'** indexes are pg_dump's post-data, made as :func:`steps` here: ``CREATE INDEX … ON ONLY parent``
-  (or ``ALTER TABLE ONLY parent ADD CONSTRAINT … PRIMARY KEY/UNIQUE``), instant and invalid, then ``ALTER INDEX
-  parent_index ATTACH PARTITION leaf_index`` once the leaf's index (and its constraint) is built; the parent's
-  index is valid once every partition's is attached. Foreign keys from or to a parent come after the keys they
-  need, as one validating ``ADD CONSTRAINT`` (a partitioned table takes no ``NOT VALID`` foreign key before
-  PostgreSQL 18); the parents' triggers once their leaves are copied (PostgreSQL clones them onto the leaves).
+  (or ``ALTER TABLE ONLY parent ADD CONSTRAINT … PRIMARY KEY/UNIQUE/EXCLUDE``), instant and invalid, then ``ALTER
+  INDEX parent_index ATTACH PARTITION leaf_index`` once the leaf's index (and its constraint) is built; the parent's
+  index is valid once every partition's is attached. An exclusion constraint on a partitioned table (PostgreSQL 17+,
+  with the partition key compared by equality) goes the same way: the leaf's copy of it is postdata's
+  ``constraint`` step (its ``ADD CONSTRAINT`` builds the leaf's index), and attaching that index makes the leaf's
+  constraint the parent's child, as pg_dump's ``ALTER INDEX … ATTACH PARTITION`` does. A partition's own exclusion
+  constraint (not inherited; the only kind before 17) is postdata's too, and stays the partition's. Foreign keys
+  from or to a parent come after the keys they need, as one validating ``ADD CONSTRAINT`` (a partitioned table
+  takes no ``NOT VALID`` foreign key before PostgreSQL 18); the parents' triggers once their leaves are copied
+  (PostgreSQL clones them onto the leaves).
 
 A leaf belongs to the migration when its root partitioned table is selected (``--table``/``--exclude-table`` name
 the root; a partition's own name does not matter).
@@ -31,21 +36,23 @@ from applier.migrate.state import MigrationError
 
 __all__ = ["steps"]
 
-# the parents' own (partitioned) indexes, with the primary key or unique constraint each implements
+# the parents' own (partitioned) indexes, with the primary key, unique or exclusion (PostgreSQL 17+) constraint
+# each implements
 _INDEXES = """
 SELECT i.oid, format('%%I.%%I', n.nspname, i.relname), x.indrelid::regclass::text, pg_get_indexdef(i.oid),
        k.conname, pg_get_constraintdef(k.oid)
 FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid JOIN pg_namespace n ON n.oid = i.relnamespace
-LEFT JOIN pg_constraint k ON k.conindid = i.oid AND k.conrelid = x.indrelid AND k.contype IN ('p', 'u')
+LEFT JOIN pg_constraint k ON k.conindid = i.oid AND k.conrelid = x.indrelid AND k.contype IN ('p', 'u', 'x')
 WHERE x.indrelid = ANY(%s::regclass[]) ORDER BY x.indrelid, i.oid
 """
 
 # the partitions' indexes attached to those
 _CHILDREN = """
-SELECT h.inhparent, c.oid, format('%%I.%%I', n.nspname, c.relname), x.indrelid::regclass::text, k.conname
+SELECT h.inhparent, c.oid, format('%%I.%%I', n.nspname, c.relname), x.indrelid::regclass::text, k.conname,
+       k.contype
 FROM pg_inherits h JOIN pg_class c ON c.oid = h.inhrelid JOIN pg_namespace n ON n.oid = c.relnamespace
 JOIN pg_index x ON x.indexrelid = c.oid
-LEFT JOIN pg_constraint k ON k.conindid = c.oid AND k.conrelid = x.indrelid AND k.contype IN ('p', 'u')
+LEFT JOIN pg_constraint k ON k.conindid = c.oid AND k.conrelid = x.indrelid AND k.contype IN ('p', 'u', 'x')
 WHERE h.inhparent = ANY(%s::oid[]) ORDER BY h.inhparent, c.oid
 """
 
@@ -70,9 +77,12 @@ ORDER BY t.tgrelid, t.oid
 """
 
 
-def _leaf_step(leaf_steps: set[str], table: str, index: str, conname: str | None) -> str:
-    """The name of the postdata step after which a leaf's index (and its constraint) exists."""
-    name = f"attach {table}.{conname}" if conname else f"index {index}"
+def _leaf_step(leaf_steps: set[str], table: str, index: str, conname: str | None, contype: str | None) -> str:
+    """The name of the postdata step after which a leaf's index (and its constraint) exists: a key's attach, an
+    exclusion constraint's own ``ADD CONSTRAINT`` (it builds the index), or the index's build."""
+    name = f"index {index}"
+    if conname:
+        name = f"constraint {table}.{conname}" if contype == "x" else f"attach {table}.{conname}"
     if name not in leaf_steps:
         raise MigrationError(f"post-data: no step builds {index} of partition {table} (expected {name!r})")
     return name
@@ -110,10 +120,10 @@ def steps(src: psycopg.Connection[Any], parents: Sequence[str], tables: Sequence
         add(name, "partitioned_index", leaves.get(table, ()), (), statement)
         own[oid] = (name, table, index)
         keys.setdefault(table, []).append(name)
-    for parent_oid, child_oid, child, child_table, child_con in src.execute(_CHILDREN, (list(own),)):
+    for parent_oid, child_oid, child, child_table, con, contype in src.execute(_CHILDREN, (list(own),)):
         parent_step, parent_table, index = own[parent_oid]
         child_step = (
-            own[child_oid][0] if child_oid in own else _leaf_step(known, child_table, child, child_con)
+            own[child_oid][0] if child_oid in own else _leaf_step(known, child_table, child, con, contype)
         )
         name = f"attach_partition {child}"
         add(name, "attach_partition", leaves.get(parent_table, ()), (parent_step, child_step),

@@ -8,7 +8,8 @@ names the tables whose copy it waits for and the steps it must follow:
 - ``key``: the ``CREATE UNIQUE INDEX`` of a primary key or unique constraint, then ``attach``: its
   ``ADD CONSTRAINT … USING INDEX`` (instant). Two transactions: one that held the build's SHARE lock while asking
   for the attach's ACCESS EXCLUSIVE one would deadlock with a second build on the same table;
-- ``constraint``: an exclusion constraint or a ``NOT VALID`` check, as on the source;
+- ``constraint``: an exclusion constraint or a ``NOT VALID`` check, as on the source (a partition's copy of its
+  parent's exclusion constraint too: :mod:`applier.migrate.partitions` attaches its index to the parent's);
 - ``fk``: a foreign key ``NOT VALID`` (instant, no scan), once both tables are in and the referenced key is built;
 - ``validate``: ``VALIDATE CONSTRAINT`` of a foreign key that is valid on the source (a scan under a lock that
   lets writes through);
@@ -154,9 +155,12 @@ SELECT k.conrelid::regclass::text, k.confrelid::regclass::text, k.conname, k.con
 FROM pg_constraint k
 WHERE k.conrelid = ANY(%s::regclass[])
   AND (k.contype IN ('f', 'x') OR (k.contype = 'c' AND NOT k.convalidated))
-  AND k.conparentid = 0
+  AND (k.conparentid = 0 OR k.contype = 'x')
 ORDER BY k.conrelid, k.oid
 """
+# A partition's copy of its parent's exclusion constraint (PostgreSQL 17+; conparentid set) is built here too, as
+# pg_dump does: the leaf's own ADD CONSTRAINT builds its index, which partitions.py then attaches to the parent's.
+# A cloned foreign key is left out: the parent's ADD CONSTRAINT clones it onto the leaves.
 
 _TRIGGERS = """
 SELECT t.tgrelid::regclass::text, t.tgname, pg_get_triggerdef(t.oid)

@@ -1,8 +1,8 @@
 """``applier migrate`` against real servers, for what the change stream does not carry by itself: large objects
 (copied at the snapshot, changes re-copied at the cutover), partitioned tables (range and list: leaves copied and
-followed as tables, the parents' keys, indexes and foreign keys as post-data), materialized views (refreshed after
-post-data and at the cutover), ``status``'s cutover estimate; and ``kill -9`` in the schema phase and while
-following with prepared transactions open."""
+followed as tables, the parents' keys, indexes, exclusion constraints and foreign keys as post-data), materialized
+views (refreshed after post-data and at the cutover; their indexes' ``CLUSTER ON`` and comments), ``status``'s
+cutover estimate; and ``kill -9`` in the schema phase and while following with prepared transactions open."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import stat
 import threading
 from pathlib import Path
 
+import psycopg
 import pytest
 from psycopg import sql
 from test_migrate_cutover import migrate
@@ -87,6 +88,55 @@ def test_large_objects_and_materialized_views_are_equal_after_the_cutover(pair, 
     assert tgt.scalar("SELECT relispopulated FROM pg_class WHERE relname = 'never'") is False
 
 
+SALES = """
+CREATE TABLE sale (id int PRIMARY KEY, shop text NOT NULL, amount numeric NOT NULL);
+INSERT INTO sale SELECT g, 'shop' || g % 4, g FROM generate_series(1, 200) g;
+CREATE MATERIALIZED VIEW shop_total AS SELECT shop, sum(amount) AS total, count(*) AS n FROM sale GROUP BY shop;
+CREATE UNIQUE INDEX shop_total_shop ON shop_total (shop);
+CREATE INDEX "Shop total by n" ON shop_total (n, total);
+ALTER MATERIALIZED VIEW shop_total CLUSTER ON "Shop total by n";
+COMMENT ON INDEX shop_total_shop IS 'one row per shop';
+COMMENT ON INDEX "Shop total by n" IS 'the view''s rows in n order';
+"""
+
+# a materialized view's indexes: which one is clustered, their comments
+SHOP_INDEXES = """
+SELECT c.relname, x.indisclustered, obj_description(x.indexrelid, 'pg_class')
+FROM pg_index x JOIN pg_class c ON c.oid = x.indexrelid WHERE x.indrelid = 'public.shop_total'::regclass ORDER BY 1
+"""
+
+
+def test_a_materialized_views_indexes_keep_their_cluster_on_and_comments(pair, procs, tmp_path) -> None:  # noqa: F811
+    """pg_dump restores ``ALTER MATERIALIZED VIEW … CLUSTER ON`` and ``COMMENT ON INDEX`` for a view's indexes: made
+    after the step that builds them, and kept through the cutover's refresh."""
+    pub, tgt = pair.publisher, pair.target
+    pub.execute(SALES)
+    source = pub.query(SHOP_INDEXES)
+    assert source == [
+        ("Shop total by n", True, "the view's rows in n order"),
+        ("shop_total_shop", False, "one row per shop"),
+    ]
+    log = tmp_path / "start.log"
+    proc = start(pair, "mig", log=log)
+    procs.append(proc)
+    wait_phase(tgt, "mig", "following", proc, log)
+    assert tgt.query(SHOP_INDEXES) == source
+    assert tgt.query("SELECT kind, count(*) FROM applier.migration_step WHERE name = 'mig' AND done"
+                     " AND kind IN ('matview', 'cluster', 'comment') GROUP BY 1 ORDER BY 1") == [  # fmt: skip
+        ("cluster", 1), ("comment", 2), ("matview", 1)
+    ]  # fmt: skip
+    pub.execute("INSERT INTO sale VALUES (201, 'shop9', 1)")
+    res = migrate(tgt, "cutover", "mig", "--timeout", "90")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "materialized views: 1 refreshed" in res.stdout
+    assert exit_status(proc, log) == 0, log.read_text()
+    assert tgt.query(SHOP_INDEXES) == source
+    assert tgt.query("SELECT * FROM shop_total ORDER BY shop") == pub.query(
+        "SELECT shop, sum(amount), count(*) FROM sale GROUP BY shop ORDER BY shop"
+    )
+    assert schema_dump(tgt) == schema_dump(pub)
+
+
 PARTITIONED = """
 CREATE TABLE kind (id int PRIMARY KEY, name text);
 INSERT INTO kind SELECT g, 'k' || g FROM generate_series(1, 3) g;
@@ -157,6 +207,127 @@ def test_range_and_list_partitioned_tables_migrate_with_their_keys(pair, procs, 
     assert schema_dump(tgt) == schema_dump(pub)
     tgt.execute("INSERT INTO measure (day, v) VALUES ('2024-03-03', 0)")  # ALWAYS again, past the copied ids
     assert tgt.scalar("SELECT max(id) FROM measure") == pub.scalar("SELECT max(id) FROM measure") + 1
+
+
+BOOKINGS = """
+CREATE EXTENSION btree_gist;
+CREATE TABLE booking (id int NOT NULL, room int NOT NULL, guest text NOT NULL, during tstzrange NOT NULL,
+                      PRIMARY KEY (id, room), EXCLUDE USING gist (room WITH =, during WITH &&)) PARTITION BY LIST (room);
+COMMENT ON CONSTRAINT booking_room_during_excl ON booking IS 'a room is booked once at a time';
+CREATE TABLE booking_low PARTITION OF booking FOR VALUES IN (1, 2);
+CREATE TABLE booking_high PARTITION OF booking FOR VALUES IN (3, 4) PARTITION BY LIST (room);
+CREATE TABLE booking_high_3 PARTITION OF booking_high FOR VALUES IN (3);
+CREATE TABLE booking_high_4 PARTITION OF booking_high FOR VALUES IN (4);
+ALTER TABLE booking_low ADD CONSTRAINT "One stay per guest" EXCLUDE USING gist (guest WITH =, during WITH &&);
+COMMENT ON CONSTRAINT booking_low_room_during_excl ON booking_low IS 'the parent''s, on a partition';
+INSERT INTO booking SELECT g, 1 + g % 4, 'guest' || g % 7,
+    tstzrange(timestamptz '2025-01-01' + g * interval '1 day', timestamptz '2025-01-01' + (g + 1) * interval '1 day')
+    FROM generate_series(1, 200) g;
+"""
+
+# every constraint of the tree: its table, name, definition, the constraint it is a partition's copy of, validity
+BOOKING_CONSTRAINTS = """
+SELECT k.conrelid::regclass::text, k.conname, pg_get_constraintdef(k.oid),
+       (SELECT p.conrelid::regclass::text || '.' || p.conname FROM pg_constraint p WHERE p.oid = k.conparentid),
+       k.convalidated, obj_description(k.oid, 'pg_constraint')
+FROM pg_constraint k JOIN pg_class c ON c.oid = k.conrelid
+WHERE c.relname LIKE 'booking%' AND k.contype <> 'n' ORDER BY 1, 2
+"""
+
+
+def test_exclusion_constraints_of_a_partitioned_table_and_of_a_partition(pair, procs, tmp_path) -> None:  # noqa: F811
+    """PostgreSQL 17+ takes an exclusion constraint on a partitioned table (with the partition key compared by
+    ``=``): it moves as pg_dump restores it, the parent's ``ADD CONSTRAINT`` on ``ONLY`` the parent, each
+    partition's copy built as the partition lands and its index attached to the parent's (the copies are the
+    parent's children again, down a sub-partitioned partition); a partition's own exclusion constraint stays its
+    own. The target then refuses what the source refuses."""
+    pub, tgt = pair.publisher, pair.target
+    if _major(pub) < 17 or _major(tgt) < 17:
+        pytest.skip("exclusion constraints on partitioned tables need PostgreSQL 17+")
+    pub.execute(BOOKINGS)
+    source = pub.query(BOOKING_CONSTRAINTS)
+    assert [(t, n, parent) for t, n, _, parent, _, _ in source if "excl" in n or "stay" in n] == [
+        ("booking", "booking_room_during_excl", None),
+        ("booking_high", "booking_high_room_during_excl", "booking.booking_room_during_excl"),
+        ("booking_high_3", "booking_high_3_room_during_excl", "booking_high.booking_high_room_during_excl"),
+        ("booking_high_4", "booking_high_4_room_during_excl", "booking_high.booking_high_room_during_excl"),
+        ("booking_low", "One stay per guest", None),
+        ("booking_low", "booking_low_room_during_excl", "booking.booking_room_during_excl"),
+    ]
+    log = tmp_path / "start.log"
+    proc = start(pair, "mig", log=log)
+    procs.append(proc)
+    wait_phase(tgt, "mig", "following", proc, log)
+    assert tgt.query(BOOKING_CONSTRAINTS) == source
+    assert tgt.query("SELECT c.relname, x.indisvalid FROM pg_index x JOIN pg_class c ON c.oid = x.indexrelid"
+                     " WHERE c.relkind = 'I' ORDER BY 1") == [  # fmt: skip
+        ("booking_high_pkey", True), ("booking_high_room_during_excl", True), ("booking_pkey", True),
+        ("booking_room_during_excl", True)
+    ]  # fmt: skip
+    pub.execute("INSERT INTO booking VALUES (1000, 2, 'late', tstzrange('2030-01-01', '2030-01-02'))")
+    res = migrate(tgt, "cutover", "mig", "--timeout", "90")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert exit_status(proc, log) == 0, log.read_text()
+    assert_tables_equal(pub, tgt, "booking_low", "booking_high_3", "booking_high_4")
+    assert tgt.query(BOOKING_CONSTRAINTS) == pub.query(BOOKING_CONSTRAINTS)
+    assert schema_dump(tgt) == schema_dump(pub)
+
+    # the target refuses what the source refuses: room 1 on 2025-01-05 is guest4's (row 4), in booking_low
+    insert = "INSERT INTO booking VALUES (2000, %s, %s, tstzrange(%s::timestamptz, %s::timestamptz + interval '1 hour'))"
+    for room, guest, constraint in ((1, "other", "booking_low_room_during_excl"),
+                                    (2, "guest4", "One stay per guest")):  # fmt: skip
+        with pytest.raises(psycopg.errors.ExclusionViolation, match=constraint):
+            tgt.execute(insert, (room, guest, "2025-01-05 12:00", "2025-01-05 12:00"))
+    for room in (3, 4):  # booking_high's partitions, one level down
+        day = pub.scalar("SELECT min(lower(during))::text FROM booking WHERE room = %s", (room,))
+        with pytest.raises(psycopg.errors.ExclusionViolation, match=f"booking_high_{room}_room_during_excl"):
+            tgt.execute(insert, (room, "other", day, day))
+    tgt.execute(insert, (2, "other", "2025-01-05 12:00", "2025-01-05 12:00"))  # room 2 is free that day
+
+
+BOOKINGS_15 = """
+CREATE EXTENSION btree_gist;
+CREATE TABLE booking (id int NOT NULL, room int NOT NULL, guest text NOT NULL, during tstzrange NOT NULL,
+                      PRIMARY KEY (id, room)) PARTITION BY LIST (room);
+CREATE TABLE booking_low PARTITION OF booking FOR VALUES IN (1, 2);
+CREATE TABLE booking_high PARTITION OF booking FOR VALUES IN (3, 4);
+ALTER TABLE booking_low ADD CONSTRAINT low_room EXCLUDE USING gist (room WITH =, during WITH &&);
+ALTER TABLE booking_high ADD CONSTRAINT "High room" EXCLUDE USING gist (room WITH =, during WITH &&);
+INSERT INTO booking SELECT g, 1 + g % 4, 'guest' || g % 7,
+    tstzrange(timestamptz '2025-01-01' + g * interval '1 day', timestamptz '2025-01-01' + (g + 1) * interval '1 day')
+    FROM generate_series(1, 200) g;
+"""
+
+
+def test_partitions_own_exclusion_constraints_from_a_pg15_source(pair, pg15, procs, tmp_path) -> None:  # noqa: F811
+    """Before PostgreSQL 17 the parent takes no exclusion constraint, but each partition may have its own: built as
+    the partition lands (into the 18 target), and refusing there what it refuses on the source."""
+    tgt = pair.target
+    src = pg15.create_database(pair.name)
+    try:
+        with pytest.raises(psycopg.errors.FeatureNotSupported):
+            src.execute(
+                "CREATE TABLE nope (r int4range, EXCLUDE USING gist (r WITH &&)) PARTITION BY RANGE (r)"
+            )
+        src.execute(BOOKINGS_15)
+        log = tmp_path / "start.log"
+        proc = start(pair, "mig", log=log, source=src)
+        procs.append(proc)
+        wait_phase(tgt, "mig", "following", proc, log)
+        res = migrate(tgt, "cutover", "mig", "--timeout", "90")
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert exit_status(proc, log) == 0, log.read_text()
+        assert_tables_equal(src, tgt, "booking_low", "booking_high")
+        assert tgt.query(BOOKING_CONSTRAINTS) == src.query(BOOKING_CONSTRAINTS)
+        assert {r[1] for r in tgt.query(BOOKING_CONSTRAINTS)} >= {"low_room", "High room"}
+        for room, constraint in ((1, "low_room"), (3, "High room")):
+            day = src.scalar("SELECT min(lower(during))::text FROM booking WHERE room = %s", (room,))
+            with pytest.raises(psycopg.errors.ExclusionViolation, match=constraint):
+                tgt.execute("INSERT INTO booking VALUES (2000, %s, 'other', tstzrange(%s::timestamptz,"
+                            " %s::timestamptz + interval '1 hour'))", (room, day, day))  # fmt: skip
+    finally:
+        with pg15.connect() as c:
+            c.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(pair.name)))
 
 
 def _slow_pg_dump(tmp_path: Path, source: Database) -> Path:

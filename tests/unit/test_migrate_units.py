@@ -195,6 +195,22 @@ def test_nothing_is_ready_before_its_table_is_copied_and_keys_go_first() -> None
     assert [s.step for s in ready(steps, {"a", "b"}, done | {"attach a.pk"}, set())] == ["fk b.a"]
 
 
+def test_a_partitions_index_is_attached_after_the_step_that_makes_it() -> None:
+    """A key's index exists after its ``attach``, an exclusion constraint's after its own ``ADD CONSTRAINT`` (the
+    ``constraint`` step builds the index), a plain index after its build; none planned is an error, not a hang."""
+    from applier.migrate.partitions import _leaf_step
+
+    known = {"attach public.p1.p1_pkey", "constraint public.p1.p1_r_excl", "index public.p1_v"}
+    assert _leaf_step(known, "public.p1", "public.p1_pkey", "p1_pkey", "p") == "attach public.p1.p1_pkey"
+    assert (
+        _leaf_step(known, "public.p1", "public.p1_r_excl", "p1_r_excl", "x")
+        == "constraint public.p1.p1_r_excl"
+    )
+    assert _leaf_step(known, "public.p1", "public.p1_v", None, None) == "index public.p1_v"
+    with pytest.raises(MigrationError, match="no step builds public.p2_r_excl"):
+        _leaf_step(known, "public.p2", "public.p2_r_excl", "p2_r_excl", "x")
+
+
 @given(st.permutations(["a", "b"]), st.randoms(use_true_random=False))
 def test_any_schedule_respects_every_dependency_and_finishes(arrival: list[str], rnd) -> None:
     """Tables arrive in any order and steps finish in any order: each step starts only after its tables and the
