@@ -24,17 +24,21 @@ pytestmark = pytest.mark.core
 NEXT_OID = 3_000_000_000
 _names = itertools.count(1)
 
-#: on both sides: a domain (every table's key), an enum, a composite of the two, and an array of the enum; the
-#: table ``r`` can be applied in bulk (every column has an array type), ``a`` cannot (an array column has none)
+#: on both sides: a domain (every table's key), an enum, a composite of the two (and a domain over it), and an
+#: array of the enum; the table ``r`` can be applied in bulk (every column has an array type), ``a``, ``c`` and
+#: ``d`` cannot (an array column has no array type, and a composite one would be expanded into its fields by the bulk
+#: statements' ``ROWS FROM (unnest(...))``)
 SCHEMA = (
     "CREATE DOMAIN posint AS int CHECK (VALUE > 0)",
     "CREATE TYPE mood AS ENUM ('sad', 'ok', 'happy')",
     "CREATE TYPE reading AS (n posint, m mood)",
+    "CREATE DOMAIN dreading AS reading",
     "CREATE TABLE r (id posint PRIMARY KEY, m mood, note text)",
     "CREATE TABLE a (id posint PRIMARY KEY, moods mood[])",
     "CREATE TABLE c (id posint PRIMARY KEY, rd reading)",
+    "CREATE TABLE d (id posint PRIMARY KEY, dr dreading)",
 )
-TABLES = ("public.r", "public.a", "public.c")
+TABLES = ("public.r", "public.a", "public.c", "public.d")
 
 
 @pytest.fixture(scope="module")
@@ -73,15 +77,15 @@ def _assert_oids_are_big(pair: ReplicationPair) -> None:
     """The test means something only if the target's types really have OIDs (and array types) above 2^31."""
     rows = pair.target.query(
         "SELECT typname::text, oid::int8, typarray::int8 FROM pg_type"
-        " WHERE typname IN ('posint', 'mood', 'reading') AND typnamespace = 'public'::regnamespace"
+        " WHERE typname IN ('posint', 'mood', 'reading', 'dreading') AND typnamespace = 'public'::regnamespace"
     )
-    assert len(rows) == 3 and all(oid > 2**31 and array > 2**31 for _name, oid, array in rows), rows
+    assert len(rows) == 4 and all(oid > 2**31 and array > 2**31 for _name, oid, array in rows), rows
     attrs = pair.target.query(
         "SELECT attrelid::regclass::text, attname::text, atttypid::int8 FROM pg_attribute"
-        " WHERE attrelid IN ('public.r'::regclass, 'public.a'::regclass, 'public.c'::regclass)"
-        " AND attname IN ('id', 'm', 'rd', 'moods')"
+        " WHERE attrelid IN ('public.r'::regclass, 'public.a'::regclass, 'public.c'::regclass, 'public.d'::regclass)"
+        " AND attname IN ('id', 'm', 'rd', 'dr', 'moods')"
     )
-    assert len(attrs) == 6 and all(typ > 2**31 for _rel, _att, typ in attrs), attrs
+    assert len(attrs) == 8 and all(typ > 2**31 for _rel, _att, typ in attrs), attrs
 
 
 def _caught_up(pair: ReplicationPair, lsn: str) -> bool:
@@ -124,6 +128,7 @@ def test_changes_one_by_one_with_types_above_2_31(big_pair: ReplicationPair) -> 
             "INSERT INTO a VALUES (1, ARRAY['ok', 'happy']::mood[])",
             "INSERT INTO a VALUES (2, '{}')",
             "INSERT INTO c VALUES (1, ROW(1, 'sad')), (2, NULL)",
+            "INSERT INTO d VALUES (1, ROW(2, 'ok'))",
             "UPDATE r SET m = 'happy' WHERE id = 1",
             "UPDATE r SET id = 20, note = 'moved' WHERE id = 2",
             "UPDATE a SET moods = ARRAY['sad', NULL]::mood[] WHERE id = 1",
@@ -143,12 +148,13 @@ def test_changes_one_by_one_with_types_above_2_31(big_pair: ReplicationPair) -> 
         (20, "sad", "moved"),
     ]
     assert pair.target.query("SELECT id, rd::text FROM c") == [(1, "(10,ok)")]
+    assert pair.target.query("SELECT id, dr::text FROM d") == [(1, "(2,ok)")]
 
 
 def test_backlog_in_bulk_with_types_above_2_31(big_pair: ReplicationPair) -> None:
     """A backlog of small transactions committed before the worker starts is applied in bulk: inserts, updates
-    and deletes of ``r`` travel as arrays of the local array types (OIDs above 2^31); ``a``'s changes, which have
-    no array type, go message by message between them."""
+    and deletes of ``r`` travel as arrays of the local array types (OIDs above 2^31); the transactions that also
+    change ``a``, ``c`` or ``d``, which cannot travel so, go message by message between them."""
     pair = big_pair
     s = _subscribe(pair)
     pair.publisher.execute(
@@ -166,6 +172,15 @@ def test_backlog_in_bulk_with_types_above_2_31(big_pair: ReplicationPair) -> Non
             END IF;
             IF i % 25 = 0 THEN
               INSERT INTO a VALUES (i, moods[1:1 + i % 3]);
+            END IF;
+            IF i % 20 = 0 THEN
+              INSERT INTO c VALUES (i, ROW(i, moods[1 + i % 3]));
+              UPDATE c SET rd = ROW(i * 2, 'happy') WHERE id = i - 20;
+              DELETE FROM c WHERE id = i - 60;
+            END IF;
+            IF i % 30 = 0 THEN
+              INSERT INTO d VALUES (i, ROW(i + 1, NULL));
+              UPDATE d SET dr = ROW(i, 'sad') WHERE id = i - 30;
             END IF;
             COMMIT;
           END LOOP;
