@@ -29,7 +29,8 @@ class LocalColumn:
     name: str
     type_oid: int
     generated: str = ""  # pg_attribute.attgenerated: '' | 's' (stored) | 'v' (virtual, PG18)
-    #: the type's array type with ',' as delimiter, 0 when none (applier.apply.bulk passes values as arrays)
+    #: the type's array type with ',' as delimiter, 0 when none or when the type is composite (applier.apply.bulk
+    #: passes values as arrays; see ``_LOCAL_TABLES`` in applier.apply.target)
     array_type: int = 0
     #: pg_attribute.attidentity: '' | 'a' (GENERATED ALWAYS AS IDENTITY) | 'd' (BY DEFAULT)
     identity: str = ""

@@ -106,15 +106,25 @@ STAMP_SQL = (
 
 #: What ``logicalrep_rel_open`` reads about a local table, in one query (``{bulk}``: ``_BULK_OK``, ``{stamp}``:
 #: ``STAMP_SQL``, ``{where}``: which tables): columns in attnum order, the key of GetRelationIdentityOrPK (the
-#: replica identity index when REPLICA IDENTITY USING INDEX, else the primary key), and the stamp. The oid is not
-#: cast to int: oids above 2^31 would come back negative.
+#: replica identity index when REPLICA IDENTITY USING INDEX, else the primary key), and the stamp. No oid is cast
+#: to int (the cast is binary-coercible): oids above 2^31, as after an OID wrap-around, would come back negative,
+#: and the type oids are sent to libpq as parameter types. The table's oid stays ``oid``, the type oids are int8.
+#: ``arrays``: each column type's array type, for bulk apply (applier.apply.bulk passes a stretch's values as one
+#: array per column, unnested in ``ROWS FROM``), or 0 when its values cannot travel so: no array type with ',' as
+#: delimiter, or a composite type or a domain over one (at any depth: ``typbasetype`` names the next type down),
+#: which ``ROWS FROM`` would expand into its fields ("INSERT has more expressions than target columns").
 _LOCAL_TABLES = (
     "SELECT c.oid, n.nspname::text, c.relname::text, c.relkind::text, {bulk},"
     " cols.names, cols.types, cols.generated, cols.arrays, cols.identity, keys.key, {stamp}"
     " FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
     " LEFT JOIN LATERAL (SELECT array_agg(a.attname::text ORDER BY a.attnum) AS names,"
-    "   array_agg(a.atttypid::int ORDER BY a.attnum) AS types, array_agg(a.attgenerated::text ORDER BY a.attnum)"
-    "   AS generated, array_agg(CASE WHEN t.typdelim = ',' THEN t.typarray::int ELSE 0 END ORDER BY a.attnum)"
+    "   array_agg(a.atttypid::int8 ORDER BY a.attnum) AS types, array_agg(a.attgenerated::text ORDER BY a.attnum)"
+    "   AS generated, array_agg(CASE WHEN t.typdelim <> ',' OR t.typtype = 'c' THEN 0"
+    "     WHEN t.typtype <> 'd' THEN t.typarray::int8"
+    "     WHEN EXISTS (WITH RECURSIVE b(typ) AS (SELECT t.typbasetype UNION ALL SELECT d.typbasetype"
+    "       FROM pg_catalog.pg_type d JOIN b ON d.oid = b.typ WHERE d.typtype = 'd')"
+    "       SELECT FROM b JOIN pg_catalog.pg_type bt ON bt.oid = b.typ WHERE bt.typtype = 'c') THEN 0"
+    "     ELSE t.typarray::int8 END ORDER BY a.attnum)"
     "   AS arrays, array_agg(a.attidentity::text ORDER BY a.attnum) AS identity"
     "   FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_type t ON t.oid = a.atttypid"
     "   WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped) cols ON true"
