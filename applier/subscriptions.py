@@ -263,9 +263,9 @@ class SubscriptionLock:
     def holds(self) -> bool:
         """Whether our session still holds the lock: a session-level advisory lock is only released by its own
         session (which never unlocks it while the worker runs) or with the session, so the session being alive is
-        the answer. A round trip proves that (the lock is lost if the target restarts or drops the connection); it
-        does not read ``pg_locks``, which takes every lock-manager partition lock and, every few seconds, delayed
-        the apply backend's own locking under a steady load (bench/live_bench.py)."""
+        the answer (``release`` ends the session). A round trip proves that (the lock is lost if the target
+        restarts or drops the connection); it does not read ``pg_locks``, which takes every lock-manager partition
+        lock and could, every few seconds, hold up the apply backend's own locking."""
         conn = self._conn
         if conn is None or conn.closed:
             return False
