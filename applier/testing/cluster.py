@@ -336,6 +336,11 @@ class PostgresCluster:
     def reload(self) -> None:
         self.execute("SELECT pg_reload_conf()")
 
+    def run_tool(self, program: str, *args: str) -> subprocess.CompletedProcess[str]:
+        """Run one of the cluster's binaries (``pg_resetwal``, ``pg_controldata`` …) as the server's OS user, which
+        owns the data directory; text output captured, the return code left to the caller."""
+        return _run_as(self._user, [self.binaries.path(program), *args])
+
     def destroy(self) -> None:
         with contextlib.suppress(ClusterError):
             self.stop("immediate")

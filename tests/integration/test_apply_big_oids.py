@@ -15,7 +15,6 @@ import pytest
 from applier.apply.testing import ApplySetup, setup_subscription
 from applier.apply.worker import WorkerThread
 from applier.testing import PostgresBinaries, PostgresCluster, assert_tables_equal, wait_until
-from applier.testing.cluster import _run_as, server_os_user
 from applier.testing.pytest_plugin import ReplicationPair, drop_our_origins
 
 pytestmark = pytest.mark.core
@@ -46,8 +45,7 @@ def wrapped_target(pg_binaries: PostgresBinaries) -> Iterator[PostgresCluster]:
     """A target cluster whose next OID is :data:`NEXT_OID` (set between initdb and the first start)."""
     cluster = PostgresCluster(pg_binaries, name="bigoid").init()
     try:
-        res = _run_as(server_os_user(), [cluster.binaries.path("pg_resetwal"), "-o", str(NEXT_OID), "-D",
-                                         str(cluster.datadir)])  # fmt: skip
+        res = cluster.run_tool("pg_resetwal", "-o", str(NEXT_OID), "-D", str(cluster.datadir))
         assert res.returncode == 0, f"pg_resetwal failed:\n{res.stdout}\n{res.stderr}"
         yield cluster.start()
     finally:
