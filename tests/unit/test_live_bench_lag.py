@@ -1,18 +1,20 @@
-"""bench/live_bench.py's pure lag bookkeeping: pairing start and end times by id, the summaries, and that a saved
-run of JSON version 1 (lags polled every 10 ms, none of version 2's fields) still renders, labelled as polled."""
+"""bench/live_bench.py's pure lag bookkeeping (pairing start and end times by id, the summaries, a saved run of
+JSON version 1 still rendering, labelled as polled) and how it stops a run whose `applier run` ignores SIGTERM."""
 
 from __future__ import annotations
 
-import contextlib
 import math
+import os
+import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import live_bench as lb  # noqa: E402
+
+from applier.testing import wait_until  # noqa: E402
 
 
 def test_paired_lags_follow_the_start_ids_in_order_and_skip_unmatched() -> None:
@@ -46,9 +48,6 @@ def test_a_version_1_run_renders_as_polled() -> None:
 def test_an_applier_run_that_ignores_sigterm_is_killed_whole(tmp_path: Path) -> None:
     """A wrapper (py-spy, strace) whose ``applier run`` below it does not stop: every process of the tree goes,
     not only the wrapper (killing py-spy alone once left the worker running into the next run)."""
-    import os
-    import subprocess
-
     pids = tmp_path / "pids"
     child = "import time; time.sleep(600)"
     cli = (  # stands in for `python -m applier.cli ... run`: ignores SIGTERM, has a worker below it
@@ -61,21 +60,13 @@ def test_an_applier_run_that_ignores_sigterm_is_killed_whole(tmp_path: Path) -> 
         [sys.executable, "-c", "import os, subprocess, sys; subprocess.run([sys.executable, '-c', os.environ['CLI'], "
          "'applier' + '.cli'])"], env={**os.environ, "CLI": cli},
     )  # fmt: skip
-    deadline = time.monotonic() + 30
-    while not (pids.exists() and len(pids.read_text().split()) == 2) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(
+        lambda: pids.exists() and len(pids.read_text().split()) == 2, timeout=30, what="the tree to start"
+    )
     below = [int(p) for p in pids.read_text().split()]
     lb._stop_ours(wrapper, timeout=0.5)  # noqa: SLF001
     assert wrapper.poll() is not None
-    deadline = time.monotonic() + 10
-    alive = below
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in below if _running(p)]
-        time.sleep(0.05)
-    assert alive == [], f"left running: {alive}"
-    for p in below:  # reap what is ours to reap (the test process is their grandparent: nothing to do)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(p, os.WNOHANG)
+    wait_until(lambda: not any(_running(p) for p in below), timeout=10, what=f"{below} to be gone")
 
 
 def _running(pid: int) -> bool:
