@@ -96,9 +96,9 @@ RAW_SPOOL_TYPES = frozenset(b"RYIUDTM")
 _KEEP_GROUP = frozenset(
     (Begin, Commit, Origin, Relation, Type, Insert, Update, Delete, Truncate, Message, BeginPrepare)
 )
-#: Messages whose handler ends the open insert run: :meth:`Applier.handle` flushes it before dispatching them, and so
-#: does the spool's replay (:meth:`Applier._replay`); a COMMIT only without group commit: one that joins a group keeps
-#: the run open for the next transaction's inserts (whether it may join is not asked twice: the commit path flushes)
+#: Messages whose handler ends the open insert run: :meth:`Applier.handle` flushes it before dispatching them (the
+#: spool's replay goes through it too); a COMMIT only without group commit: one that joins a group keeps the run
+#: open for the next transaction's inserts (whether it may join is not asked twice: the commit path flushes then)
 _ENDS_RUN = frozenset((Update, Delete, Truncate, StreamStart, Commit))
 
 
@@ -538,13 +538,13 @@ class Applier(PublicNames):
 
 
 def _replay_one(core: Applier, payload: bytes, xid: int, message_type: str) -> None:
-    """One spooled message of a replay (:meth:`Applier._replay`), through its handler as :meth:`Applier.handle`
-    would send it: a message that ends the open insert run flushes it first, so that an Update or Delete goes after
-    the Inserts before it (the handlers do not: on the live path ``handle`` has done it)."""
+    """One spooled message of a replay (:meth:`Applier._replay`), through :meth:`Applier.handle` like a message
+    that arrived alone: it ends the open insert run before an Update or Delete, so that those go after the Inserts
+    before them (the handlers do not; a replayed change is always inside its remote transaction, so nothing ends a
+    group here)."""
     msg = decode_message(payload, in_stream=True, encoding=core.encoding)
-    cls = msg.__class__
     if not isinstance(msg, _SPOOLED):
-        raise core.protocol_error(message_type, f"unexpected {MESSAGE_NAMES[cls]} in spool of {xid}")
-    if cls in _ENDS_RUN:
-        core.inserts.flush()
-    core._dispatch[cls](msg, payload)  # noqa: SLF001 - the core's own dispatch table, for its replay
+        raise core.protocol_error(
+            message_type, f"unexpected {MESSAGE_NAMES[msg.__class__]} in spool of {xid}"
+        )
+    core.handle(msg, payload)
