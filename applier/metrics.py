@@ -22,12 +22,13 @@ import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from applier.apply.lag import HistogramDelta
 from applier.lsn import parse_lsn
+from applier.metrics_http import ReadyFilesCollector, start_server
 from state.tables import SyncState
 from state.twophase import TwoPhaseState
 
@@ -237,14 +238,12 @@ def serve(port: int, target: str, names: Sequence[str] = (), *, addr: str = "127
     """Serve ``/metrics`` on ``addr:port`` from a background thread: worker counters plus scrape-time positions."""
     registry = CollectorRegistry()
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        from prometheus_client import multiprocess
-
-        multiprocess.MultiProcessCollector(registry)
+        ReadyFilesCollector(registry)
     else:
         from prometheus_client import REGISTRY
 
         registry = REGISTRY
     registry.register(PositionCollector(target, names))
-    start_http_server(port, addr=addr, registry=registry)
+    start_server(registry, port, addr)
     log.info("metrics on http://%s:%d/metrics", addr, port)
     return registry

@@ -85,6 +85,9 @@ def test_metrics_move_and_lag_returns_to_zero_and_logs_are_json(pair):
     assert proc.returncode == 0, err[-3000:]
     assert stopped_in < 10
     assert "hunter2-secret" not in out + err
-    records = [json.loads(line) for line in err.splitlines() if line.strip()]
+    lines = [line for line in err.splitlines() if line.strip()]
+    not_json = [line for line in lines if not line.startswith("{")]
+    assert not not_json, "stderr lines that are not JSON records:\n" + "\n".join(not_json[:60])
+    records = [json.loads(line) for line in lines]
     assert records and all({"ts", "level", "message"} <= r.keys() for r in records)
     assert any(re.search(r"started|streaming", r["message"]) for r in records), records[:5]
