@@ -55,6 +55,7 @@ from applier.subscriptions import (
 )
 from tablesync import TablesyncError, run_initial_copy
 from tablesync.live import LiveSyncCoordinator
+from tablesync.progress import CopyProgress
 
 __all__ = ["WorkerOutcome", "configure_logging", "run", "worker_main"]
 
@@ -435,7 +436,9 @@ def _initial_copy(
     while not stop.is_set():
         try:
             # returns at once, without starting Spark, when every table is already s or r
-            copied = run_initial_copy(target, subname, stop=stop)
+            copied = run_initial_copy(
+                target, subname, stop=stop, reporter=CopyProgress.to_log(wlog, f'subscription "{subname}": ')
+            )
         except TablesyncError as exc:
             failures += 1
             delay = _copy_failed(target, catalog, subname, exc, failures, cap, wlog)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tablesync.initial import CopyResult, InitialCopy, TableCopy, TablesyncError, describe
+    from tablesync.progress import CopyProgress
 
 __all__ = ["CopyResult", "InitialCopy", "TableCopy", "TablesyncError", "describe", "run_initial_copy"]
 
@@ -38,6 +39,7 @@ def run_initial_copy(
     spark_master: str | None = None,
     spark_conf: Mapping[str, str] | None = None,
     progress: bool | None = None,
+    reporter: CopyProgress | None = None,
     partition_bytes: int = _DEFAULT_PARTITION_BYTES,
 ) -> CopyResult:
     """Copy every table of subscription ``subname`` that is in state ``i``/``d``/``f``, at one snapshot.
@@ -50,12 +52,13 @@ def run_initial_copy(
     are kept, and the next call redoes unfinished tables from scratch at a new snapshot.
     ``spark_master``: ``local[N]``, ``spark://...``, ``sc://host:port`` (Spark Connect; ``SPARK_REMOTE`` is used
     when neither is given); default ``local[*,4]``. ``progress`` (on stderr): None = bars on a terminal, plain lines
-    otherwise; True = bars; False = plain lines. Raises :class:`TablesyncError` when the copy fails.
+    otherwise; True = bars; False = plain lines. ``reporter`` replaces that (``CopyProgress.to_log``: records in
+    the caller's log). Raises :class:`TablesyncError` when the copy fails.
     """
     from tablesync.initial import InitialCopy
     from tablesync.progress import CopyProgress
 
-    reporter = CopyProgress.for_setting(progress)
+    reporter = reporter or CopyProgress.for_setting(progress)
     copier = InitialCopy(
         target_conninfo, subname, stop=stop, reporter=reporter, partition_bytes=partition_bytes
     )

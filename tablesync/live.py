@@ -103,18 +103,6 @@ def explain(exc: BaseException) -> str:
     return text
 
 
-class _LogProgress(CopyProgress):
-    """The copy's notes go to the worker's log (no bars: ``applier run`` logs)."""
-
-    def __init__(self, log: logging.Logger, subname: str) -> None:
-        super().__init__("off")
-        self._log = log
-        self._subname = subname
-
-    def note(self, message: str) -> None:
-        self._log.info('table synchronization for subscription "%s": %s', self._subname, message)
-
-
 class LiveCopy(InitialCopy):
     """:class:`InitialCopy` for tables added while streaming: every ``i``/``d``/``f`` table is copied (a ``d`` or
     ``f`` one is emptied first), and they end ``f`` at the snapshot point (:meth:`finish_tables`), not ``s``: how
@@ -337,7 +325,12 @@ class LiveSync:
         """The three steps of the module docstring, each on the one copier (its temporary slot stays open from
         the copy to the end of the catch-up: its snapshot point C is where the catch-up streams from)."""
         copier = LiveCopy(
-            self.target_conninfo, self.subname, stop=self.stop, reporter=_LogProgress(self.log, self.subname)
+            self.target_conninfo,
+            self.subname,
+            stop=self.stop,
+            reporter=CopyProgress.to_log(
+                self.log, f'table synchronization for subscription "{self.subname}": '
+            ),
         )
         try:
             c_lsn = self._copy(copier)

@@ -1,4 +1,5 @@
-"""Visible progress of the initial copy: bars on a terminal, plain lines otherwise.
+"""Visible progress of the initial copy: bars on a terminal, plain lines otherwise, log records in a long-running
+process (``applier run``, whose stderr is its log: plain lines there broke ``--log-format json``).
 
 The source of truth is the catalog: every committed partition has a marker row with its rows and bytes, and the
 driver polls them while the Spark job runs (the tasks run in other processes, possibly on other machines, so the
@@ -10,6 +11,7 @@ No dependency: a few ANSI escapes redraw a block of lines in place on a terminal
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Mapping
@@ -66,12 +68,15 @@ class CopyProgress:
     """Reports progress of one initial copy.
 
     ``mode``: ``"bars"`` (redrawn block on a terminal), ``"lines"`` (a line per finished table and a summary
-    every ``interval`` seconds: logs, CI, pipes) or ``"off"``. :meth:`for_setting` maps ``run_initial_copy``'s
-    ``progress`` argument to a mode.
+    every ``interval`` seconds: CI, pipes), ``"log"`` (the same lines as INFO records of ``logger``, each after
+    ``prefix``: :meth:`to_log`) or ``"off"``. :meth:`for_setting` maps ``run_initial_copy``'s ``progress`` argument
+    to a mode.
     """
 
     mode: str = "lines"
     stream: TextIO = field(default_factory=lambda: sys.stderr)
+    logger: logging.Logger | None = None
+    prefix: str = ""
     interval: float = 10.0
     max_live_lines: int = 8
     _tables: dict[str, _Table] = field(default_factory=dict)
@@ -91,8 +96,18 @@ class CopyProgress:
             return cls("bars" if isatty is not None and isatty() else "lines", stream)
         return cls("bars", stream)
 
+    @classmethod
+    def to_log(cls, logger: logging.Logger, prefix: str = "") -> CopyProgress:
+        """Progress as log records: a record per note, per finished table and per ``interval``'s summary."""
+        return cls("log", logger=logger, prefix=prefix)
+
     # -- output ----------------------------------------------------------------------------------------------
     def _write(self, text: str) -> None:
+        if self.mode == "log":
+            for line in text.splitlines():
+                if line.strip() and self.logger is not None:
+                    self.logger.info("%s%s", self.prefix, line.strip().removeprefix("tablesync: "))
+            return
         try:
             self.stream.write(text)
             self.stream.flush()
@@ -139,7 +154,7 @@ class CopyProgress:
             self._clear_block()
             self._print_finished()
             self._redraw()
-        elif self.mode == "lines":
+        elif self.mode in ("lines", "log"):
             self._print_finished()
             now = time.monotonic()
             if now - self._last_line >= self.interval:

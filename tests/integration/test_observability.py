@@ -91,3 +91,30 @@ def test_metrics_move_and_lag_returns_to_zero_and_logs_are_json(pair):
     records = [json.loads(line) for line in lines]
     assert records and all({"ts", "level", "message"} <= r.keys() for r in records)
     assert any(re.search(r"started|streaming", r["message"]) for r in records), records[:5]
+
+
+def test_the_initial_copy_reports_its_progress_as_log_records(pair):
+    """`run`'s stderr is its log: the copy's notes and per-table lines are records there (they were plain lines,
+    which broke `--log-format json`)."""
+    for db in (pair.publisher, pair.target):
+        db.execute("CREATE TABLE items (id int PRIMARY KEY, v text)")
+    pair.publisher.execute("INSERT INTO items SELECT g, 'x' FROM generate_series(1, 5000) g")
+    pair.publisher.execute("CREATE PUBLICATION obs FOR TABLE items")
+    name = pair.name
+    create(pair.target.dsn, CreateOptions(name=name, publisher=pair.publisher.dsn, publications=("obs",)))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "applier.cli", "--target", pair.target.dsn, "run", name, "--log-format", "json"],
+        stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: pair.target.scalar("SELECT count(*) FROM items") == 5000, timeout=120,
+                   what="the initial copy")  # fmt: skip
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert all(line.startswith("{") for line in lines), "\n".join(lines)
+    messages = [json.loads(line)["message"] for line in lines]
+    assert f'subscription "{name}": public.items: done, 5,000 rows' in "\n".join(messages), messages
+    assert any(m.startswith(f'subscription "{name}": snapshot ') for m in messages), messages
