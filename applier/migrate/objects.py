@@ -118,7 +118,7 @@ ORDER BY 1, 2, 3
 #: the steps (of postdata and partitions) that may make a commented object, in the order tried
 _MAKERS = {
     "INDEX": ("index {name}", "pindex {name}"),
-    "CONSTRAINT": ("attach {table}.{name}", "constraint {table}.{name}", "fk {table}.{name}", "pkey {table}.{name}",
+    "CONSTRAINT": ("attach {table}.{name}", "constraint {table}.{name}", "fk {table}.{name}", "pconstraint {table}.{name}",
                    "pfk {table}.{name}"),
     "TRIGGER": ("trigger {table}.{name}", "ptrigger {table}.{name}"),
 }  # fmt: skip

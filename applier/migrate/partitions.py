@@ -114,10 +114,14 @@ def steps(src: psycopg.Connection[Any], parents: Sequence[str], tables: Sequence
             alter = sql.SQL("ALTER TABLE ONLY {} ADD CONSTRAINT {} ").format(
                 sql.SQL(table), sql.Identifier(conname)
             )
-            name, statement = f"pkey {table}.{conname}", alter.as_string(src) + condef
+            name, kind, statement = (
+                f"pconstraint {table}.{conname}",
+                "partitioned_constraint",
+                alter.as_string(src) + condef,
+            )
         else:
-            name, statement = f"pindex {index}", indexdef
-        add(name, "partitioned_index", leaves.get(table, ()), (), statement)
+            name, kind, statement = f"pindex {index}", "partitioned_index", indexdef
+        add(name, kind, leaves.get(table, ()), (), statement)
         own[oid] = (name, table, index)
         keys.setdefault(table, []).append(name)
     for parent_oid, child_oid, child, child_table, con, contype in src.execute(_CHILDREN, (list(own),)):

@@ -259,6 +259,13 @@ def test_exclusion_constraints_of_a_partitioned_table_and_of_a_partition(pair, p
     procs.append(proc)
     wait_phase(tgt, "mig", "following", proc, log)
     assert tgt.query(BOOKING_CONSTRAINTS) == source
+    assert tgt.query("SELECT step, kind FROM applier.migration_step WHERE name = 'mig' AND kind LIKE 'partitioned%'"
+                     " ORDER BY 1") == [  # the parent's key and exclusion constraint are named as what they are
+        ("pconstraint public.booking.booking_pkey", "partitioned_constraint"),
+        ("pconstraint public.booking.booking_room_during_excl", "partitioned_constraint"),
+        ("pconstraint public.booking_high.booking_high_pkey", "partitioned_constraint"),
+        ("pconstraint public.booking_high.booking_high_room_during_excl", "partitioned_constraint"),
+    ]  # fmt: skip
     assert tgt.query("SELECT c.relname, x.indisvalid FROM pg_index x JOIN pg_class c ON c.oid = x.indexrelid"
                      " WHERE c.relkind = 'I' ORDER BY 1") == [  # fmt: skip
         ("booking_high_pkey", True), ("booking_high_room_during_excl", True), ("booking_pkey", True),
