@@ -249,9 +249,9 @@ def run(target: str, names: Sequence[str] = (), *, metrics_port: int | None = No
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     failed = [o for o in outcomes if not o.ok]
-    if failed:
-        for o in failed:
-            print(f'applier run: subscription "{o.subname}": {o.message}', file=sys.stderr)
+    if failed:  # each was logged as it ended; a last record names them all (a log record: stderr is the log)
+        log.error("%d of %d worker(s) failed: %s", len(failed), len(outcomes),
+                  "; ".join(f'subscription "{o.subname}": {o.message}' for o in failed))  # fmt: skip
         return 1
     log.info("all workers stopped")
     return 0

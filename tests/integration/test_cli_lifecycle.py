@@ -5,6 +5,7 @@ subscription rule, side-by-side runs, and what ``status`` reports."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import urllib.request
@@ -189,10 +190,13 @@ def test_one_run_per_subscription_and_side_by_side(pair, start_run: StartRun) ->
             lambda p=proc, n=name: alive(p)() and lock_taken(pair.target, ids[n]), what=f"{name} to run"
         )
 
-    res = applier(pair.target, "run", "sa")
+    res = applier(pair.target, "run", "sa", "--log-format", "json")
     assert res.returncode == 1, res.stderr
-    assert f'subscription "sa" is in use by another applier process: applier[{run_a.pid}@' in res.stderr
-    assert "SIGTERM" in res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert all(line.startswith("{") for line in lines), res.stderr  # stderr is the log, JSON records only
+    logged = "\n".join(json.loads(line)["message"] for line in lines)
+    assert f'subscription "sa" is in use by another applier process: applier[{run_a.pid}@' in logged
+    assert "SIGTERM" in logged
     assert f"applier[{run_b.pid}@" in fails(pair.target, "drop", "sb")
 
     pair.publisher.execute("INSERT INTO a VALUES (1, 'a')")
