@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 
 from tablesync.progress import CopyProgress, bar, human_bytes, human_duration
 
@@ -60,3 +61,19 @@ def test_off_mode_prints_nothing():
     p.update({"public.a": {0: (1, 1)}})
     p.finish()
     assert out.getvalue() == ""
+
+
+def test_log_mode_gives_a_record_per_line_and_writes_nothing_to_the_stream(caplog, capsys):
+    p = CopyProgress.to_log(logging.getLogger("t.copy"), 'subscription "s": ')
+    with caplog.at_level(logging.INFO, logger="t.copy"):
+        p.start({"public.a": {0: 1}})
+        p.update({"public.a": {0: (7, 70)}})
+        p.finish()
+    assert [r.getMessage() for r in caplog.records][:2] == [
+        'subscription "s": copying 1 table(s), ~8.0 kB on disk, in 1 partition(s)',
+        'subscription "s": public.a: done, 7 rows, 70 B (at 0:00)',
+    ]
+    assert (
+        caplog.records[2].getMessage().startswith('subscription "s": copied 1/1 table(s), 7 rows, 70 B in ')
+    )
+    assert len(caplog.records) == 3 and capsys.readouterr() == ("", "")
