@@ -221,11 +221,13 @@ def wait_for_target(target: str, timeout: float, *, stop: threading.Event | None
 
 
 def run(target: str, names: Sequence[str] = (), *, metrics_port: int | None = None,
-        wait_target: float = WAIT_TARGET) -> int:  # fmt: skip
+        wait_target: float = WAIT_TARGET, stop: threading.Event | None = None) -> int:  # fmt: skip
     """Run the subscriptions until SIGTERM/SIGINT or until every worker has stopped; return the exit status.
 
     ``metrics_port``: serve Prometheus metrics (:mod:`applier.metrics`) on 127.0.0.1:PORT for as long as this runs.
     ``wait_target``: seconds to wait for a target that is down or starting up (:func:`wait_for_target`).
+    ``stop``: setting it stops the workers as SIGTERM does. ``migrate start`` sets it once its migration is done:
+    the disabled subscription would stop the worker too, but only at its next re-read of the catalog (1-2 s).
     """
     wait_for_target(target, wait_target)
     catalog = open_catalog(target, create=True)  # also upgrades an older catalog before any worker reads it
@@ -238,14 +240,20 @@ def run(target: str, names: Sequence[str] = (), *, metrics_port: int | None = No
     workers = _Workers(target, wait_target)
     # installed before the first worker starts, so that no signal can end us and orphan a worker
     previous = {s: signal.signal(s, workers.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    ended = threading.Event()
+    if stop is not None:
+        threading.Thread(
+            target=_stop_when, args=(stop, ended, workers), name="stop-when", daemon=True
+        ).start()
     try:
         for sub in subs:
-            if workers.signals_seen:
+            if workers.stopping:
                 break
             workers.start(sub.subname)
         log.info("running %d subscription(s): %s", len(subs), ", ".join(s.subname for s in subs))
         outcomes = workers.wait_all()
     finally:
+        ended.set()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     failed = [o for o in outcomes if not o.ok]
@@ -266,6 +274,18 @@ class _Workers:
         self.wait_target = wait_target
         self.running: dict[Any, tuple[str, Any, multiprocessing.connection.Connection]] = {}
         self.signals_seen = 0
+        self.asked = False  # stopped by the caller's event, not a signal (run's ``stop``)
+
+    @property
+    def stopping(self) -> bool:
+        return self.signals_seen > 0 or self.asked
+
+    def ask_to_stop(self) -> None:
+        """Stop the workers as a first signal would, from another thread (nothing to kill them after it)."""
+        self.asked = True  # before the loop: a worker start()ed meanwhile is told by start() itself
+        log.info("stopping the workers")
+        for _, proc, _ in list(self.running.values()):
+            _signal_worker(proc, signal.SIGTERM)
 
     def on_signal(self, signum: int, _frame: FrameType | None) -> None:
         # Workers are told by a signal of their own, not through a shared multiprocessing.Event: setting one waits
@@ -292,7 +312,7 @@ class _Workers:
         sender.close()
         self.running[proc.sentinel] = (subname, proc, receiver)
         # a signal that came while this worker was starting did not reach it: the handler did not know it yet
-        if self.signals_seen:
+        if self.stopping:
             _signal_worker(proc, signal.SIGTERM)
 
     def wait_all(self) -> list[WorkerOutcome]:
@@ -302,11 +322,18 @@ class _Workers:
             for sentinel in multiprocessing.connection.wait(list(self.running)):
                 subname, proc, receiver = self.running.pop(sentinel)  # type: ignore[call-overload]
                 proc.join()
-                outcome = _outcome(subname, proc.exitcode, receiver, stopping=self.signals_seen > 0)
+                outcome = _outcome(subname, proc.exitcode, receiver, stopping=self.stopping)
                 outcomes.append(outcome)
                 if not outcome.ok:
                     log.error('worker for subscription "%s" failed: %s', subname, outcome.message)
         return outcomes
+
+
+def _stop_when(stop: threading.Event, ended: threading.Event, workers: _Workers) -> None:
+    while not ended.is_set():
+        if stop.wait(0.2):
+            workers.ask_to_stop()
+            return
 
 
 def _serve_metrics(port: int, target: str, names: list[str]) -> None:

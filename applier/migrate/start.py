@@ -509,7 +509,7 @@ class _Runner:
             )
             auto.start()
         try:
-            status = runner.run(self.opts.target, [m.subname], wait_target=runner.WAIT_TARGET)
+            status = runner.run(self.opts.target, [m.subname], wait_target=runner.WAIT_TARGET, stop=self.stop)
         finally:
             finished.set()
             forwarder.join()
@@ -554,17 +554,16 @@ class _Runner:
                 co.cutover(co.CutoverOptions(self.opts.name, self.opts.target), self.say)
             except Exception as exc:  # noqa: BLE001 - reported by follow(), start exits 1
                 self.auto_error = str(exc)
-                self.signalled = True  # the worker is still running: stop it as a signal would
-                self.stop.set()
+            self.stop.set()  # done (or failed): the worker stops now, not at its next look at the catalog
             return
 
     def _forward_stop(self, ours: Any, finished: threading.Event) -> None:
         """Pass on a signal that reached our own handler before ``runner.run`` installed its handlers: SIGTERM to
         ourselves once runner's handler is in place.
 
-        A migration that ends (cutover done, abort) is *not* passed on as a signal: both disable the subscription,
-        so its worker stops by itself and ``runner.run`` returns, with a clean exit status rather than one of a
-        worker stopped by a signal in the middle of its own ending."""
+        A migration that ends (cutover done, abort) is *not* passed on as a signal: :meth:`watch` (or the
+        automatic cutover) sets ``self.stop``, which ``runner.run`` takes as its ``stop`` event and stops the
+        worker as a first signal would, with a clean exit status."""
         while not finished.wait(0.2):
             if self.signalled and signal.getsignal(signal.SIGTERM) is not ours:
                 os.kill(os.getpid(), signal.SIGTERM)

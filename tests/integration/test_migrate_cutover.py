@@ -199,6 +199,7 @@ def test_start_with_cutover_does_the_whole_job_in_one_command(pair) -> None:
     assert res.returncode == 0, res.stdout + res.stderr
     assert "cutting over" in res.stdout and "cutover done: write downtime" in res.stdout
     assert 'migration "mig" done' in res.stdout
+    assert "stopping the workers" in res.stderr  # at once, not at the worker's next look at the catalog
     for q in ("SELECT * FROM acc ORDER BY id", "SELECT * FROM log ORDER BY id"):
         assert tgt.query(q) == pub.query(q)
     assert tgt.scalar("SELECT nextval('free_seq')") == 43
