@@ -331,7 +331,7 @@ class _Workers:
 
 def _stop_when(stop: threading.Event, ended: threading.Event, workers: _Workers) -> None:
     while not ended.is_set():
-        if stop.wait(0.2):
+        if stop.wait(0.05):
             workers.ask_to_stop()
             return
 
