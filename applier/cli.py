@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -383,7 +384,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _dispatch(args, extra, parser)
     except ApplierError as exc:
-        print(f"ERROR: {scrub(str(exc), *secrets)}", file=sys.stderr)
+        message = scrub(str(exc), *secrets)
+        logs = sys.modules.get("applier.logs")  # imported by the commands that log (run)
+        if logs is not None and logs.logs_json():
+            logging.getLogger("applier").error(message)  # stderr is a JSON log: the error is a record too
+        else:
+            print(f"ERROR: {message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -23,7 +23,6 @@ independent, as in PostgreSQL.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -43,6 +42,7 @@ from applier.apply.worker import ApplyWorker
 from applier.catalog.store import Catalog, Subscription
 from applier.conninfo import scrub
 from applier.errors import ApplierError
+from applier.logs import configure_logging
 from applier.metrics import WorkerMetrics
 from applier.retry import max_retry_interval_default, retry_delay
 from applier.subscriptions import (
@@ -90,73 +90,6 @@ class WorkerOutcome:
     subname: str
     ok: bool
     message: str
-
-
-# --- logging ---------------------------------------------------------------------------------------------------
-
-
-class _ScrubPasswords(logging.Filter):
-    """Last line of defence: no log line carries the target's password, whatever a library put in a message."""
-
-    def __init__(self, *conninfos: str) -> None:
-        super().__init__()
-        self.conninfos = [c for c in conninfos if c]
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if self.conninfos:
-            record.msg = scrub(record.getMessage(), *self.conninfos)
-            record.args = None
-        return True
-
-
-_RECORD_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
-
-
-class JsonFormatter(logging.Formatter):
-    """``--log-format json``: one JSON object per line for log shippers. Extra attributes a caller attached with
-    ``extra=`` (remote xid, finish LSN, relation…) become fields of their own."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        doc: dict[str, Any] = {
-            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "process": record.processName,
-            "pid": record.process,
-            "message": record.getMessage(),
-        }
-        doc.update(
-            {k: v for k, v in vars(record).items() if k not in _RECORD_FIELDS and not k.startswith("_")}
-        )
-        if record.exc_info:
-            doc["exception"] = self.formatException(record.exc_info)
-        return json.dumps(doc, default=str)
-
-
-def configure_logging(target: str, level: str | int | None = None, log_format: str | None = None) -> None:
-    """One line per event: time, level, process and subscription, message. ``APPLIER_LOG_LEVEL`` overrides INFO;
-    ``log_format`` (or ``APPLIER_LOG_FORMAT``, which spawned workers inherit) is ``text`` or ``json``."""
-    level = level or os.environ.get("APPLIER_LOG_LEVEL", "INFO").upper()
-    log_format = log_format or os.environ.get("APPLIER_LOG_FORMAT", "text")
-    if log_format not in ("text", "json"):
-        raise SubscriptionError(
-            f"unknown log format {log_format!r}", "use --log-format text or --log-format json"
-        )
-    os.environ["APPLIER_LOG_FORMAT"] = log_format  # the spawned workers format the same way
-    handler = logging.StreamHandler(sys.stderr)
-    formatter: logging.Formatter = (
-        JsonFormatter()
-        if log_format == "json"
-        else logging.Formatter("%(asctime)s %(levelname)s %(processName)s[%(process)d] %(message)s")
-    )
-    formatter.converter = time.gmtime  # type: ignore[assignment]
-    handler.setFormatter(formatter)
-    handler.addFilter(_ScrubPasswords(target))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
-    for noisy in ("py4j", "sqlalchemy.engine"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 # --- the parent --------------------------------------------------------------------------------------------------

@@ -118,3 +118,14 @@ def test_the_initial_copy_reports_its_progress_as_log_records(pair):
     messages = [json.loads(line)["message"] for line in lines]
     assert f'subscription "{name}": public.items: done, 5,000 rows' in "\n".join(messages), messages
     assert any(m.startswith(f'subscription "{name}": snapshot ') for m in messages), messages
+
+
+def test_a_refused_run_says_why_in_a_json_record(pair):
+    res = subprocess.run(
+        [sys.executable, "-m", "applier.cli", "--target", pair.target.dsn, "run", "nosuch", "--log-format", "json"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 1
+    (line,) = [line for line in res.stderr.splitlines() if line.strip()]
+    record = json.loads(line)
+    assert record["level"] == "error" and 'subscription "nosuch" does not exist' in record["message"], record
