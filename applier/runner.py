@@ -45,6 +45,7 @@ from applier.errors import ApplierError
 from applier.logs import configure_logging
 from applier.metrics import WorkerMetrics
 from applier.retry import max_retry_interval_default, retry_delay
+from applier.signals import set_once
 from applier.subscriptions import (
     SubscriptionBusy,
     SubscriptionError,
@@ -317,7 +318,7 @@ def worker_main(target: str, subname: str, report: multiprocessing.connection.Co
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     stop = threading.Event()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, set_once(stop))  # a second SIGTERM inside the first must not deadlock
     threading.Thread(target=_orphan_watch, args=(stop,), name="orphan-watch", daemon=True).start()
     wlog = logging.getLogger(f"applier.worker.{subname}")
     try:

@@ -41,6 +41,7 @@ from applier.migrate.selection import Selection
 from applier.migrate.state import MigrationError
 from applier.migrate.tools import find_dump_tools
 from applier.replication import ReplicationConnection, ReplicationConnectionError
+from applier.signals import set_once
 
 if TYPE_CHECKING:
     from tablesync.initial import InitialCopy
@@ -590,12 +591,12 @@ class _Runner:
 def start(opts: StartOptions, say: Callable[[str], None]) -> int:
     runner = _Runner(opts, say)
 
-    def on_signal(signum: int, _frame: Any) -> None:
-        say(f"{signal.Signals(signum).name} received: stopping")
+    def on_signal(signum: int) -> None:
         runner.signalled = True
-        runner.stop.set()
+        say(f"{signal.Signals(signum).name} received: stopping")
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    handler = set_once(runner.stop, on_signal)  # a second signal inside the first must not deadlock
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
     finished = threading.Event()
     watcher = threading.Thread(target=runner.watch, args=(finished,), name="migration-watch", daemon=True)
     watcher.start()
