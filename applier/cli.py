@@ -126,6 +126,12 @@ def _add_create(sub: _Subcommands, common: argparse.ArgumentParser) -> None:
         help="use an existing slot instead of creating one",
     )
     p.add_argument("--disabled", action="store_true", help="create the subscription disabled (run skips it)")
+    p.add_argument(
+        "--run-as-owner",
+        action="store_true",
+        help="trust the target tables' owners: run their triggers, defaults and other code with the apply role's "
+        "rights (by default such code is refused; docs/security.md)",
+    )
 
 
 def _add_run(sub: _Subcommands, common: argparse.ArgumentParser) -> None:
@@ -202,7 +208,7 @@ def _add_alter(sub: _Subcommands, common: argparse.ArgumentParser) -> None:
         action="extend",
         metavar="OPTION=VALUE",
         dest="set_options",
-        help="two_phase, streaming, binary, disable_on_error, origin or slot_name",
+        help="two_phase, streaming, binary, disable_on_error, origin, slot_name, gid_format or run_as_owner",
     )
     action.add_argument(
         "--refresh-publication",
@@ -313,7 +319,7 @@ def _create(args: argparse.Namespace, target: str, console: Console) -> None:
             name=args.name, publisher=args.publisher, publications=tuple(args.publications),
             two_phase=args.two_phase, streaming=args.streaming, copy_data=args.copy_data, binary=args.binary,
             origin=args.origin, disable_on_error=args.disable_on_error, slot_name=args.slot_name,
-            create_slot=args.create_slot, enabled=not args.disabled,
+            create_slot=args.create_slot, enabled=not args.disabled, run_as_owner=args.run_as_owner,
         ),
         console,
     )  # fmt: skip

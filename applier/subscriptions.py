@@ -416,6 +416,7 @@ class CreateOptions:
     slot_name: str | None = None  # default: the subscription's name
     create_slot: bool = True
     enabled: bool = True
+    run_as_owner: bool = False  # PostgreSQL 16's: trust the tables' owners (docs/security.md)
 
     @property
     def slot(self) -> str:
@@ -462,7 +463,7 @@ def create(target: str, opts: CreateOptions, console: Console = QUIET) -> Subscr
                 subname=opts.name, conninfo=stored_conninfo, publications=list(opts.publications),
                 two_phase_state=two_phase, streaming=opts.streaming, binary=opts.binary,
                 disable_on_error=opts.disable_on_error, origin=opts.origin, slot_name=opts.slot,
-                enabled=opts.enabled, copy_data=opts.copy_data,
+                enabled=opts.enabled, copy_data=opts.copy_data, run_as_owner=opts.run_as_owner,
             )  # fmt: skip
         state = _add_tables_and_slot(catalog, target, pub, sub, opts, tables, relids, slot_two_phase, console)
 
@@ -647,7 +648,9 @@ def _create_slot(pub: ReplicationConnection, slot: str, two_phase: bool, console
 
 _TRUE = {"true", "on", "yes", "1", "t", "y"}
 _FALSE = {"false", "off", "no", "0", "f", "n"}
-SETTABLE = ("two_phase", "streaming", "binary", "disable_on_error", "origin", "slot_name", "gid_format")
+SETTABLE = (
+    "two_phase", "streaming", "binary", "disable_on_error", "origin", "slot_name", "gid_format", "run_as_owner",
+)  # fmt: skip
 
 
 def _bool(option: str, value: str) -> bool:
@@ -676,7 +679,7 @@ def parse_set_options(items: Sequence[str]) -> dict[str, Any]:
         if option in result:
             raise SubscriptionError(f'option "{option}" given twice')
         v = value.strip()
-        if option in ("two_phase", "binary", "disable_on_error"):
+        if option in ("two_phase", "binary", "disable_on_error", "run_as_owner"):
             result[option] = _bool(option, v)
         elif option == "streaming":
             if v.lower() == "parallel":
@@ -708,7 +711,8 @@ def parse_set_options(items: Sequence[str]) -> dict[str, Any]:
 
 
 _COLUMNS = {"streaming": "substream", "binary": "subbinary", "disable_on_error": "subdisableonerr",
-            "origin": "suborigin", "slot_name": "subslotname", "gid_format": "subgidformat"}  # fmt: skip
+            "origin": "suborigin", "slot_name": "subslotname", "gid_format": "subgidformat",
+            "run_as_owner": "subrunasowner"}  # fmt: skip
 
 
 def set_enabled(target: str, name: str, enabled: bool, console: Console = QUIET) -> None:
@@ -1060,6 +1064,7 @@ def _status_of(catalog: Catalog, sub: Subscription, publisher_timeout: int) -> d
         "streaming": sub.substream,
         "binary": sub.subbinary,
         "disable_on_error": sub.subdisableonerr,
+        "run_as_owner": sub.subrunasowner,
         "origin": sub.suborigin,
         "gid_format": sub.subgidformat,
         "slot_name": sub.subslotname,
@@ -1185,7 +1190,7 @@ def format_status(entries: list[dict[str, Any]]) -> str:
             f'subscription "{s["name"]}" (subid {s["subid"]}): {"enabled" if s["enabled"] else "disabled"}, '
             f"two-phase {s['two_phase']} ({_TWO_PHASE_WORDS.get(s['two_phase'], '?')}), streaming {s['streaming']}, "
             f"binary {str(s['binary']).lower()}, origin {s['origin']}, disable_on_error "
-            f"{str(s['disable_on_error']).lower()}"
+            f"{str(s['disable_on_error']).lower()}, run_as_owner {str(s['run_as_owner']).lower()}"
             + (f", skip-LSN {s['skip_lsn']}" if s["skip_lsn"] else ""),
             f"  publisher: {s['publisher']}; publications {', '.join(s['publications'])}; slot {s['slot_name']}",
             f"  worker: {s['worker'] or 'not running'}",

@@ -249,6 +249,8 @@ class PartitionCopier:
             # before it, so a partition lost in a crash can only be one whose table is not yet marked copied.
             tconn.execute("SET LOCAL synchronous_commit = off")
             tconn.execute(sql.SQL(task.lock_target))  # type: ignore[arg-type]
+            if task.trust_check:  # after the lock: nothing the check passed can change before our commit
+                tconn.execute(sql.SQL(task.trust_check))  # type: ignore[arg-type]
             # The claim is checked before the snapshot is imported: an orphaned task stops here either way.
             pconn, tcur = self._publisher(task.snapshot), tconn.cursor()
             with tcur.copy(sql.SQL(task.copy_in)) as dst:  # type: ignore[arg-type]

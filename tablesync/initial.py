@@ -345,7 +345,10 @@ class InitialCopy:
         for p in plans.values():
             if not p.binary:
                 self.reporter.note(f"{p.relname}: text format ({p.text_reason})")
-        self.tasks = partition_tasks(list(plans.values()), subid=self.subid, snapshot=self.slot.snapshot)
+        self.tasks = partition_tasks(
+            list(plans.values()), subid=self.subid, snapshot=self.slot.snapshot,
+            run_as_owner=self.sub is not None and self.sub.subrunasowner,
+        )  # fmt: skip
         return self.tasks
 
     # 4 ----------------------------------------------------------------------------------------------------------

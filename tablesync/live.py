@@ -427,7 +427,7 @@ class LiveSync:
         options = StreamOptions(
             publications=list(sub.subpublications), streaming="off", two_phase=False,
             origin=sub.suborigin if sub.suborigin in ("any", "none") else None,  # type: ignore[arg-type]
-            binary=sub.subbinary,
+            binary=sub.subbinary, run_as_owner=sub.subrunasowner,
         )  # fmt: skip
         repl.start_replication(copier.slot.slot_name, c_lsn, options)
         target = Target.connect(

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 from psycopg import sql
 
+from applier.catalog.trust import SCHEMA as TRUST_SCHEMA
+
 #: PostgreSQL's default block size; the real one is read from the publisher (``block_size``).
 DEFAULT_BLOCK_SIZE = 8192
 #: What one partition should read: big enough that per-task overhead (a Python task, two connections, a snapshot
@@ -121,6 +123,9 @@ class PartitionTask:
     lock_target: str  # LOCK TABLE t IN ROW EXCLUSIVE MODE
     pages: int  # pages this range covers as planned (the last range may find more)
     extra: dict[str, str] = field(default_factory=dict)
+    #: run after ``lock_target``, before the COPY: fails when the COPY would run code the apply role does not
+    #: trust (applier.catalog.trust); empty with run_as_owner
+    trust_check: str = ""
 
 
 # --- columns, filters, format -----------------------------------------------------------------------------------
@@ -276,6 +281,14 @@ def lock_target_sql(plan: TablePlan) -> sql.Composed:
     )
 
 
+def trust_check_sql(plan: TablePlan) -> sql.Composed:
+    """The trust check of the COPY into ``plan``'s table (its INSERT triggers, the defaults of the columns it
+    does not copy, ...), after the lock: see applier.catalog.trust."""
+    return sql.SQL(
+        "SELECT {}.trust_check({}::pg_catalog.oid::pg_catalog.regclass, 'I', {}::pg_catalog.text[])"
+    ).format(sql.Identifier(TRUST_SCHEMA), sql.Literal(plan.relid), sql.Literal(list(plan.columns)))
+
+
 # --- the plan --------------------------------------------------------------------------------------------------
 
 
@@ -305,12 +318,18 @@ def plan_table(
 
 
 def partition_tasks(
-    plans: Sequence[TablePlan], *, subid: int, snapshot: str, render: object = None
+    plans: Sequence[TablePlan],
+    *,
+    subid: int,
+    snapshot: str,
+    render: object = None,
+    run_as_owner: bool = False,
 ) -> list[PartitionTask]:
     """One task per page range of every table, biggest first (longest-processing-time-first scheduling keeps
     both cores busy until the end instead of finishing on one large straggler).
 
     ``render`` turns a composed statement into a string (``Composable.as_string``'s context: a connection or None).
+    Unless ``run_as_owner``, each task checks its table for code the apply role does not trust first.
     """
     items: list[tuple[int, TablePlan, int, int, int | None]] = []
     for plan in plans:
@@ -327,6 +346,7 @@ def partition_tasks(
                 copy_in=copy_in_sql(plan).as_string(render),  # type: ignore[arg-type]
                 lock_target=lock_target_sql(plan).as_string(render),  # type: ignore[arg-type]
                 pages=pages,
+                trust_check="" if run_as_owner else trust_check_sql(plan).as_string(render),  # type: ignore[arg-type]
             )
         )  # fmt: skip
     return tasks

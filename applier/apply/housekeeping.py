@@ -45,7 +45,10 @@ WATCH_STALE = 5.0
 #: wal_receiver_timeout: silence from the publisher this long ends the session (a ping is sent at half of it).
 RECEIVER_TIMEOUT = 60.0
 #: the subscription options the stream depends on: a change restarts the session
-STREAM_OPTIONS = ("subconninfo", "subslotname", "subbinary", "substream", "suborigin", "subpublications")
+STREAM_OPTIONS = (
+    "subconninfo", "subslotname", "subbinary", "substream", "suborigin", "subpublications",
+    "subrunasowner",  # the session's statements carry the trust check or not (applier.apply.target_dml)
+)  # fmt: skip
 
 
 def state_set(rels: Iterable[RelState]) -> frozenset[tuple[int, str, int | None]]:

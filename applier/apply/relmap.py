@@ -50,6 +50,9 @@ class LocalTable:
     #: whole transactions may be applied to it a batch at a time (applier.apply.bulk): a plain table with no
     #: trigger or rule enabled REPLICA or ALWAYS and no column with a nondeterministic collation
     bulk: bool = False
+    #: (schema, name) of every domain its columns' types hold (through arrays, ranges and composites): the guard
+    #: statement of the trust check depends on them (applier.apply.target_dml, applier.catalog.trust)
+    domains: tuple[tuple[str, str], ...] = ()
 
     @property
     def display(self) -> str:

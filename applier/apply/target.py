@@ -38,6 +38,7 @@ from applier.apply.relmap import LocalColumn, LocalTable
 from applier.apply.target_catalog import CatalogWrites, gid_literal
 from applier.apply.target_copy import CopyIn, _copy_escape
 from applier.apply.target_dml import DmlStatements
+from applier.catalog.trust import TYPE_WALK
 from applier.lsn import format_lsn, parse_lsn
 
 __all__ = [
@@ -115,7 +116,8 @@ STAMP_SQL = (
 #: which ``ROWS FROM`` would expand into its fields ("INSERT has more expressions than target columns").
 _LOCAL_TABLES = (
     "SELECT c.oid, n.nspname::text, c.relname::text, c.relkind::text, {bulk},"
-    " cols.names, cols.types, cols.generated, cols.arrays, cols.identity, keys.key, {stamp}"
+    " cols.names, cols.types, cols.generated, cols.arrays, cols.identity, keys.key, doms.schemas, doms.names,"
+    " {stamp}"
     " FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
     " LEFT JOIN LATERAL (SELECT array_agg(a.attname::text ORDER BY a.attnum) AS names,"
     "   array_agg(a.atttypid::int8 ORDER BY a.attnum) AS types, array_agg(a.attgenerated::text ORDER BY a.attnum)"
@@ -134,9 +136,15 @@ _LOCAL_TABLES = (
     "   WHERE i.indexrelid = (SELECT i2.indexrelid FROM pg_catalog.pg_index i2 WHERE i2.indrelid = c.oid"
     "     AND i2.indisvalid AND ((c.relreplident = 'i' AND i2.indisreplident) OR i2.indisprimary)"
     "     ORDER BY (c.relreplident = 'i' AND i2.indisreplident) DESC LIMIT 1)) keys ON true"
+    " LEFT JOIN LATERAL (WITH RECURSIVE {walk} SELECT"
+    "   array_agg(dn.nspname::text ORDER BY d.oid) AS schemas, array_agg(d.typname::text ORDER BY d.oid) AS names"
+    "   FROM types JOIN pg_catalog.pg_type d ON d.oid = types.typ AND d.typtype = 'd'"
+    "   JOIN pg_catalog.pg_namespace dn ON dn.oid = d.typnamespace) doms ON true"
     " WHERE {where}"
 )
 _BY_NAME = sql.SQL("n.nspname = %s AND c.relname = %s")
+#: the types a table's columns hold, for ``domains`` (applier.catalog.trust.TYPE_WALK)
+_WALK = sql.SQL(TYPE_WALK.replace("{rels}", "c.oid"))
 _BY_OIDS = sql.SQL("c.oid = ANY(%s::pg_catalog.oid[])")
 _STAMPS = sql.SQL(
     "SELECT c.oid, {} FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
@@ -146,20 +154,44 @@ _STAMPS = sql.SQL(
 
 def _local_table(row: Sequence[Any]) -> LocalTable:
     """A :class:`LocalTable` from a row of ``_LOCAL_TABLES``."""
-    oid, schema, name, relkind, bulk, names, types, generated, arrays, identity, key = row[:11]
+    (
+        oid,
+        schema,
+        name,
+        relkind,
+        bulk,
+        names,
+        types,
+        generated,
+        arrays,
+        identity,
+        key,
+        dom_schemas,
+        dom_names,
+    ) = row[:13]
     columns = tuple(
         LocalColumn(n, t, g or "", a, i or "")
         for n, t, g, a, i in zip(
             names or (), types or (), generated or (), arrays or (), identity or (), strict=True
         )
     )
-    return LocalTable(int(oid), schema, name, relkind, columns, tuple(key) if key else None, bool(bulk))
+    domains = tuple(zip(dom_schemas or (), dom_names or (), strict=True))
+    return LocalTable(
+        int(oid), schema, name, relkind, columns, tuple(key) if key else None, bool(bulk), domains
+    )
 
 
 class Target:
     """The apply session on the target database."""
 
-    def __init__(self, conn: psycopg.Connection[Any], *, origin: str = "", binary: bool = False) -> None:
+    def __init__(
+        self,
+        conn: psycopg.Connection[Any],
+        *,
+        origin: str = "",
+        binary: bool = False,
+        run_as_owner: bool = False,
+    ) -> None:
         self.conn = conn
         self.pgconn = conn.pgconn
         self.pipeline = Pipeline(self.pgconn)
@@ -185,7 +217,7 @@ class Target:
         self._fixed_prepared = False
         # the parts, by what they hold: COPY state, the row-change statements, the catalog statements
         self.copy = CopyIn(conn, self.pipeline)
-        self.dml = DmlStatements(conn, self.pipeline, self.copy, binary)
+        self.dml = DmlStatements(conn, self.pipeline, self.copy, binary, run_as_owner)
         self.catalog = CatalogWrites(self)
         # the calls the apply core makes (ports.ApplyTarget), bound once: no extra call on the hot path
         dml = self.dml
@@ -200,7 +232,7 @@ class Target:
             dml.bulk_update,
             dml.bulk_delete,
         )
-        self.start_copy, self.end_copy = self.copy.start, self.copy.end
+        self.end_copy = self.copy.end
         cat = self.catalog
         self.record_prepared, self.record_prepared_many = cat.record_prepared, cat.record_prepared_many
         self.mark_ready, self.prepared_transactions = cat.mark_ready, cat.prepared_transactions
@@ -208,9 +240,12 @@ class Target:
     # --- setup -----------------------------------------------------------------------------------------------
     @classmethod
     def connect(
-        cls, conninfo: str, *, origin: str, application_name: str = "applier", binary: bool = False
-    ) -> Target:
-        """Connect and set the session up; ``origin`` becomes the session's replication origin.
+        cls, conninfo: str, *, origin: str, application_name: str = "applier", binary: bool = False,
+        run_as_owner: bool = False,
+    ) -> Target:  # fmt: skip
+        """Connect and set the session up; ``origin`` becomes the session's replication origin. Unless
+        ``run_as_owner``, every change is checked first for code the apply role does not trust
+        (:meth:`DmlStatements.guard`), which needs the catalog's functions (applier.catalog.trust).
 
         ``pg_replication_origin_session_setup`` fails if another session already uses the origin: that is how two
         workers of one subscription are kept from running at once.
@@ -226,7 +261,7 @@ class Target:
         except BaseException:
             conn.close()
             raise
-        return cls(conn, origin=origin, binary=binary)
+        return cls(conn, origin=origin, binary=binary, run_as_owner=run_as_owner)
 
     def close(self) -> None:
         self._close_side()
@@ -302,7 +337,9 @@ class Target:
             if unchanged:
                 return found[0]
         rows = self.query(
-            sql.SQL(_LOCAL_TABLES).format(bulk=_BULK_OK, stamp=sql.SQL(STAMP_SQL), where=_BY_NAME),
+            sql.SQL(_LOCAL_TABLES).format(
+                bulk=_BULK_OK, stamp=sql.SQL(STAMP_SQL), walk=_WALK, where=_BY_NAME
+            ),
             (schema, name),
         )
         return _local_table(rows[0]) if rows else None
@@ -325,7 +362,9 @@ class Target:
             return 0
         self._side_until = time.monotonic() + PRELOAD_KEEP_S
         rows = self.query(
-            sql.SQL(_LOCAL_TABLES).format(bulk=_BULK_OK, stamp=sql.SQL(STAMP_SQL), where=_BY_OIDS),
+            sql.SQL(_LOCAL_TABLES).format(
+                bulk=_BULK_OK, stamp=sql.SQL(STAMP_SQL), walk=_WALK, where=_BY_OIDS
+            ),
             (list(oids),),
         )
         self.preloaded = {(r[1], r[2]): (_local_table(r), r[-1]) for r in rows}
@@ -389,6 +428,13 @@ class Target:
             self.prepare_fixed(ctx)
             self.pipeline.send_prepared(b"applier_begin", (), None, ctx)
             self.in_transaction = True
+            self.dml.new_transaction()
+
+    def start_copy(self, entry: Any, rows: Sequence[Any], ctx: ErrorContext | None) -> None:
+        """Begin a COPY into ``entry``'s table (:class:`CopyIn`), after its trust check (a COPY runs the table's
+        INSERT triggers, and the defaults of the columns it does not send)."""
+        self.dml.check(entry, "I", ctx)
+        self.copy.start(entry, rows, ctx)
 
     def prepare_fixed(self, ctx: ErrorContext | None) -> None:
         """Statements every transaction uses, prepared once per session."""

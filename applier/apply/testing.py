@@ -55,6 +55,7 @@ def setup_subscription(
     binary: bool = False,
     disable_on_error: bool = False,
     table_state: SyncState | str = SyncState.READY,
+    run_as_owner: bool = False,
 ) -> ApplySetup:
     """Publication ``name`` FOR TABLE ``tables`` (which must exist on both sides), catalog rows with every table in
     ``table_state``, and a pgoutput slot ``name`` (two-phase when ``two_phase_state`` is ``e``). The states may be
@@ -73,7 +74,7 @@ def setup_subscription(
     sub = catalog.create_subscription(
         subname=name, conninfo=publisher.dsn, publications=[name], two_phase_state=two_phase_state,
         streaming=streaming, binary=binary, disable_on_error=disable_on_error, origin="any", slot_name=name,
-        enabled=True, copy_data=False,
+        enabled=True, copy_data=False, run_as_owner=run_as_owner,
     )  # fmt: skip
     for t in tables:
         relid = target.scalar("SELECT %s::regclass::oid", (t,))

@@ -334,7 +334,8 @@ class ApplyWorker:
     def _connect_target(self, sub: Subscription) -> Target:
         try:
             return Target.connect(self.target_conninfo, origin=sub.origin_name,
-                                  application_name=f"applier {sub.subname}", binary=sub.subbinary)  # fmt: skip
+                                  application_name=f"applier {sub.subname}", binary=sub.subbinary,
+                                  run_as_owner=sub.subrunasowner)  # fmt: skip
         except psycopg.errors.UndefinedObject as exc:
             raise ApplyWorkerError(
                 f'replication origin "{sub.origin_name}" of subscription "{sub.subname}" does not exist on the '

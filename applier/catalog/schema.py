@@ -20,11 +20,12 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg
 from sqlalchemy.types import TypeDecorator, UserDefinedType
 
+from applier.catalog.trust import FUNCTIONS as TRUST_FUNCTIONS
 from applier.lsn import format_lsn, parse_lsn
 
 SCHEMA = "applier"
 #: Bump with a migration in :data:`MIGRATIONS` whenever a table or column changes.
-CATALOG_VERSION = 4
+CATALOG_VERSION = 5
 
 
 # --- PostgreSQL types SQLAlchemy does not know -----------------------------------------------------------------
@@ -99,6 +100,8 @@ subscription = sa.Table(
     sa.Column("subcreated", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
     # since catalog version 4: how local prepared transactions are named (state.twophase.GID_FORMATS)
     sa.Column("subgidformat", sa.Text, nullable=False, server_default="subscription"),
+    # since catalog version 5: PostgreSQL 16's run_as_owner; false: run no code the apply role does not trust
+    sa.Column("subrunasowner", sa.Boolean, nullable=False, server_default=sa.false()),
 )
 
 subscription_rel = sa.Table(
@@ -211,5 +214,9 @@ MIGRATIONS: dict[int, list[str]] = {
     ],
     4: [
         f"ALTER TABLE {SCHEMA}.subscription ADD COLUMN IF NOT EXISTS subgidformat text NOT NULL DEFAULT 'subscription'"
+    ],
+    5: [
+        f"ALTER TABLE {SCHEMA}.subscription ADD COLUMN IF NOT EXISTS subrunasowner boolean NOT NULL DEFAULT false",
+        *TRUST_FUNCTIONS,
     ],
 }

@@ -30,6 +30,7 @@ from applier.catalog.schema import (
     ERROR_COLUMNS_V2,
     MIGRATIONS,
     SCHEMA,
+    TRUST_FUNCTIONS,
     apply_error,
     apply_lag,
     catalog_version,
@@ -84,6 +85,7 @@ class Subscription:
     subcopydata: bool
     subslotconsistentlsn: int | None
     subgidformat: str = "subscription"  # a catalog of version < 4 has no such column: the default
+    subrunasowner: bool = False  # version < 5 has none: table owners not trusted (PostgreSQL 16's default)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "subtwophasestate", TwoPhaseState(self.subtwophasestate))
@@ -182,6 +184,8 @@ class Catalog:
             c.execute(sa.text(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}"))
             if not self.exists(c):
                 metadata.create_all(c)
+                for stmt in TRUST_FUNCTIONS:  # the trust check's functions (applier.catalog.trust)
+                    c.execute(sa.text(stmt))
                 c.execute(catalog_version.insert().values(version=CATALOG_VERSION))
                 return CATALOG_VERSION
             version = c.execute(sa.select(sa.func.max(catalog_version.c.version))).scalar() or 0
@@ -199,7 +203,8 @@ class Catalog:
     # subscriptions -----------------------------------------------------------------------------------------
     def create_subscription(self, *, subname: str, conninfo: str, publications: Sequence[str], two_phase_state: TwoPhaseState,
                             streaming: str, binary: bool, disable_on_error: bool, origin: str, slot_name: str | None,
-                            enabled: bool, copy_data: bool, gid_format: str = "subscription") -> Subscription:  # fmt: skip
+                            enabled: bool, copy_data: bool, gid_format: str = "subscription",
+                            run_as_owner: bool = False) -> Subscription:  # fmt: skip
         """Insert the subscription row with a cluster-wide unique subid and create its replication origin."""
         with self.engine.begin() as c:
             c.execute(sa.text("SELECT pg_advisory_xact_lock(hashtext('applier.subid'))"))
@@ -222,7 +227,7 @@ class Catalog:
                     subid=candidate, subname=subname, subenabled=enabled, subtwophasestate=TwoPhaseState(two_phase_state).value,
                     substream=streaming, subbinary=binary, subdisableonerr=disable_on_error, subskiplsn=None,
                     suborigin=origin, subslotname=slot_name, subpublications=list(publications),
-                    subconninfo=conninfo, subcopydata=copy_data, subgidformat=gid_format,
+                    subconninfo=conninfo, subcopydata=copy_data, subgidformat=gid_format, subrunasowner=run_as_owner,
                 )
             )  # fmt: skip
             # Creating the origin claims the id cluster-wide; a concurrent creator in another database fails here
@@ -234,7 +239,8 @@ class Catalog:
         """The subscription table's columns this catalog has: one of version < 4 (not upgraded yet: ``run`` and
         ``create`` upgrade it) has no ``subgidformat``, which then reads as its default."""
         version = c.execute(sa.select(sa.func.max(catalog_version.c.version))).scalar() or 0
-        return [col for col in subscription.c if version >= 4 or col.name != "subgidformat"]
+        since = {"subgidformat": 4, "subrunasowner": 5}
+        return [col for col in subscription.c if version >= since.get(col.name, 0)]
 
     def _get(self, c: sa.Connection, where: Any) -> Subscription | None:
         row = c.execute(sa.select(*self._subscription_columns(c)).where(where)).mappings().first()

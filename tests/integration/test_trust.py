@@ -1,0 +1,289 @@
+"""The apply never lends its rights (issue 26): with ``run_as_owner = false`` (the default) a change or a copy that
+would run code controlled by a role the apply role does not trust fails, through the usual failure path, with an
+error that names the table, the object and its owner; the untrusted role stays unprivileged and what was applied
+before stays. With ``run_as_owner = true`` the owner's code runs, as PostgreSQL's subscriber runs it with that
+option. docs/security.md has the threat model; applier/catalog/trust.py the check.
+
+Each test plays the attack a table owner can mount against an apply role that is a superuser (what most
+deployments use): code that runs ``ALTER ROLE <owner> SUPERUSER`` when a replicated change reaches the table."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from psycopg import sql
+from test_cli_common import APPLIER, create, ok, status
+
+from applier.apply.testing import ApplySetup, setup_subscription
+from applier.testing import wait_for_catchup, wait_until
+
+pytestmark = pytest.mark.core
+
+#: the body of every attack: make the table's owner a superuser, with the rights of whoever runs it
+_ESCALATE = "BEGIN EXECUTE format('ALTER ROLE %I SUPERUSER', {owner}); RETURN {ret}; END"
+
+
+@pytest.fixture
+def mallory(pair: Any) -> Iterator[str]:
+    """An unprivileged role on the target (the owner of a replicated table), dropped at the end."""
+    role = f"m_{pair.name}"[:63]
+    pair.target.cluster.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+    yield role
+    for stmt in ("DROP OWNED BY {} CASCADE", "DROP ROLE {}"):
+        pair.target.execute(sql.SQL(stmt).format(sql.Identifier(role)))
+
+
+def _superuser(pair: Any, role: str) -> bool:
+    return bool(pair.target.scalar("SELECT rolsuper FROM pg_roles WHERE rolname = %s", (role,)))
+
+
+def _owned_table(pair: Any, role: str, target_extra: str = "") -> None:
+    """Table t on both sides; on the target owned by ``role`` (with ``target_extra`` columns)."""
+    pair.publisher.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
+    pair.target.execute(f"CREATE TABLE t (id int PRIMARY KEY, v text{target_extra})")
+    pair.target.execute(sql.SQL("ALTER TABLE t OWNER TO {}").format(sql.Identifier(role)))
+
+
+def _function(pair: Any, role: str, signature: str, returns: str, ret: str) -> None:
+    """A plpgsql function owned by ``role`` that makes ``role`` a superuser when it runs."""
+    body = _ESCALATE.format(owner=sql.Literal(role).as_string(None), ret=ret)
+    pair.target.execute(
+        f"CREATE FUNCTION public.{signature} RETURNS {returns} LANGUAGE plpgsql AS $$ {body} $$"
+    )
+    pair.target.execute(
+        sql.SQL("ALTER FUNCTION public.{} OWNER TO {}").format(sql.SQL(signature), sql.Identifier(role))
+    )
+
+
+def _evil_trigger(pair: Any, role: str, when: str = "BEFORE INSERT OR UPDATE") -> None:
+    _function(pair, role, "evil()", "trigger", "NEW")
+    pair.target.execute(f"CREATE TRIGGER evil {when} ON t FOR EACH ROW EXECUTE FUNCTION public.evil()")
+    pair.target.execute("ALTER TABLE t ENABLE ALWAYS TRIGGER evil")
+
+
+def _refused(s: ApplySetup, *words: str) -> dict[str, Any]:
+    """Wait until the worker's last error is the trust check's refusal naming ``words``; return it."""
+
+    def refused() -> dict[str, Any] | None:
+        e = status(s.target, s.name)["last_error"]
+        return e if e and "runs no code that a role" in e["message"] and not e["resolved"] else None
+
+    wait_until(refused, timeout=60, what="the trust check's refusal in status")
+    e = refused()
+    assert e is not None and e["sqlstate"] == "42501", e
+    for w in words:
+        assert w in e["message"], (w, e["message"])
+    assert "run_as_owner=true" in e["message"]  # the way out, from the error's hint
+    return e
+
+
+def test_trigger_attached_while_the_worker_runs_is_refused_and_nothing_is_lost(pair, mallory) -> None:
+    """The apply path: a row applied, then the owner attaches an ALWAYS trigger; the next change is refused
+    (the guard's plan was cached for the table: the new trigger must invalidate it), the owner stays
+    unprivileged, the first row stays, and once the trigger is gone the change is applied, exactly once."""
+    _owned_table(pair, mallory)
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"])
+    w = s.start()
+    try:
+        pair.publisher.execute("INSERT INTO t VALUES (1, 'before')")
+        wait_for_catchup(pair.publisher, pair.name, timeout=60)
+        _evil_trigger(pair, mallory)
+        pair.publisher.execute("INSERT INTO t VALUES (2, 'after')")
+        e = _refused(s, "public.t", "trigger evil", f"owned by role {mallory}")
+        assert e["relation"] == "public.t" and e["message_type"] == "INSERT"
+        assert not _superuser(pair, mallory)
+        assert pair.target.query("SELECT id FROM t ORDER BY id") == [(1,)]
+        pair.target.execute("DROP TRIGGER evil ON t")
+        wait_until(
+            lambda: pair.target.scalar("SELECT count(*) FROM t") == 2, timeout=60, what="row 2 applied"
+        )
+    finally:
+        w.stop()
+    assert pair.target.query("SELECT id, v FROM t ORDER BY id") == [(1, "before"), (2, "after")]
+    assert not _superuser(pair, mallory)
+
+
+def test_default_of_a_column_the_publisher_does_not_send_is_refused(pair, mallory) -> None:
+    """The owner's volatile function as the DEFAULT of a column only the target has."""
+    _function(pair, mallory, "stamp()", "text", "'x'")
+    _owned_table(pair, mallory, ", extra text DEFAULT public.stamp()")
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"])
+    w = s.start()
+    try:
+        pair.publisher.execute("INSERT INTO t VALUES (1, 'one')")
+        _refused(s, "default of column extra", f"runs function public.stamp() owned by role {mallory}")
+        assert not _superuser(pair, mallory)
+        assert pair.target.scalar("SELECT count(*) FROM t") == 0
+    finally:
+        w.stop()
+
+
+def test_always_rule_and_domain_constraint_are_refused(pair, mallory) -> None:
+    """A rule enabled ALWAYS on the owner's table, then (once it is dropped) a CHECK on a domain the owner owns,
+    added while the worker runs: a domain constraint does not touch the table, so only the guard's dependency on
+    the domain can notice it."""
+    _function(pair, mallory, "ok(int)", "boolean", "true")
+    pair.target.execute("CREATE DOMAIN public.pos AS int")
+    pair.target.execute(sql.SQL("ALTER DOMAIN public.pos OWNER TO {}").format(sql.Identifier(mallory)))
+    pair.publisher.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
+    pair.target.execute("CREATE TABLE t (id public.pos PRIMARY KEY, v text)")
+    pair.target.execute(sql.SQL("ALTER TABLE t OWNER TO {}").format(sql.Identifier(mallory)))
+    pair.target.execute("CREATE RULE audit AS ON INSERT TO t DO ALSO SELECT 1")
+    pair.target.execute("ALTER TABLE t ENABLE ALWAYS RULE audit")
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"])
+    w = s.start()
+    try:
+        pair.publisher.execute("INSERT INTO t VALUES (1, 'one')")
+        _refused(s, "rule audit", "is a rule of a table whose owner")
+        pair.target.execute("DROP RULE audit ON t")
+        wait_until(lambda: pair.target.scalar("SELECT count(*) FROM t") == 1, timeout=60, what="row 1")
+        # NOT VALID: checking the rows there would run the function with the test's own (superuser) rights
+        pair.target.execute("ALTER DOMAIN public.pos ADD CONSTRAINT c CHECK (public.ok(VALUE)) NOT VALID")
+        pair.publisher.execute("INSERT INTO t VALUES (2, 'two')")
+        _refused(s, "constraint c of domain public.pos", f"owned by role {mallory}")
+        assert pair.target.scalar("SELECT count(*) FROM t") == 1
+        assert not _superuser(pair, mallory)
+    finally:
+        w.stop()
+
+
+def test_trusted_trigger_keeps_working_and_a_replaced_one_is_refused(pair, mallory) -> None:
+    """The benign case: an ALWAYS audit trigger owned by the apply role on a table another role owns runs. The
+    owner then replaces the trigger with one of its own (CREATE OR REPLACE TRIGGER, while the worker runs): the
+    next change is refused."""
+    _owned_table(pair, mallory)
+    pair.target.execute("CREATE TABLE audit (id int)")
+    pair.target.execute(
+        "CREATE FUNCTION public.audit() RETURNS trigger LANGUAGE plpgsql AS"
+        " $$ BEGIN INSERT INTO public.audit VALUES (NEW.id); RETURN NEW; END $$"
+    )
+    pair.target.execute("CREATE TRIGGER audit AFTER INSERT ON t FOR EACH ROW EXECUTE FUNCTION public.audit()")
+    pair.target.execute("ALTER TABLE t ENABLE ALWAYS TRIGGER audit")
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"])
+    w = s.start()
+    try:
+        pair.publisher.execute("INSERT INTO t VALUES (1, 'one')")
+        wait_until(
+            lambda: pair.target.scalar("SELECT count(*) FROM audit") == 1, timeout=60, what="audit row"
+        )
+        _function(pair, mallory, "evil()", "trigger", "NEW")
+        pair.target.execute(
+            "CREATE OR REPLACE TRIGGER audit AFTER INSERT ON t FOR EACH ROW EXECUTE FUNCTION public.evil()"
+        )
+        pair.target.execute(
+            "ALTER TABLE t ENABLE ALWAYS TRIGGER audit"
+        )  # a replaced trigger fires on origin only
+        pair.publisher.execute("INSERT INTO t VALUES (2, 'two')")
+        _refused(s, "trigger audit", f"runs function public.evil() owned by role {mallory}")
+        assert not _superuser(pair, mallory)
+        assert pair.target.scalar("SELECT count(*) FROM t") == 1
+    finally:
+        w.stop()
+
+
+def test_run_as_owner_trusts_the_owner(pair, mallory) -> None:
+    """With run_as_owner the owner's trigger runs with the apply role's rights, as the option says (native runs
+    it as the apply role too with run_as_owner = true); status shows the option."""
+    _owned_table(pair, mallory)
+    pair.target.execute("CREATE TABLE seen (id int)")
+    pair.target.execute(sql.SQL("GRANT INSERT ON seen TO {}").format(sql.Identifier(mallory)))
+    pair.target.execute(
+        "CREATE FUNCTION public.seen() RETURNS trigger LANGUAGE plpgsql AS"
+        " $$ BEGIN INSERT INTO public.seen VALUES (NEW.id); RETURN NEW; END $$"
+    )
+    pair.target.execute(sql.SQL("ALTER FUNCTION public.seen() OWNER TO {}").format(sql.Identifier(mallory)))
+    pair.target.execute("CREATE TRIGGER seen AFTER INSERT ON t FOR EACH ROW EXECUTE FUNCTION public.seen()")
+    pair.target.execute("ALTER TABLE t ENABLE ALWAYS TRIGGER seen")
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"], run_as_owner=True)
+    assert status(pair.target, pair.name)["run_as_owner"] is True
+    w = s.start()
+    try:
+        pair.publisher.execute("INSERT INTO t VALUES (1, 'one')")
+        wait_until(
+            lambda: pair.target.scalar("SELECT count(*) FROM seen") == 1, timeout=60, what="trigger ran"
+        )
+    finally:
+        w.stop()
+
+
+def test_alter_run_as_owner_restarts_with_the_new_trust(pair, mallory) -> None:
+    """``alter --set run_as_owner=true`` lets a refused change through (the worker restarts its session);
+    ``=false`` refuses again; status says which."""
+    _owned_table(pair, mallory)
+    pair.target.execute(
+        "CREATE FUNCTION public.noop() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RETURN NEW; END $$"
+    )
+    pair.target.execute(sql.SQL("ALTER FUNCTION public.noop() OWNER TO {}").format(sql.Identifier(mallory)))
+    pair.target.execute("CREATE TRIGGER noop BEFORE INSERT ON t FOR EACH ROW EXECUTE FUNCTION public.noop()")
+    pair.target.execute("ALTER TABLE t ENABLE ALWAYS TRIGGER noop")
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"])
+    w = s.start()
+    try:
+        pair.publisher.execute("INSERT INTO t VALUES (1, 'one')")
+        _refused(s, "trigger noop")
+        ok(pair.target, "alter", pair.name, "--set", "run_as_owner=true")
+        assert status(pair.target, pair.name)["run_as_owner"] is True
+        assert "run_as_owner true" in ok(pair.target, "status", pair.name)
+        wait_until(
+            lambda: pair.target.scalar("SELECT count(*) FROM t") == 1, timeout=60, what="row 1 applied"
+        )
+        session = _apply_backend(pair)
+        ok(pair.target, "alter", pair.name, "--set", "run_as_owner=false")
+        # the option takes effect when the worker starts its next session (as ALTER SUBSCRIPTION's do)
+        wait_until(
+            lambda: _apply_backend(pair) not in (None, session), timeout=30, what="a new apply session"
+        )
+        pair.publisher.execute("INSERT INTO t VALUES (2, 'two')")
+        _refused(s, "trigger noop")
+        assert pair.target.scalar("SELECT count(*) FROM t") == 1
+    finally:
+        w.stop()
+
+
+def _apply_backend(pair: Any) -> int | None:
+    """The pid of the worker's apply session on the target."""
+    return pair.target.scalar(
+        "SELECT pid FROM pg_stat_activity WHERE application_name = %s", (f"applier {pair.name}",)
+    )
+
+
+def _copy_refused(pair: Any, mallory: str, tmp_path: Any, env: dict[str, str]) -> None:
+    """``applier create`` (with the copy) and ``applier run``: the copy into the owner's table with an ALWAYS
+    INSERT trigger fails, retried, with the refusal in status; run does not exit; the owner stays unprivileged."""
+    import subprocess
+
+    _owned_table(pair, mallory)
+    pair.publisher.execute("INSERT INTO t SELECT g, 'row ' || g FROM generate_series(1, 100) g")
+    pair.publisher.execute("CREATE PUBLICATION p FOR TABLE t")
+    _evil_trigger(pair, mallory, "BEFORE INSERT")
+    create(pair, "s", publication="p")
+    log = open(tmp_path / "run.log", "w+")
+    proc = subprocess.Popen([*APPLIER, "--target", pair.target.dsn, "run", "--max-retry-interval", "2"],
+                            stdout=log, stderr=subprocess.STDOUT, text=True, env={**os.environ, **env})  # fmt: skip
+    try:
+        wait_until(lambda: ((status(pair.target, "s")["last_error"] or {}).get("message") or "").find(
+            "runs no code that a role") >= 0, timeout=240, what="the copy refused")  # fmt: skip
+        e = status(pair.target, "s")["last_error"]
+        assert e["message_type"] == "COPY" and e["relation"] == "public.t" and "trigger evil" in e["message"]
+        assert proc.poll() is None
+        assert not _superuser(pair, mallory)
+        assert pair.target.scalar("SELECT count(*) FROM t") == 0
+        pair.target.execute("DROP TRIGGER evil ON t")
+        wait_until(lambda: pair.target.scalar("SELECT count(*) FROM t") == 100, timeout=240, what="the copy")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+        log.close()
+    assert not _superuser(pair, mallory)
+
+
+def test_copy_path_refused_on_the_driver(pair, mallory, tmp_path) -> None:
+    _copy_refused(pair, mallory, tmp_path, {})
+
+
+@pytest.mark.spark
+def test_copy_path_refused_in_spark(pair, mallory, tmp_path) -> None:
+    _copy_refused(pair, mallory, tmp_path, {"APPLIER_TABLESYNC_HEAD_START": "0"})
