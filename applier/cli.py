@@ -1,4 +1,4 @@
-"""The ``applier`` command line (DESIGN.md, "Command line": its names are a fixed interface).
+"""The ``applier`` command line (docs/reference.md, "Command line": its names are a fixed interface).
 
 Options follow CREATE / ALTER / DROP SUBSCRIPTION's names. The target comes from ``--target`` (accepted before or
 after the subcommand) or, as for psql, from the ``PG*`` environment. This module only parses and prints; the work is
@@ -44,7 +44,7 @@ def _warn(message: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line; each option's help is one line."""
-    # --target is accepted before the subcommand (as DESIGN.md writes it) and after it (as people type it)
+    # --target is accepted before the subcommand (as docs/reference.md writes it) and after it (as people type it)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--target", metavar="CONNINFO", default=argparse.SUPPRESS, help=_TARGET_HELP)
 

@@ -40,9 +40,9 @@ __all__ = [
 
 
 #: ``subgidformat``: ``subscription`` names a local prepared transaction ``pg_gid_<subid>_<remote xid>`` as
-#: PostgreSQL does (behaviour 62, the default, fixed in DESIGN.md); ``original`` keeps the publisher's GID, so that
-#: an application's transaction manager can finish it on the target after a migration's cutover
-#: (``applier migrate cutover --prepared carry``). Opt-in, because two publishers (or the target's own
+#: PostgreSQL does (behaviour 62, the default, fixed in docs/reference.md, "Prepared transaction names");
+#: ``original`` keeps the publisher's GID, so that an application's transaction manager can finish it on the target
+#: after a migration's cutover (``applier migrate cutover --prepared carry``). Opt-in, because two publishers (or the target's own
 #: applications) may use the same GID, which then fails to prepare here.
 GID_FORMATS = ("subscription", "original")
 

@@ -1,4 +1,5 @@
-"""The initial copy of a subscription's tables at one exported snapshot (DESIGN.md, "The life of a subscription" 2).
+"""The initial copy of a subscription's tables at one exported snapshot (docs/reference.md, "The life of a
+subscription" 2).
 
 Steps, each a method of :class:`InitialCopy` so tests can act between them:
 

@@ -1,7 +1,7 @@
 """The catalog's schema: SQLAlchemy Core tables in schema ``applier`` of the target database, its version, and the
 migrations that take an older catalog to this version.
 
-Column names follow PostgreSQL's ``pg_subscription`` / ``pg_subscription_rel`` (fixed by DESIGN.md, "Catalog": other
+Column names follow PostgreSQL's ``pg_subscription`` / ``pg_subscription_rel`` (fixed by docs/reference.md, "Catalog": other
 tools read them). Everything else here is ours: the record of each prepared transaction (``LookupGXact``'s data,
 which ``pg_prepared_xacts`` does not show), error records, per-partition copy markers, the recent apply lag and the
 catalog version.

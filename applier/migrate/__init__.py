@@ -1,4 +1,4 @@
-"""``applier migrate``: move a live database to another server (DESIGN.md, "Migration"; issue 17).
+"""``applier migrate``: move a live database to another server (docs/reference.md, "Migration commands"; issue 17).
 
 Small modules, pure logic apart from the I/O at their edges:
 

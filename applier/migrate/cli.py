@@ -1,4 +1,4 @@
-"""``applier migrate VERB ...`` (DESIGN.md, "Migration": the verbs and options are a fixed interface).
+"""``applier migrate VERB ...`` (docs/reference.md, "Migration commands": the verbs and options are a fixed interface).
 
 :mod:`applier.cli` hands everything after ``migrate`` to :func:`main`. Exit status: 0 success, 1 a blocker, a
 refused or failed command (the message says why), 2 a usage error.

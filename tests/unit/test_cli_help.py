@@ -1,11 +1,11 @@
-"""The command line is a fixed interface (DESIGN.md, "Command line" and "Migration"): every command's ``--help``
-and every option's parser settings (flags, destination, default, choices, type, whether required) are compared
-with a recorded copy, ``golden/cli_help.txt``, so that reshaping the parser code (one function per subcommand,
+"""The command line is a fixed interface (docs/reference.md, "Command line" and "Migration commands"): every
+command's ``--help`` and every option's parser settings (flags, destination, default, choices, type, whether
+required) are compared with a recorded copy, ``golden/cli_help.txt``, so that reshaping the parser code (one function per subcommand,
 issue 18's limits) cannot change what users and scripts see without the test saying so.
 
 The recording was made from the parser as it was before that reshaping. A deliberate change of the interface
 regenerates it: ``PYTHONPATH=$PWD python tests/unit/test_cli_help.py > tests/unit/golden/cli_help.txt``, and the
-diff goes in the same commit as the change (and DESIGN.md's picture of the interface, if it moves)."""
+diff goes in the same commit as the change (and docs/reference.md, if the interface moves)."""
 
 from __future__ import annotations
 

@@ -1000,7 +1000,7 @@ def test_skip_through_the_machine() -> None:
 
 
 def test_life_of_a_two_phase_subscription() -> None:
-    """DESIGN.md's life of a subscription, step by step."""
+    """docs/reference.md's "The life of a subscription", step by step."""
     state, slot_two_phase = new_subscription("s1", ["public.a", "public.b"], two_phase=True)
     assert state.two_phase is TP.PENDING and not slot_two_phase
     state, actions = apply_event(state, TablesyncRestarted())
