@@ -177,9 +177,12 @@ def _scalar(catalog: Catalog, query: str, **params: Any) -> Any:
 
 def origin_progress(catalog: Catalog, sub: Subscription) -> int:
     """The remote LSN up to which the subscription's origin says the target has applied (0 when none yet)."""
+    # pg_replication_origin_progress, not the pg_replication_origin_status view: the apply role is granted the
+    # function anyway, the view would be one more grant (docs/security.md)
     lsn = _scalar(
         catalog,
-        "SELECT remote_lsn::text FROM pg_replication_origin_status WHERE external_id = :o",
+        "SELECT CASE WHEN EXISTS (SELECT FROM pg_catalog.pg_replication_origin WHERE roname = :o)"
+        " THEN pg_catalog.pg_replication_origin_progress(:o, false)::text END",
         o=sub.origin_name,
     )
     return parse_lsn(lsn) if lsn else 0
@@ -1147,7 +1150,7 @@ def _publisher_view(sub: Subscription, origin: int, timeout: int) -> dict[str, A
         view.update(
             slot_active=slot[0], slot_two_phase=slot[4], restart_lsn=slot[2], confirmed_flush_lsn=slot[3]
         )
-    if stream is not None:
+    if stream is not None and stream[0] is not None:  # NULLs unless the role has pg_read_all_stats
         state, write, flush, replay, lag_bytes, lag_seconds, reply_time = stream
         view.update(stream_state=state, received_lsn=write, flushed_lsn=flush, applied_lsn=replay,
                     last_reply=_when(reply_time), lag_bytes=max(lag_bytes or 0, 0),
