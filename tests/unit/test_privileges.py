@@ -5,6 +5,8 @@ docs/security.md shows and the test harness grants."""
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +83,13 @@ def test_least_privilege_is_the_same_from_15_on(version: int):
         *[f"GRANT EXECUTE ON FUNCTION {f} TO app;" for f in ORIGIN_FUNCTIONS],
         "GRANT SELECT, INSERT, UPDATE, DELETE, TRUNCATE ON TABLE public.t TO app;",
     ]
+
+
+def test_docs_show_the_same_grants():
+    """docs/security.md's SQL block is what the code asks for: a grant added to one must be added to the other."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
+    shown = {
+        re.sub(r"\s+", " ", s.strip()) for s in re.findall(r"^((?:GRANT|CREATE SCHEMA)[^;]*;)", doc, re.M)
+    }
+    needed = set(least_privilege_grants(180000, "apply_role", "mydb", ["public.orders"]))
+    assert needed <= shown, needed - shown
