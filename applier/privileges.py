@@ -69,6 +69,7 @@ class TargetFacts:
     may_set_replication_role: bool
     missing_functions: tuple[str, ...] = ()
     tables: Sequence[TableFacts] = field(default_factory=tuple)
+    unusable_schemas: tuple[str, ...] = ()  # schemas of subscribed tables without USAGE for the role
 
 
 def missing_grants(facts: TargetFacts) -> list[str]:
@@ -88,6 +89,7 @@ def missing_grants(facts: TargetFacts) -> list[str]:
                 " upgrade the target to 15 or later, or connect as a superuser"
             )
     lines += [f"GRANT EXECUTE ON FUNCTION {f} TO {role};" for f in facts.missing_functions]
+    lines += [f"GRANT USAGE ON SCHEMA {s} TO {role};" for s in facts.unusable_schemas]
     lines += [f"GRANT {', '.join(t.missing)} ON TABLE {t.name} TO {role};" for t in facts.tables if t.missing]
     return lines
 

@@ -582,12 +582,17 @@ def _require_grants(catalog: Catalog, facts: TargetFacts, relids: dict[str, int]
             sa.text(
                 "SELECT quote_ident(n.nspname) || '.' || quote_ident(c.relname) AS name,"
                 " ARRAY(SELECT p FROM unnest(CAST(:privs AS text[])) p WHERE NOT has_table_privilege(c.oid, p))"
-                " AS missing FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+                " AS missing, quote_ident(n.nspname) AS schema, has_schema_privilege(n.oid, 'USAGE') AS usable"
+                " FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
                 " WHERE c.oid = ANY(CAST(:relids AS oid[])) ORDER BY 1"
             ),
             {"privs": list(TABLE_PRIVILEGES), "relids": sorted(set(relids.values()))},
         ).all()
-    facts = dataclasses.replace(facts, tables=tuple(TableFacts(r.name, tuple(r.missing)) for r in rows))
+    facts = dataclasses.replace(
+        facts,
+        tables=tuple(TableFacts(r.name, tuple(r.missing)) for r in rows),
+        unusable_schemas=tuple(sorted({r.schema for r in rows if not r.usable})),
+    )
     lines = missing_grants(facts)
     if lines:
         raise SubscriptionError(

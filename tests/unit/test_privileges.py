@@ -40,10 +40,12 @@ def test_each_missing_piece_is_one_statement_for_the_role():
         ALL_SET, may_set_replication_role=False, missing_functions=("pg_catalog.pg_replication_origin_drop(text)",),
         tables=(TableFacts("public.t", ("TRUNCATE",)), TableFacts('"Odd"."T"', ("SELECT", "UPDATE")),
                 TableFacts("public.ok")),
+        unusable_schemas=('"Odd"',),
     )  # fmt: skip
     assert missing_grants(facts) == [
         "GRANT SET ON PARAMETER session_replication_role TO app;",
         "GRANT EXECUTE ON FUNCTION pg_catalog.pg_replication_origin_drop(text) TO app;",
+        'GRANT USAGE ON SCHEMA "Odd" TO app;',
         "GRANT TRUNCATE ON TABLE public.t TO app;",
         'GRANT SELECT, UPDATE ON TABLE "Odd"."T" TO app;',
     ]
