@@ -162,7 +162,10 @@ def test_no_privilege_to_create_an_origin(pair) -> None:
     try:
         as_role = pair.target.dsn + f" user={role}"
         err = fails(as_role, "create", "s", "--publisher", pair.publisher.dsn, "--publication", pair.name)
-        assert f"role {role} lacks privileges on the target that a subscription needs; nothing was written" in err
+        assert (
+            f"role {role} lacks privileges on the target that a subscription needs; nothing was written"
+            in err
+        )
         assert f"GRANT EXECUTE ON FUNCTION pg_catalog.pg_replication_origin_create(text) TO {role};" in err
         assert "docs/security.md" in err
     finally:
