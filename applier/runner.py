@@ -53,6 +53,7 @@ from applier.subscriptions import (
     open_catalog,
     require_subscription,
     target_errors,
+    warn_if_superuser,
 )
 from tablesync import TablesyncError, run_initial_copy
 from tablesync.live import LiveSyncCoordinator
@@ -167,6 +168,7 @@ def run(target: str, names: Sequence[str] = (), *, metrics_port: int | None = No
     catalog = open_catalog(target, create=True)  # also upgrades an older catalog before any worker reads it
     with target_errors(target):
         subs = _select(catalog, names)
+        warn_if_superuser(catalog, log.warning)
     catalog.engine.dispose()
     if metrics_port is not None:
         _serve_metrics(metrics_port, target, [s.subname for s in subs])

@@ -15,6 +15,7 @@ starts in their middle. Advisory locks vanish with the session, so a crashed wor
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import os
 import re
@@ -33,6 +34,14 @@ from applier.catalog.store import Catalog, CatalogError, RelState, Subscription
 from applier.conninfo import describe, has_password, scrub, without_password
 from applier.errors import ApplierError
 from applier.lsn import format_lsn, parse_lsn
+from applier.privileges import (
+    ORIGIN_FUNCTIONS,
+    SET_PARAMETER_VERSION,
+    TABLE_PRIVILEGES,
+    TableFacts,
+    TargetFacts,
+    missing_grants,
+)
 from applier.replication import ReplicationConnection, ReplicationConnectionError
 from state.tables import SyncState, initial_sync_state
 from state.twophase import (
@@ -139,8 +148,8 @@ def target_errors(target: str) -> Iterator[None]:
         if isinstance(orig, psycopg.errors.InsufficientPrivilege):
             raise SubscriptionError(
                 f"permission denied on the target: {str(orig).strip()}",
-                "applier keeps its catalog in schema applier of the target database and needs a superuser there "
-                "(or CREATE on the database plus the grants named above)",
+                "applier keeps its catalog in schema applier of the target database; docs/security.md lists "
+                "the grants its role needs there (applier create names the missing ones)",
             ) from None
         raise SubscriptionError(f"the target failed: {scrub(str(orig), target).strip()}") from None
 
@@ -177,9 +186,12 @@ def _scalar(catalog: Catalog, query: str, **params: Any) -> Any:
 
 def origin_progress(catalog: Catalog, sub: Subscription) -> int:
     """The remote LSN up to which the subscription's origin says the target has applied (0 when none yet)."""
+    # pg_replication_origin_progress, not the pg_replication_origin_status view: the apply role is granted the
+    # function anyway, the view would be one more grant (docs/security.md)
     lsn = _scalar(
         catalog,
-        "SELECT remote_lsn::text FROM pg_replication_origin_status WHERE external_id = :o",
+        "SELECT CASE WHEN EXISTS (SELECT FROM pg_catalog.pg_replication_origin WHERE roname = :o)"
+        " THEN pg_catalog.pg_replication_origin_progress(:o, false)::text END",
         o=sub.origin_name,
     )
     return parse_lsn(lsn) if lsn else 0
@@ -443,18 +455,19 @@ def create(target: str, opts: CreateOptions, console: Console = QUIET) -> Subscr
 
     catalog = open_catalog(target)
     with target_errors(target):
-        _check_target(catalog, opts)
-        catalog.ensure()
-        if catalog.get(opts.name) is not None:
-            raise SubscriptionError(
-                f'subscription "{opts.name}" already exists on this target',
-                "choose another name, or remove the old one first: applier drop " + opts.name,
-            )
+        facts = _check_target(catalog, opts, console)
 
     with connect_publisher(opts.publisher, "create", opts.name, doing="create the subscription") as pub:
         tables = _check_publisher(pub, opts)
         with target_errors(target):
             relids = _target_tables(catalog, tables)
+            _require_grants(catalog, facts, relids)  # everything is checked: only now is anything written
+            catalog.ensure()
+            if catalog.get(opts.name) is not None:
+                raise SubscriptionError(
+                    f'subscription "{opts.name}" already exists on this target',
+                    "choose another name, or remove the old one first: applier drop " + opts.name,
+                )
         two_phase, slot_two_phase = initial_two_phase(
             opts.two_phase, opts.copy_data, opts.create_slot, has_tables=bool(tables)
         )
@@ -511,28 +524,112 @@ def _add_tables_and_slot(catalog: Catalog, target: str, pub: ReplicationConnecti
     return state
 
 
-def _check_target(catalog: Catalog, opts: CreateOptions) -> None:
-    """What the target must allow: creating replication origins, and prepared transactions if two-phase is asked."""
+def _check_target(catalog: Catalog, opts: CreateOptions, console: Console) -> TargetFacts:
+    """What the target must allow, read before anything is written: the role's privileges (returned, completed
+    with the tables' once the publisher has named them), and prepared transactions if two-phase is asked."""
     with catalog.engine.connect() as c:
-        user, may_create_origin, max_prepared = c.execute(
-            sa.text(
-                "SELECT current_user, has_function_privilege('pg_catalog.pg_replication_origin_create(text)',"
-                " 'EXECUTE'), current_setting('max_prepared_transactions')::int"
-            )
-        ).one()
-    if not may_create_origin:
-        raise SubscriptionError(
-            f'role "{user}" has no privilege to create a replication origin on the target '
-            "(pg_replication_origin_create): every subscription keeps its progress in one",
-            "connect to the target as a superuser, or have one GRANT EXECUTE on the pg_replication_origin_* "
-            f"functions TO {user}",
-        )
+        facts = read_target_facts(c)
+        max_prepared = c.execute(sa.text("SELECT current_setting('max_prepared_transactions')::int")).scalar()
+    if facts.superuser:
+        warn_superuser_once(facts.role, console.warn)
     if opts.two_phase and max_prepared == 0:
         raise SubscriptionError(
             "two-phase needs prepared transactions on the target, but its max_prepared_transactions is 0",
             "set max_prepared_transactions on the target (e.g. to max_connections) and restart it, or create "
             "the subscription without --two-phase",
         )
+    return facts
+
+
+_FACTS = """
+SELECT current_setting('server_version_num')::int AS version, quote_ident(current_user) AS role,
+       quote_ident(current_database()) AS database, current_setting('is_superuser') = 'on' AS superuser,
+       has_database_privilege(current_database(), 'CREATE') AS create_db, n.oid IS NOT NULL AS schema_exists,
+       coalesce(has_schema_privilege(n.oid, 'CREATE'), false) AS create_schema,
+       coalesce(has_schema_privilege(n.oid, 'USAGE'), false) AS use_schema,
+       EXISTS (SELECT FROM pg_class c WHERE c.relnamespace = n.oid AND c.relname = 'catalog_version') AS catalog,
+       NOT EXISTS (SELECT FROM pg_class c WHERE c.relnamespace = n.oid AND c.relkind = 'r'
+                   AND NOT (has_table_privilege(c.oid, 'SELECT') AND has_table_privilege(c.oid, 'INSERT')
+                            AND has_table_privilege(c.oid, 'UPDATE') AND has_table_privilege(c.oid, 'DELETE')))
+         AS catalog_writable,
+       ARRAY(SELECT f FROM unnest(CAST(:functions AS text[])) f WHERE NOT has_function_privilege(f, 'EXECUTE'))
+         AS missing_functions
+FROM (SELECT) AS one LEFT JOIN pg_namespace n ON n.nspname = 'applier'
+"""
+
+
+def read_target_facts(c: sa.Connection) -> TargetFacts:
+    """The privileges of the connected role that :func:`applier.privileges.missing_grants` judges, in two
+    queries and without reading anything a non-superuser may not (no pg_authid: ``is_superuser`` says it)."""
+    r = c.execute(sa.text(_FACTS), {"functions": list(ORIGIN_FUNCTIONS)}).one()
+    may_set = r.superuser or (
+        r.version >= SET_PARAMETER_VERSION
+        and bool(
+            c.execute(sa.text("SELECT has_parameter_privilege('session_replication_role', 'SET')")).scalar()
+        )
+    )
+    return TargetFacts(
+        server_version=r.version, role=r.role, database=r.database, superuser=r.superuser,
+        may_create_in_database=r.create_db, schema_exists=r.schema_exists, may_create_in_schema=r.create_schema,
+        may_use_schema=r.use_schema, catalog_exists=r.catalog, catalog_writable=r.catalog_writable,
+        may_set_replication_role=may_set, missing_functions=tuple(r.missing_functions),
+    )  # fmt: skip
+
+
+def _require_grants(catalog: Catalog, facts: TargetFacts, relids: dict[str, int]) -> None:
+    """Refuse with every missing grant, ready to paste, rather than fail halfway through the first copy."""
+    with catalog.engine.connect() as c:
+        rows = c.execute(
+            sa.text(
+                "SELECT quote_ident(n.nspname) || '.' || quote_ident(c.relname) AS name,"
+                " ARRAY(SELECT p FROM unnest(CAST(:privs AS text[])) p WHERE NOT has_table_privilege(c.oid, p))"
+                " AS missing, quote_ident(n.nspname) AS schema, has_schema_privilege(n.oid, 'USAGE') AS usable"
+                " FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+                " WHERE c.oid = ANY(CAST(:relids AS oid[])) ORDER BY 1"
+            ),
+            {"privs": list(TABLE_PRIVILEGES), "relids": sorted(set(relids.values()))},
+        ).all()
+    facts = dataclasses.replace(
+        facts,
+        tables=tuple(TableFacts(r.name, tuple(r.missing)) for r in rows),
+        unusable_schemas=tuple(sorted({r.schema for r in rows if not r.usable})),
+    )
+    lines = missing_grants(facts)
+    if lines:
+        raise SubscriptionError(
+            f"role {facts.role} lacks privileges on the target that a subscription needs; nothing was written. "
+            "As a superuser, run on the target database:\n" + "\n".join(lines),
+            "docs/security.md lists every grant and what it is for; or connect to the target as a superuser",
+        )
+
+
+_superuser_warned = False
+
+
+def warn_if_superuser(catalog: Catalog, warn: Callable[[str], None]) -> None:
+    """:func:`warn_superuser_once` for ``applier run``, which has no facts read yet."""
+    if _superuser_warned:
+        return
+    with catalog.engine.connect() as c:
+        role, superuser = c.execute(
+            sa.text("SELECT quote_ident(current_user), current_setting('is_superuser') = 'on'")
+        ).one()
+    if superuser:
+        warn_superuser_once(role, warn)
+
+
+def warn_superuser_once(role: str, warn: Callable[[str], None]) -> None:
+    """Say once per process that the apply role need not be a superuser: a superuser bypasses every check the
+    target would otherwise make of what replication writes (docs/security.md)."""
+    global _superuser_warned
+    if _superuser_warned:
+        return
+    _superuser_warned = True
+    warn(
+        f"the target role {role} is a superuser; applier does not need one. A role with only the grants listed in "
+        'docs/security.md ("Least privilege: the apply role on the target") runs create, run and drop: '
+        "connect as such a role"
+    )
 
 
 def _check_publisher(pub: ReplicationConnection, opts: CreateOptions) -> list[str]:
@@ -1152,7 +1249,7 @@ def _publisher_view(sub: Subscription, origin: int, timeout: int) -> dict[str, A
         view.update(
             slot_active=slot[0], slot_two_phase=slot[4], restart_lsn=slot[2], confirmed_flush_lsn=slot[3]
         )
-    if stream is not None:
+    if stream is not None and stream[0] is not None:  # NULLs unless the role has pg_read_all_stats
         state, write, flush, replay, lag_bytes, lag_seconds, reply_time = stream
         view.update(stream_state=state, received_lsn=write, flushed_lsn=flush, applied_lsn=replay,
                     last_reply=_when(reply_time), lag_bytes=max(lag_bytes or 0, 0),

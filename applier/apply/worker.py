@@ -343,8 +343,8 @@ class ApplyWorker:
             ) from exc
         except psycopg.errors.InsufficientPrivilege as exc:
             raise ApplyWorkerError(
-                f"the target role may not run an apply session ({exc}): connect as a superuser, or grant it "
-                "SET ON PARAMETER session_replication_role and the pg_replication_origin_* functions"
+                f"the target role may not run an apply session ({exc}): grant it SET ON PARAMETER "
+                "session_replication_role and the pg_replication_origin_* functions (docs/security.md)"
             ) from exc
 
     def _connect_publisher(self, sub: Subscription, start_lsn: int, two_phase: bool) -> ReplicationConnection:

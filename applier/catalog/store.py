@@ -181,7 +181,10 @@ class Catalog:
         """
         with self.engine.begin() as c:
             c.execute(sa.text("SELECT pg_advisory_xact_lock(hashtext('applier.catalog'))"))
-            c.execute(sa.text(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}"))
+            # only when missing: CREATE SCHEMA IF NOT EXISTS wants CREATE on the database even when the schema
+            # is there, and a least-privileged role is given a schema of its own instead (docs/security.md)
+            if not c.execute(sa.text("SELECT to_regnamespace(:s) IS NOT NULL"), {"s": SCHEMA}).scalar():
+                c.execute(sa.text(f"CREATE SCHEMA {SCHEMA}"))
             if not self.exists(c):
                 metadata.create_all(c)
                 for stmt in TRUST_FUNCTIONS:  # the trust check's functions (applier.catalog.trust)

@@ -15,6 +15,9 @@ Our own tests use it, and so can users who want to hold a replica against its pu
 * :func:`wait_until`, :func:`wait_for_catchup` — poll for a condition instead of sleeping.
 * :func:`assert_tables_equal`, :func:`table_digest` — compare a table on two servers.
 * ``applier.testing.pytest_plugin`` — session-scoped publisher/target clusters and a fresh database pair per test.
+* ``applier.testing.roles`` — least-privileged roles (docs/security.md): :func:`~applier.testing.roles.create_apply_role`
+  on the target, :func:`~applier.testing.roles.create_replication_role` on the publisher, each returning the
+  :class:`Database` as that role (``Database.as_user``), and :func:`~applier.testing.roles.drop_role`.
 """
 
 from applier.testing.cluster import (

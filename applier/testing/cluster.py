@@ -426,26 +426,35 @@ def _quote_conninfo(value: str) -> str:
 
 @dataclass(frozen=True)
 class Database:
-    """One database of a cluster: what a test usually works with."""
+    """One database of a cluster: what a test usually works with; connected to as ``user`` (the superuser
+    ``postgres`` unless :meth:`as_user` named another role, e.g. one of :mod:`applier.testing.roles`)."""
 
     cluster: PostgresCluster
     name: str
+    user: str = "postgres"
 
     @property
     def dsn(self) -> str:
-        return self.cluster.dsn(self.name)
+        return self.cluster.dsn(self.name, user=self.user)
+
+    def as_user(self, user: str) -> Database:
+        """The same database, connected to as ``user`` (trust authentication: no password)."""
+        return Database(self.cluster, self.name, user)
 
     def connect(self, *, autocommit: bool = True, **kwargs: Any) -> psycopg.Connection:
-        return self.cluster.connect(self.name, autocommit=autocommit, **kwargs)
+        return psycopg.connect(self.dsn, autocommit=autocommit, **kwargs)
 
     def execute(self, query: Any, params: Any = None) -> None:
-        self.cluster.execute(query, params, dbname=self.name)
+        with self.connect() as conn:
+            conn.execute(query, params)
 
     def query(self, query: Any, params: Any = None) -> list[tuple[Any, ...]]:
-        return self.cluster.query(query, params, dbname=self.name)
+        with self.connect() as conn:
+            return conn.execute(query, params).fetchall()
 
     def scalar(self, query: Any, params: Any = None) -> Any:
-        return self.cluster.scalar(query, params, dbname=self.name)
+        rows = self.query(query, params)
+        return rows[0][0] if rows else None
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ PURE = (
     "applier.apply.copytext", "applier.apply.relmap", "applier.apply.feedback", "applier.apply.spool",
     "applier.apply.context", "applier.apply.apply_state", "applier.apply.insert_sink", "applier.apply.bulk_exec",
     "applier.apply.prepared_records", "applier.apply.skip_clear", "applier.apply.loop", "applier.apply.route",
-    "applier.apply.pacing", "applier.apply.coordinator", "applier.catalog.sql",
+    "applier.apply.pacing", "applier.apply.coordinator", "applier.catalog.sql", "applier.privileges",
 )  # fmt: skip
 # (applier.testing.fake_target is pure too, statically; its package's __init__ brings the server harness, psycopg)
 FORBIDDEN = (
