@@ -287,3 +287,42 @@ def test_copy_path_refused_on_the_driver(pair, mallory, tmp_path) -> None:
 @pytest.mark.spark
 def test_copy_path_refused_in_spark(pair, mallory, tmp_path) -> None:
     _copy_refused(pair, mallory, tmp_path, {"APPLIER_TABLESYNC_HEAD_START": "0"})
+
+
+def test_row_level_security_is_refused_for_a_non_superuser_apply_role(pair, mallory, tmp_path) -> None:
+    """A table whose RLS policy (with the owner's volatile function) applies to the apply role: refused with
+    PostgreSQL's own error, as the native worker refuses it; the policy's function never runs."""
+    import subprocess
+
+    from applier.testing.roles import create_apply_role, drop_role
+
+    _owned_table(pair, mallory)
+    _function(pair, mallory, "visible(int)", "boolean", "true")
+    pair.target.execute("ALTER TABLE t ENABLE ROW LEVEL SECURITY")
+    pair.target.execute("CREATE POLICY p ON t USING (public.visible(id)) WITH CHECK (public.visible(id))")
+    pair.publisher.execute("CREATE PUBLICATION p FOR TABLE t")
+    role = f"a_{pair.name}"[:63]
+    tgt = create_apply_role(pair.target, role, ["public.t"])
+    try:
+        ok(tgt, "create", "s", "--publisher", pair.publisher.dsn, "--publication", "p", "--no-copy-data")
+        log = open(tmp_path / "run.log", "w+")
+        proc = subprocess.Popen([*APPLIER, "--target", tgt.dsn, "run"], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            pair.publisher.execute("INSERT INTO t VALUES (1, 'one')")
+
+            def refused() -> bool:
+                e = status(tgt, "s")["last_error"] or {}
+                return "cannot replicate into relation with row-level security enabled" in (
+                    e.get("message") or ""
+                )
+
+            wait_until(refused, timeout=60, what="the RLS refusal in status")
+            assert f'user "{role}"' in status(tgt, "s")["last_error"]["message"]
+            assert not _superuser(pair, mallory) and pair.target.scalar("SELECT count(*) FROM t") == 0
+        finally:
+            proc.terminate()
+            proc.wait(timeout=120)
+            log.close()
+        ok(tgt, "drop", "s")
+    finally:
+        drop_role(pair.target, role)
