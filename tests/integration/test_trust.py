@@ -173,9 +173,8 @@ def test_trusted_trigger_keeps_working_and_a_replaced_one_is_refused(pair, mallo
         pair.target.execute(
             "CREATE OR REPLACE TRIGGER audit AFTER INSERT ON t FOR EACH ROW EXECUTE FUNCTION public.evil()"
         )
-        pair.target.execute(
-            "ALTER TABLE t ENABLE ALWAYS TRIGGER audit"
-        )  # a replaced trigger fires on origin only
+        # a replaced trigger is enabled ORIGIN again: make it fire for replicated rows
+        pair.target.execute("ALTER TABLE t ENABLE ALWAYS TRIGGER audit")
         pair.publisher.execute("INSERT INTO t VALUES (2, 'two')")
         _refused(s, "trigger audit", f"runs function public.evil() owned by role {mallory}")
         assert not _superuser(pair, mallory)
