@@ -107,6 +107,11 @@ def _add_create(sub: _Subcommands, common: argparse.ArgumentParser) -> None:
         help="do not copy existing rows: tables start ready (two-phase then starts enabled)",
     )
     p.add_argument("--binary", action="store_true", help="exchange column values in binary format")
+    _add_create_behaviour(p)
+
+
+def _add_create_behaviour(p: argparse.ArgumentParser) -> None:
+    """``applier create``'s options after the stream's: origin, failures, slot, enabled, trust."""
     p.add_argument(
         "--origin",
         choices=("any", "none"),
