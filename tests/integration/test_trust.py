@@ -325,3 +325,33 @@ def test_row_level_security_is_refused_for_a_non_superuser_apply_role(pair, mall
         ok(tgt, "drop", "s")
     finally:
         drop_role(pair.target, role)
+
+
+def test_native_subscriber_also_keeps_the_owner_unprivileged(pair, mallory) -> None:
+    """The reference (PostgreSQL 16+, run_as_owner = false): the same ALWAYS trigger on the same owner's table,
+    applied by the native subscriber as a superuser, runs as the owner in a security-restricted operation, so its
+    ALTER ROLE fails and the change is retried without end; the owner stays unprivileged, as with us (we refuse
+    before the trigger runs, and say why)."""
+    if int(pair.target.cluster.scalar("SHOW server_version_num")) < 160000:
+        pytest.skip("run_as_owner exists from PostgreSQL 16 (15's subscriber runs the trigger as its owner)")
+    _owned_table(pair, mallory)
+    _evil_trigger(pair, mallory)
+    pair.publisher.execute("CREATE PUBLICATION p FOR TABLE t")
+    name = f"n_{pair.name}"[:63]
+    pair.target.execute(
+        sql.SQL("CREATE SUBSCRIPTION {} CONNECTION {} PUBLICATION p WITH (copy_data = false)").format(
+            sql.Identifier(name), sql.Literal(pair.publisher.dsn)
+        )
+    )
+    try:
+        pair.publisher.execute("INSERT INTO t VALUES (1, 'one')")
+        wait_until(
+            lambda: pair.target.scalar(
+                "SELECT apply_error_count FROM pg_stat_subscription_stats WHERE subname = %s", (name,)
+            ) >= 1, timeout=60, what="the native apply worker's error",
+        )  # fmt: skip
+        assert not _superuser(pair, mallory) and pair.target.scalar("SELECT count(*) FROM t") == 0
+        assert "permission denied" in pair.target.cluster.log_tail(200)
+    finally:
+        pair.target.execute(sql.SQL("ALTER SUBSCRIPTION {} DISABLE").format(sql.Identifier(name)))
+        pair.target.execute(sql.SQL("DROP SUBSCRIPTION {}").format(sql.Identifier(name)))
