@@ -20,7 +20,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from applier.migrate.postdata import Step
+from applier.migrate import store
+from applier.migrate.steps import Step
 
 __all__ = ["STEP", "refresh_at_cutover", "steps"]
 
@@ -63,10 +64,7 @@ def steps(
 
 def refresh_at_cutover(target: psycopg.Connection[Any], name: str, say: Callable[[str], None]) -> None:
     """Run the ``cutover_refresh`` step's statements (every cutover attempt: a failed one may be tried again)."""
-    rows = target.execute(
-        "SELECT statements FROM applier.migration_step WHERE name = %s AND kind = 'cutover_refresh'", (name,)
-    ).fetchall()
-    statements = [s for (group,) in rows for s in group]
+    statements = store.statements_of(target, name, ("cutover_refresh",))
     if not statements:
         return
     with target.transaction():

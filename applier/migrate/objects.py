@@ -33,7 +33,7 @@ import psycopg
 from psycopg import sql
 
 from applier.migrate import matviews
-from applier.migrate.postdata import Step
+from applier.migrate.steps import Step
 
 __all__ = ["event_triggers", "relations", "steps"]
 

@@ -31,8 +31,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from applier.migrate.postdata import Step
 from applier.migrate.state import MigrationError
+from applier.migrate.steps import Step
 
 __all__ = ["steps"]
 

@@ -30,33 +30,22 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
+from applier.migrate import store
+from applier.migrate.steps import Step
+
 __all__ = [
     "Step",
     "definitions",
-    "load_steps",
     "ready",
     "run_steps",
-    "save_steps",
     "step_costs",
     "table_weights",
 ]
-
-
-@dataclass(frozen=True)
-class Step:
-    step: str  # unique within the migration, e.g. "index public.a_v_idx"
-    kind: str
-    relnames: tuple[str, ...]  # tables (quoted, qualified) whose copy must be finished
-    after: tuple[str, ...]  # steps that must be done first
-    statements: tuple[str, ...]
-    ord: int = 0
-    done: bool = False
 
 
 def ready(
@@ -264,31 +253,6 @@ def _constraint_steps(conn: psycopg.Connection[Any], tables: Sequence[str], step
                               len(steps)))  # fmt: skip
 
 
-# --- the catalog ---------------------------------------------------------------------------------------------
-
-
-def save_steps(conn: psycopg.Connection[Any], name: str, steps: Sequence[Step]) -> None:
-    """Store the steps (inside the caller's transaction)."""
-    with conn.cursor() as cur:
-        cur.executemany(
-            "INSERT INTO applier.migration_step (name, step, ord, kind, relnames, after, statements)"
-            " VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
-            [
-                (name, s.step, s.ord, s.kind, list(s.relnames), list(s.after), list(s.statements))
-                for s in steps
-            ],
-        )
-
-
-def load_steps(conn: psycopg.Connection[Any], name: str) -> list[Step]:
-    rows = conn.execute(
-        "SELECT step, kind, relnames, after, statements, ord, done FROM applier.migration_step"
-        " WHERE name = %s ORDER BY ord",
-        (name,),
-    ).fetchall()
-    return [Step(r[0], r[1], tuple(r[2]), tuple(r[3]), tuple(r[4]), r[5], r[6]) for r in rows]
-
-
 #: A step cancelled by PostgreSQL's deadlock detector is run again (after the other transaction went on).
 DEADLOCK_RETRIES = 5
 
@@ -359,11 +323,7 @@ def _build_in(conn: psycopg.Connection[Any], name: str, step: Step, started: flo
         for statement in step.statements:
             conn.execute(statement)
         seconds = time.monotonic() - started
-        conn.execute(
-            "UPDATE applier.migration_step SET done = true, seconds = %s, finished = clock_timestamp()"
-            " WHERE name = %s AND step = %s",
-            (seconds, name, step.step),
-        )
+        store.mark_step_done(conn, name, step.step, seconds)
     return seconds
 
 

@@ -20,7 +20,6 @@ Resumable at every step (state in ``applier.migration``/``migration_step``):
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import threading
@@ -35,8 +34,7 @@ from psycopg import sql
 from applier.catalog import sql as catalog_sql
 from applier.conninfo import describe, without_password
 from applier.lsn import format_lsn
-from applier.migrate import largeobjects, matviews, objects, partitions, postdata, schema
-from applier.migrate import state as mstate
+from applier.migrate import largeobjects, matviews, objects, partitions, postdata, schema, store
 from applier.migrate.selection import Selection
 from applier.migrate.state import MigrationError
 from applier.migrate.tools import find_dump_tools
@@ -125,16 +123,16 @@ class _Runner:
         self.signalled = False  # SIGTERM/SIGINT reached our handler
 
     # --- bookkeeping ------------------------------------------------------------------------------------------
-    def migration(self) -> mstate.Migration:
-        m = mstate.load(self.target, self.opts.name)
+    def migration(self) -> store.Migration:
+        m = store.load(self.target, self.opts.name)
         assert m is not None
         return m
 
     def phase(self, phase: str, **seconds: float) -> None:
-        mstate.set_phase(self.target, self.opts.name, phase, seconds=seconds)
+        store.set_phase(self.target, self.opts.name, phase, seconds=seconds)
         self.say(f"phase {phase}")
 
-    def register(self, tables: SourceTables) -> mstate.Migration:
+    def register(self, tables: SourceTables) -> store.Migration:
         """The migration's row: new, or the same migration again (same source and selection)."""
         from applier.catalog.store import Catalog
 
@@ -143,14 +141,9 @@ class _Runner:
             catalog.ensure()
         finally:
             catalog.engine.dispose()
-        mstate.ensure(self.target)
         source = without_password(self.opts.source, "source")
         selection = self.opts.selection.to_json()
-        self.target.execute(
-            "INSERT INTO applier.migration (name, subname, source, selection, publication, slot, phase)"
-            " VALUES (%s, %s, %s, %s, %s, %s, 'schema') ON CONFLICT (name) DO NOTHING",
-            (self.opts.name, self.opts.name, source, json.dumps(selection), self.opts.name, self.opts.name),
-        )
+        store.register(self.target, self.opts.name, source, selection)
         m = self.migration()
         if m.source != source or m.selection != selection:
             raise MigrationError(
@@ -160,7 +153,7 @@ class _Runner:
         return m
 
     # --- the source -------------------------------------------------------------------------------------------
-    def publication(self, m: mstate.Migration, tables: SourceTables) -> None:
+    def publication(self, m: store.Migration, tables: SourceTables) -> None:
         """Create the publication of the selected tables (once; the same table list when started again before
         the copy is over; after it, a start that resumes leaves it as it is)."""
         with psycopg.connect(self.opts.source, autocommit=True) as src:
@@ -175,7 +168,7 @@ class _Runner:
                 )
             if exists and m.phase not in ("schema", "copy"):
                 return  # its tables are settled; a cutover may have fenced the source already (read-only)
-            self.target.execute("UPDATE applier.migration SET pub_created = true WHERE name = %s", (m.name,))
+            store.mark_publication_created(self.target, m.name)
             if exists:
                 src.execute(
                     sql.SQL("ALTER PUBLICATION {} SET TABLE {}").format(sql.Identifier(m.publication), names)
@@ -186,7 +179,7 @@ class _Runner:
                 )
         self.say(f"publication {m.publication}: {len(tables.tables)} table(s)")
 
-    def fresh_slot(self, m: mstate.Migration) -> None:
+    def fresh_slot(self, m: store.Migration) -> None:
         """(Re)create the slot with an exported snapshot; keep its connection idle while the snapshot is used."""
         try:
             conn = ReplicationConnection.open(self.opts.source, application_name=f"{m.name}_migrate")
@@ -200,7 +193,7 @@ class _Runner:
                 if rows:
                     conn.drop_slot(m.slot)
                     self.say(f"slot {m.slot} of an interrupted start dropped")
-            self.target.execute("UPDATE applier.migration SET slot_created = true WHERE name = %s", (m.name,))
+            store.mark_slot_created(self.target, m.name)
             info = conn.create_slot(m.slot, snapshot="export")
         except BaseException:
             conn.close()
@@ -213,7 +206,7 @@ class _Runner:
         )
 
     # --- schema -----------------------------------------------------------------------------------------------
-    def pre_data(self, m: mstate.Migration, tables: SourceTables) -> None:
+    def pre_data(self, m: store.Migration, tables: SourceTables) -> None:
         """Pre-data, the post-data steps and the large objects, read at the snapshot; applied in one target
         transaction (a kill leaves all of it or none)."""
         started = time.monotonic()
@@ -238,12 +231,9 @@ class _Runner:
                 self.target.execute(script)
                 self.target.execute("SET search_path TO DEFAULT")
                 always = self.identity_always([*quoted, *self._quoted(src, tables.partitioned)])
-                postdata.save_steps(self.target, m.name, [*steps, *always])
+                store.save_steps(self.target, m.name, [*steps, *always])
                 los = largeobjects.copy(src, self.target) if largeobjects.selected(m.selection) else 0
-                self.target.execute(
-                    "UPDATE applier.migration SET snapshot_lsn = %s::pg_lsn WHERE name = %s",
-                    (format_lsn(self.snapshot_lsn or 0), m.name),
-                )
+                store.set_snapshot_lsn(self.target, m.name, self.snapshot_lsn or 0)
         finally:
             src.close()
         for note in [*tables.skipped, *notes]:
@@ -317,7 +307,7 @@ class _Runner:
                 return "subscription"
         return "original"
 
-    def subscription(self, m: mstate.Migration, tables: list[str]) -> None:
+    def subscription(self, m: store.Migration, tables: list[str]) -> None:
         """The subscription's catalog rows (every table ``i``, two-phase pending until all are ready), using the
         slot made above; one left by an interrupted start is replaced."""
         from applier.catalog.store import Catalog
@@ -359,13 +349,13 @@ class _Runner:
             ).fetchall()
         return {t: int(n) for t, n in rows}
 
-    def copy_and_post_data(self, m: mstate.Migration) -> bool:
+    def copy_and_post_data(self, m: store.Migration) -> bool:
         """The copy (this thread) and post-data (a thread, as tables land); True when both completed.
 
         Critical path first: the copy takes the table with the most work behind it first (its pages plus its
         builds, :func:`postdata.table_weights`) and post-data starts the most expensive ready build first, so the
         biggest table's builds overlap the copy of all the others instead of following it."""
-        steps = [s for s in postdata.load_steps(self.target, m.name) if not s.kind.startswith("cutover")]
+        steps = [s for s in store.load_steps(self.target, m.name) if not s.kind.startswith("cutover")]
         pages = self.source_pages(steps)
         copying = threading.Event()
         copying.set()
@@ -392,7 +382,7 @@ class _Runner:
             raise MigrationError("post-data could not finish: a step waits for a table that was not copied")
         return True
 
-    def _post_data_thread(self, m: mstate.Migration, steps: list[postdata.Step], cost: dict[str, float],
+    def _post_data_thread(self, m: store.Migration, steps: list[postdata.Step], cost: dict[str, float],
                           copying: threading.Event, outcome: dict[str, Any]) -> threading.Thread:  # fmt: skip
         """The post-data thread (not started): it runs the steps as their tables land while ``copying`` is set,
         and leaves in ``outcome`` whether all ran (``ok``), its error (which stops the copy too) and its time."""
@@ -412,7 +402,7 @@ class _Runner:
 
         return threading.Thread(target=post, name="postdata", daemon=True)
 
-    def _copier(self, m: mstate.Migration, weights: dict[str, float]) -> InitialCopy:
+    def _copier(self, m: store.Migration, weights: dict[str, float]) -> InitialCopy:
         """The initial copy, at the migration's own snapshot when this run holds it (a resumed run takes a new
         one), the heaviest table first (``weights``)."""
         from tablesync.initial import InitialCopy, _SnapshotSlot
@@ -489,7 +479,7 @@ class _Runner:
         keys = sorted(times, key=lambda k: order.index(k) if k in order else len(order))
         self.say("summary: " + ", ".join(f"{k} {times[k]:.1f}s" for k in keys))
 
-    def follow(self, m: mstate.Migration) -> int:
+    def follow(self, m: store.Migration) -> int:
         """The apply loop (``applier run``'s) in the foreground until a cutover completes or a signal stops it."""
         from applier import runner
 
@@ -574,10 +564,7 @@ class _Runner:
         """Stop when the migration is done (a cutover completed) or failed (aborted), as another shell decides."""
         while not finished.wait(0.5):
             with contextlib.suppress(Exception), psycopg.connect(self.opts.target, autocommit=True) as c:
-                row = c.execute(
-                    "SELECT phase FROM applier.migration WHERE name = %s", (self.opts.name,)
-                ).fetchone()
-                if row is not None and row[0] in ("done", "failed"):
+                if store.phase_of(c, self.opts.name) in ("done", "failed"):
                     self.stop.set()
                     return
 
