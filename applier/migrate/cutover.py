@@ -34,10 +34,10 @@ from applier.migrate import fence as fencing
 from applier.migrate import reverse as reversing
 from applier.migrate import store
 from applier.migrate.state import MigrationError
+from applier.migrate.steps import CUTOVER_KINDS, StepKind
 
-#: The steps of kinds that the cutover runs (not post-data), and of those the ones its switch runs.
-_CUTOVER_KINDS = ("cutover_identity", "cutover_event_trigger", "cutover_refresh")
-_SWITCH_KINDS = ("cutover_identity", "cutover_event_trigger")
+#: The cutover's steps that its switch runs (the refresh runs before the verification, :mod:`.matviews`).
+_SWITCH_KINDS = (StepKind.CUTOVER_IDENTITY, StepKind.CUTOVER_EVENT_TRIGGER)
 
 __all__ = ["CutoverOptions", "abort", "cutover", "drop_slot", "dumps", "format_status", "status"]
 
@@ -65,7 +65,7 @@ def status(target_conninfo: str, name: str) -> dict[str, Any]:
             {"name": r[0], "state": r[1], "rows": r[2], "bytes": r[3]}
             for r in target.execute(catalog_sql.SUBSCRIPTION_TABLE_PROGRESS, (m.subname,))
         ]
-        done, total = store.post_data_progress(target, name, _CUTOVER_KINDS)
+        done, total = store.post_data_progress(target, name, CUTOVER_KINDS)
         sub = _subscription(target, m)
         origin = None
         if sub is not None:
@@ -335,7 +335,7 @@ class _Cutover:
         too), the subscription disabled, the migration ``done``. Returns the write downtime."""
         with target.transaction():
             for step in store.steps_to_run(target, m.name, _SWITCH_KINDS):
-                if (step.kind == "cutover_event_trigger" and deferred) or (
+                if (step.kind == StepKind.CUTOVER_EVENT_TRIGGER and deferred) or (
                     carried and carrying.locked_by_prepared(target, list(step.relnames))
                 ):
                     deferred.extend(step.statements)

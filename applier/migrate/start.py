@@ -37,6 +37,7 @@ from applier.lsn import format_lsn
 from applier.migrate import largeobjects, matviews, objects, partitions, postdata, schema, store
 from applier.migrate.selection import Selection
 from applier.migrate.state import MigrationError
+from applier.migrate.steps import Step, StepKind
 from applier.migrate.tools import find_dump_tools
 from applier.replication import ReplicationConnection, ReplicationConnectionError
 from applier.signals import set_once
@@ -219,7 +220,7 @@ class _Runner:
             steps, notes = postdata.definitions(src, quoted)
             steps += self.object_steps(src, tables, quoted, steps)
             parents = set(self._quoted(src, tables.partitioned))
-            notes = [n for n in notes if not any(f" references {p}, " in n for p in parents)]
+            notes = [n for n in notes if n.references not in parents]  # partitions.steps makes those
             tools, found = find_dump_tools(self._source_major())
             if tools is None:
                 raise MigrationError("no pg_dump new enough for the source (see applier migrate plan)")
@@ -254,8 +255,8 @@ class _Runner:
         src: psycopg.Connection[Any],
         tables: SourceTables,
         quoted: list[str],
-        steps: list[postdata.Step],
-    ) -> list[postdata.Step]:
+        steps: list[Step],
+    ) -> list[Step]:
         """The post-data steps of the partitioned tables, materialized views, rules, policies and statistics objects
         (their own modules say how)."""
         extra = partitions.steps(src, self._quoted(src, tables.partitioned), quoted, steps, len(steps))
@@ -266,7 +267,7 @@ class _Runner:
         whole = not self.opts.selection.schemas and not self.opts.selection.tables
         return extra + (objects.event_triggers(src) if whole else [])
 
-    def identity_always(self, tables: list[str]) -> list[postdata.Step]:
+    def identity_always(self, tables: list[str]) -> list[Step]:
         """Make the target's ``GENERATED ALWAYS`` identity columns ``BY DEFAULT`` until the cutover, which puts them
         back (steps of kind ``cutover_identity``): the apply loop can write an ALWAYS column, but an UPDATE that may
         change one switches it for each statement under an ACCESS EXCLUSIVE lock (docs/differences.md); while only
@@ -286,8 +287,8 @@ class _Runner:
             )
             self.target.execute(alter + sql.SQL("BY DEFAULT"))
             always = (alter + sql.SQL("ALWAYS")).as_string(self.target)
-            steps.append(postdata.Step(f"identity {table}.{column}", "cutover_identity", (table,), (), (always,),
-                                       10_000 + len(steps)))  # fmt: skip
+            steps.append(Step.of(StepKind.CUTOVER_IDENTITY, f"{table}.{column}", (table,), (), (always,),
+                                 10_000 + len(steps)))  # fmt: skip
         return steps
 
     def _source_major(self) -> int:
@@ -338,7 +339,7 @@ class _Runner:
         """The tables whose copy is finished (read through ``conn``, polled a few times a second)."""
         return {r[0] for r in conn.execute(catalog_sql.SUBSCRIPTION_COPIED_TABLE_NAMES, (self.opts.name,))}
 
-    def source_pages(self, steps: list[postdata.Step]) -> dict[str, int]:
+    def source_pages(self, steps: list[Step]) -> dict[str, int]:
         """Each table's size in pages on the source (now, not at the snapshot: an estimate that orders the work)."""
         tables = sorted({r for s in steps for r in s.relnames})
         with psycopg.connect(self.opts.source, autocommit=True) as src:
@@ -355,7 +356,7 @@ class _Runner:
         Critical path first: the copy takes the table with the most work behind it first (its pages plus its
         builds, :func:`postdata.table_weights`) and post-data starts the most expensive ready build first, so the
         biggest table's builds overlap the copy of all the others instead of following it."""
-        steps = [s for s in store.load_steps(self.target, m.name) if not s.kind.startswith("cutover")]
+        steps = [s for s in store.load_steps(self.target, m.name) if not s.kind.at_cutover]
         pages = self.source_pages(steps)
         copying = threading.Event()
         copying.set()
@@ -382,7 +383,7 @@ class _Runner:
             raise MigrationError("post-data could not finish: a step waits for a table that was not copied")
         return True
 
-    def _post_data_thread(self, m: store.Migration, steps: list[postdata.Step], cost: dict[str, float],
+    def _post_data_thread(self, m: store.Migration, steps: list[Step], cost: dict[str, float],
                           copying: threading.Event, outcome: dict[str, Any]) -> threading.Thread:  # fmt: skip
         """The post-data thread (not started): it runs the steps as their tables land while ``copying`` is set,
         and leaves in ``outcome`` whether all ran (``ok``), its error (which stops the copy too) and its time."""

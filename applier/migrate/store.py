@@ -147,7 +147,7 @@ def save_steps(conn: psycopg.Connection[Any], name: str, steps: Sequence[Step]) 
             "INSERT INTO applier.migration_step (name, step, ord, kind, relnames, after, statements)"
             " VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
             [
-                (name, s.step, s.ord, s.kind, list(s.relnames), list(s.after), list(s.statements))
+                (name, s.step, s.ord, str(s.kind), list(s.relnames), list(s.after), list(s.statements))
                 for s in steps
             ],
         )
@@ -168,7 +168,7 @@ def steps_to_run(conn: psycopg.Connection[Any], name: str, kinds: Collection[str
     rows = conn.execute(
         "SELECT step, kind, relnames, after, statements, ord, done FROM applier.migration_step"
         " WHERE name = %s AND NOT done AND kind = ANY(%s) ORDER BY ord",
-        (name, list(kinds)),
+        (name, [str(k) for k in kinds]),
     ).fetchall()
     return [_step(r) for r in rows]
 
@@ -177,7 +177,7 @@ def statements_of(conn: psycopg.Connection[Any], name: str, kinds: Collection[st
     """The statements of every step of ``kinds``, done or not, in ``ord`` order (run again at each cutover)."""
     rows = conn.execute(
         "SELECT statements FROM applier.migration_step WHERE name = %s AND kind = ANY(%s) ORDER BY ord",
-        (name, list(kinds)),
+        (name, [str(k) for k in kinds]),
     ).fetchall()
     return [s for (group,) in rows for s in group]
 
@@ -198,6 +198,6 @@ def post_data_progress(
     row = conn.execute(
         "SELECT count(*) FILTER (WHERE done), count(*) FROM applier.migration_step"
         " WHERE name = %s AND kind <> ALL(%s)",
-        (name, list(cutover_kinds)),
+        (name, [str(k) for k in cutover_kinds]),
     ).fetchone()
     return (0, 0) if row is None else (int(row[0]), int(row[1]))

@@ -11,10 +11,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from applier.migrate.plan import SourceFacts, TableFacts, TargetFacts, assess
-from applier.migrate.postdata import Step, ready, step_costs, table_weights
+from applier.migrate.postdata import LeftOut, Step, ready, step_costs, table_weights
 from applier.migrate.schema import edit_script, pattern
 from applier.migrate.selection import Selection
 from applier.migrate.state import PHASES, MigrationError, advance
+from applier.migrate.steps import CUTOVER_KINDS, StepKind, step_name
 from applier.migrate.tools import DumpTools, choose
 
 PG18 = DumpTools(Path("/pg18/bin"), 18)
@@ -209,6 +210,44 @@ def test_a_partitions_index_is_attached_after_the_step_that_makes_it() -> None:
     assert _leaf_step(known, "public.p1", "public.p1_v", None, None) == "index public.p1_v"
     with pytest.raises(MigrationError, match="no step builds public.p2_r_excl"):
         _leaf_step(known, "public.p2", "public.p2_r_excl", "p2_r_excl", "x")
+
+
+#: Every kind's step name, as stored in applier.migration_step (the key a resumed migration finds its steps by) and
+#: shown by the progress lines: these never change.
+_NAMES = {
+    StepKind.INDEX: "index public.a_v_idx", StepKind.KEY: "key public.a.a_pkey",
+    StepKind.ATTACH: "attach public.a.a_pkey", StepKind.CONSTRAINT: "constraint public.a.a_excl",
+    StepKind.FK: "fk public.b.b_a_fkey", StepKind.VALIDATE: "validate public.b.b_a_fkey",
+    StepKind.REPLICA_IDENTITY: "replica_identity public.a", StepKind.TRIGGER: "trigger public.a.t",
+    StepKind.PARTITIONED_INDEX: "pindex public.p_v_idx", StepKind.PARTITIONED_CONSTRAINT: "pconstraint public.p.p_pkey",
+    StepKind.ATTACH_PARTITION: "attach_partition public.p1_v_idx", StepKind.PARTITIONED_FK: "pfk public.p.p_a_fkey",
+    StepKind.PARTITIONED_TRIGGER: "ptrigger public.p.t", StepKind.MATVIEW: "matview refresh",
+    StepKind.CLUSTER: "cluster public.a", StepKind.COMMENT: "comment index public.a.a_v_idx",
+    StepKind.RULE: "rule public.a.r", StepKind.ROW_SECURITY: "row_security public.a",
+    StepKind.POLICY: "policy public.a.p", StepKind.STATISTICS: "statistics public.s",
+    StepKind.CUTOVER_IDENTITY: "identity public.a.id", StepKind.CUTOVER_EVENT_TRIGGER: "event_trigger e",
+    StepKind.CUTOVER_REFRESH: "cutover_refresh matviews",
+}  # fmt: skip
+
+
+def test_every_step_kind_names_its_steps_as_before() -> None:
+    assert set(_NAMES) == set(StepKind)
+    for kind, name in _NAMES.items():
+        subject = name.split(" ", 1)[1]
+        step = Step.of(kind, subject, (), (), ())
+        assert step.step == step_name(kind, subject) == name
+        assert step.subject == subject
+        assert Step(name, kind.value, (), (), ()).kind is kind  # a row read back
+    assert {k for k in StepKind if k.at_cutover} == CUTOVER_KINDS
+    assert all(k.value.startswith("cutover") for k in CUTOVER_KINDS)
+
+
+def test_a_foreign_key_left_out_is_a_value_that_reads_as_before() -> None:
+    note = LeftOut("b_a_fkey", "public.b", "public.a")
+    assert note.references == "public.a"
+    assert (
+        str(note) == "foreign key b_a_fkey of public.b references public.a, which is not migrated: left out"
+    )
 
 
 @given(st.permutations(["a", "b"]), st.randoms(use_true_random=False))
