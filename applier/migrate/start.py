@@ -25,7 +25,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -35,9 +35,10 @@ from applier.catalog import sql as catalog_sql
 from applier.conninfo import describe, without_password
 from applier.lsn import format_lsn
 from applier.migrate import largeobjects, matviews, objects, partitions, postdata, schema, store
-from applier.migrate.selection import Selection
+from applier.migrate.selection import Selection, SourceTables
 from applier.migrate.state import MigrationError
 from applier.migrate.steps import Step, StepKind
+from applier.migrate.survey import source_tables
 from applier.migrate.tools import find_dump_tools
 from applier.replication import ReplicationConnection, ReplicationConnectionError
 from applier.signals import set_once
@@ -60,52 +61,6 @@ class StartOptions:
     table_jobs: int = 2
     index_jobs: int = 2
     cutover: bool = False
-
-
-@dataclass(frozen=True)
-class SourceTables:
-    tables: list[tuple[str, str]]  # (schema, table) migrated
-    schemas: list[str]  # schemas dumped
-    exclude: list[tuple[str, str]]  # tables of those schemas that are not migrated
-    skipped: list[str]  # notes
-    #: migrated partitioned tables: dumped, never copied (their leaves are in ``tables``)
-    partitioned: list[tuple[str, str]] = field(default_factory=list)
-
-
-# each table with the schema and name of its partition tree's root (itself when it is not a partition)
-_TABLES = """
-SELECT n.nspname, c.relname, c.relkind, c.relpersistence, coalesce(rn.nspname, n.nspname), coalesce(r.relname, c.relname)
-FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-LEFT JOIN pg_class r ON r.oid = pg_partition_root(c.oid) LEFT JOIN pg_namespace rn ON rn.oid = r.relnamespace
-WHERE c.relkind IN ('r', 'p') AND c.relpersistence <> 't'
-ORDER BY 1, 2
-"""
-
-
-def source_tables(conn: psycopg.Connection[Any], selection: Selection) -> SourceTables:
-    """What the selection covers on the source: the tables to migrate, the schemas to dump, the tables of those
-    schemas to leave out of the dump. Unlogged tables cannot be published, so they are left out (with a note). A
-    partition goes with its partition tree's root (selected or excluded by the root's name); the partitioned tables
-    themselves are dumped but hold no rows: their leaves are the migrated tables (:mod:`applier.migrate.partitions`)."""
-    schemas = [
-        r[0]
-        for r in conn.execute("SELECT nspname FROM pg_namespace ORDER BY 1")
-        if selection.covers_schema(r[0])
-    ]
-    tables, exclude, skipped, partitioned = [], [], [], []
-    for nsp, rel, kind, persistence, root_nsp, root in conn.execute(_TABLES):
-        if not selection.covers_schema(nsp):
-            continue
-        if not selection.covers(root_nsp, root):
-            exclude.append((nsp, rel))
-        elif persistence == "u":
-            exclude.append((nsp, rel))
-            skipped.append(f"{nsp}.{rel} is unlogged (it cannot be published): not migrated")
-        elif kind == "p":
-            partitioned.append((nsp, rel))
-        else:
-            tables.append((nsp, rel))
-    return SourceTables(tables, schemas, exclude, skipped, partitioned)
 
 
 class _Runner:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from applier.migrate.plan import SourceFacts, TableFacts, TargetFacts, assess
 from applier.migrate.postdata import LeftOut, Step, ready, step_costs, table_weights
 from applier.migrate.schema import edit_script, pattern
-from applier.migrate.selection import Selection
+from applier.migrate.selection import Selection, select_tables
 from applier.migrate.state import PHASES, MigrationError, advance
 from applier.migrate.steps import CUTOVER_KINDS, StepKind, step_name
 from applier.migrate.tools import DumpTools, choose
@@ -176,6 +176,47 @@ def _steps() -> list[Step]:
         Step("validate b.a", "validate", ("b", "a"), ("fk b.a",), ("..",), 6),
         Step("trigger b.t", "trigger", ("b",), (), ("..",), 7),
     ]
+
+
+#: A source as :func:`select_tables` reads it: ``ev`` partitioned into ``ev_2024`` (itself partitioned into
+#: ``ev_2024_h1``) and ``ev_2025``; ``other``; unlogged ``scratch``; ``keep.k`` in another schema.
+_ROWS = [
+    ("keep", "k", "r", "p", "keep", "k"),
+    ("public", "ev", "p", "p", "public", "ev"),
+    ("public", "ev_2024", "p", "p", "public", "ev"),
+    ("public", "ev_2024_h1", "r", "p", "public", "ev"),
+    ("public", "ev_2025", "r", "p", "public", "ev"),
+    ("public", "other", "r", "p", "public", "other"),
+    ("public", "scratch", "r", "u", "public", "scratch"),
+]
+
+
+def test_a_partition_follows_its_root_whatever_its_own_name() -> None:
+    """Where plan (each table's own name) and start (the partition tree's root) used to disagree: ``--table ev``
+    covered only the parent for plan, and ``--exclude-table 'ev_*'`` dropped the partitions from plan while start
+    copied them. Both now ask :func:`select_tables`."""
+    schemas = ["keep", "pg_catalog", "public"]
+    only_ev = select_tables(Selection.of(None, ["ev"], None), schemas, _ROWS)
+    assert only_ev.tables == [("public", "ev_2024_h1"), ("public", "ev_2025")]
+    assert only_ev.partitioned == [("public", "ev"), ("public", "ev_2024")]
+    assert only_ev.covered == {
+        ("public", "ev"),
+        ("public", "ev_2024"),
+        ("public", "ev_2024_h1"),
+        ("public", "ev_2025"),
+    }
+    assert ("public", "other") in only_ev.exclude and only_ev.schemas == ["keep", "public"]
+
+    by_leaf_name = select_tables(Selection.of(None, None, ["ev_*"]), schemas, _ROWS)
+    assert {("public", "ev_2024_h1"), ("public", "ev_2025")} <= set(by_leaf_name.tables)
+
+    no_ev = select_tables(Selection.of(["public"], None, ["ev"]), schemas, _ROWS)
+    assert no_ev.tables == [("public", "other")] and no_ev.schemas == ["public"]
+    assert no_ev.unlogged == [("public", "scratch")] and no_ev.covered == {
+        ("public", "other"),
+        ("public", "scratch"),
+    }
+    assert no_ev.skipped == ["public.scratch is unlogged (it cannot be published): not migrated"]
 
 
 def test_nothing_is_ready_before_its_table_is_copied_and_keys_go_first() -> None:
