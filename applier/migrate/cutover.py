@@ -26,6 +26,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from applier import slots, verify
 from applier.catalog import sql as catalog_sql
 from applier.catalog.store import origin_name
 from applier.lsn import parse_lsn
@@ -245,24 +246,11 @@ class _Cutover:
 
     def wait_applied(self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], origin: str, slot: str,
                      endpos: str) -> None:  # fmt: skip
-        while True:
-            row = target.execute(
-                "SELECT coalesce(pg_replication_origin_progress(%s, false) >= %s::pg_lsn, false)",
-                (origin, endpos),
-            ).fetchone()
-            if row and row[0]:
-                return
-            row = src.execute(
-                "SELECT coalesce(confirmed_flush_lsn >= %s::pg_lsn, false) FROM pg_replication_slots"
-                " WHERE slot_name = %s",
-                (endpos, slot),
-            ).fetchone()
-            if row and row[0]:
-                return
-            if not self.left():
-                raise MigrationError(f"the target did not apply the source's changes up to {endpos} in time "
-                                     "(is applier migrate start running?)")  # fmt: skip
-            time.sleep(0.05)
+        """Until the target has applied the source up to ``endpos`` (:func:`applier.verify.wait_applied`), within
+        the cutover's timeout."""
+        if not verify.wait_applied(target, src, origin, slot, endpos, timeout=self.left()):
+            raise MigrationError(f"the target did not apply the source's changes up to {endpos} in time "
+                                 "(is applier migrate start running?)")  # fmt: skip
 
     def sequences(
         self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], m: store.Migration
@@ -320,8 +308,6 @@ class _Cutover:
         matviews.refresh_at_cutover(target, m.name, self.say)
 
     def full(self, m: store.Migration) -> None:
-        from applier import verify
-
         report = verify.verify(self.opts.target, m.subname, settle_timeout=max(self.left(), 1.0))
         if not report.equal:
             raise MigrationError("verification failed: " + verify.format_report(report).replace("\n", "; "))
@@ -469,22 +455,28 @@ class _Cutover:
 def drop_slot(
     src: psycopg.Connection[Any], slot: str, *, patience: float, say: Callable[[str], None]
 ) -> bool:
-    """Drop ``slot`` once nobody streams from it (waiting up to ``patience`` seconds); whether it is gone."""
-    deadline = time.monotonic() + patience
-    while True:
-        row = src.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
-        if row is None:
-            return True
-        if not row[0]:
-            with contextlib.suppress(psycopg.errors.ObjectInUse):
-                src.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
-                say(f"slot {slot} dropped from the source")
-                return True
-        if time.monotonic() >= deadline:
-            say(f"WARNING: slot {slot} is still in use on the source; drop it once start has stopped: "
-                f"SELECT pg_drop_replication_slot('{slot}')")  # fmt: skip
+    """Drop ``slot`` once nobody streams from it (waiting up to ``patience`` seconds, :mod:`applier.slots`); whether
+    it is gone. Still held: a warning, not an error (the cutover is done; the user drops it once start stops)."""
+
+    def look() -> int | None:
+        row = src.execute(
+            "SELECT active, active_pid FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+        ).fetchone()
+        return slots.ABSENT if row is None else (row[1] or 0) if row[0] else None
+
+    def drop() -> bool:
+        try:
+            src.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+        except psycopg.errors.ObjectInUse:
             return False
-        time.sleep(0.1)
+        say(f"slot {slot} dropped from the source")
+        return True
+
+    done = slots.drop_when_idle(look, drop, patience=patience, poll=0.1)
+    if done.holder is not None:
+        say(f"WARNING: slot {slot} is still in use on the source; drop it once start has stopped: "
+            f"SELECT pg_drop_replication_slot('{slot}')")  # fmt: skip
+    return done.holder is None
 
 
 def cutover(opts: CutoverOptions, say: Callable[[str], None]) -> int:

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from applier.humanize import human_bytes
 from applier.migrate.selection import Selection
 from applier.migrate.tools import DumpTools
 
@@ -238,8 +239,8 @@ def _blockers(
                            "database, or drop it there, or exclude it with --exclude-table"))  # fmt: skip
     need = sum(tf.total_bytes for tf in s.tables)
     if t.free_bytes is not None and need > t.free_bytes:
-        out.append(Finding("disk", f"the selected tables take {_size(need)} on the source, the target's disk has "
-                           f"{_size(t.free_bytes)} free", "free disk space on the target"))  # fmt: skip
+        out.append(Finding("disk", f"the selected tables take {human_bytes(need)} on the source, the target's disk has "
+                           f"{human_bytes(t.free_bytes)} free", "free disk space on the target"))  # fmt: skip
     if tools is None:
         have = ", ".join(f"{d.bindir} ({d.major})" for d in found) or "none"
         out.append(Finding("pg_dump", f"no pg_dump of major version {s.major} or newer was found (found: {have})",
@@ -323,21 +324,13 @@ def assess(
 # --- text output ----------------------------------------------------------------------------------------------
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TB"  # pragma: no cover
-
-
 def format_plan(plan: Plan) -> str:
     s, t = plan.source, plan.target
     lines = [
         f"source: PostgreSQL {s.version_num // 10000}, wal_level {s.wal_level}, slots "
         f"{s.slots_used}/{s.max_replication_slots} used, WAL senders {s.wal_senders_used}/{s.max_wal_senders} used",
         f"target: PostgreSQL {t.version_num // 10000}, max_prepared_transactions {t.max_prepared_transactions}, "
-        f"free disk {'unknown' if t.free_bytes is None else _size(t.free_bytes)}",
+        f"free disk {'unknown' if t.free_bytes is None else human_bytes(t.free_bytes)}",
         f"pg_dump: {'none new enough' if plan.tools is None else f'{plan.tools.bindir} ({plan.tools.major})'}",
         f"schemas: {', '.join(s.schemas) or '(none)'}",
         f"tables: {len(s.tables)}",
@@ -351,11 +344,11 @@ def format_plan(plan: Plan) -> str:
         )
         extra = ", unlogged" if tf.persistence == "u" else ", partitioned" if tf.kind == "p" else ""
         lines.append(
-            f"  {tf.qualified}: {_size(tf.total_bytes)}, {rows} rows, {tf.indexes} index(es), {key}{extra}"
+            f"  {tf.qualified}: {human_bytes(tf.total_bytes)}, {rows} rows, {tf.indexes} index(es), {key}{extra}"
         )
     c = s.constraints
     lines += [
-        f"indexes: {len(s.indexes)} ({_size(sum(i['bytes'] for i in s.indexes))})",
+        f"indexes: {len(s.indexes)} ({human_bytes(sum(i['bytes'] for i in s.indexes))})",
         "constraints: " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in c.items()),
         f"sequences: {len(s.sequences)}",
         f"large objects: {s.large_objects}",
