@@ -30,6 +30,7 @@ import psycopg
 import sqlalchemy as sa
 from psycopg import sql
 
+from applier import slots
 from applier.catalog.store import Catalog, CatalogError, RelState, Subscription
 from applier.conninfo import describe, has_password, scrub, without_password
 from applier.errors import ApplierError
@@ -378,22 +379,19 @@ def _slot_row(pub: ReplicationConnection, slot: str) -> tuple[Any, ...] | None:
 def _drop_slot(pub: ReplicationConnection, slot: str, *, patience: float = 10.0) -> bool:
     """Drop ``slot`` if it exists; return whether it existed. A walsender of a worker that has just stopped may
     still hold it for a moment, so an active slot is waited for, briefly."""
-    deadline = time.monotonic() + patience
-    while True:
+
+    def look() -> int | None:
         row = _slot_row(pub, slot)
-        if row is None:
-            return False
-        active_pid = row[0]
-        if active_pid is None:
-            if _drop_idle_slot(pub, slot):
-                return True
-        elif time.monotonic() >= deadline:
-            raise SubscriptionError(
-                f'replication slot "{slot}" on the publisher is in use by walsender pid {active_pid}',
-                "a worker that stopped moments ago releases it within wal_sender_timeout; if no applier process "
-                f"runs this subscription, end it on the publisher: SELECT pg_terminate_backend({active_pid})",
-            )
-        time.sleep(0.2)
+        return slots.ABSENT if row is None else row[0]
+
+    done = slots.drop_when_idle(look, lambda: _drop_idle_slot(pub, slot), patience=patience)
+    if done.holder is not None:
+        raise SubscriptionError(
+            f'replication slot "{slot}" on the publisher is in use by walsender pid {done.holder}',
+            "a worker that stopped moments ago releases it within wal_sender_timeout; if no applier process "
+            f"runs this subscription, end it on the publisher: SELECT pg_terminate_backend({done.holder})",
+        )
+    return done.dropped
 
 
 def _drop_idle_slot(pub: ReplicationConnection, slot: str) -> bool:

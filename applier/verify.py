@@ -52,7 +52,7 @@ from applier.errors import ApplierError
 if TYPE_CHECKING:
     from applier.catalog.store import RelState
 
-__all__ = ["TableReport", "VerifyError", "VerifyReport", "format_report", "verify"]
+__all__ = ["TableReport", "VerifyError", "VerifyReport", "format_report", "verify", "wait_applied"]
 
 #: a range with at most this many rows (on either side) is compared row by row
 LEAF_ROWS = 500
@@ -304,28 +304,35 @@ class _Context:
 
     def wait_applied(self, lsn: str) -> bool:
         """Until the target has applied everything the publisher had committed at ``lsn``; False on timeout."""
-        deadline = time.monotonic() + self.settle_timeout
         with (
             psycopg.connect(self.target, autocommit=True, application_name="applier verify") as t,
             psycopg.connect(self.publisher, autocommit=True, application_name="applier verify") as p,
         ):
-            while True:
-                done = t.execute(
-                    "SELECT coalesce(pg_replication_origin_progress(%s, false) >= %s::pg_lsn, false)",
-                    (self.origin, lsn),
-                ).fetchone()
-                if done and done[0]:
-                    return True
-                done = p.execute(
-                    "SELECT coalesce(confirmed_flush_lsn >= %s::pg_lsn, false) FROM pg_replication_slots"
-                    " WHERE slot_name = %s",
-                    (lsn, self.slot),
-                ).fetchone()
-                if done and done[0]:
-                    return True
-                if time.monotonic() >= deadline:
-                    return False
-                time.sleep(0.05)
+            return wait_applied(t, p, self.origin, self.slot, lsn, timeout=self.settle_timeout)
+
+
+def wait_applied(target: psycopg.Connection[Any], publisher: psycopg.Connection[Any], origin: str, slot: str,
+                 lsn: str, *, timeout: float) -> bool:  # fmt: skip
+    """Wait until the target has applied everything the publisher had committed at ``lsn``: its replication
+    ``origin`` is past it, or the publisher's ``slot`` confirmed it (a worker that applied and acknowledged it
+    before its origin's progress was flushed). False after ``timeout`` seconds. One rule for ``verify``'s settling
+    and ``migrate cutover``'s catch-up."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done = target.execute(
+            "SELECT coalesce(pg_replication_origin_progress(%s, false) >= %s::pg_lsn, false)", (origin, lsn)
+        ).fetchone()
+        if done and done[0]:
+            return True
+        done = publisher.execute(
+            "SELECT coalesce(confirmed_flush_lsn >= %s::pg_lsn, false) FROM pg_replication_slots WHERE slot_name = %s",
+            (lsn, slot),
+        ).fetchone()
+        if done and done[0]:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
 
 
 def _both(ctx: _Context, pub: Callable[[], Any], tgt: Callable[[], Any]) -> tuple[Any, Any]:

@@ -18,16 +18,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from applier.humanize import human_bytes
+
 #: ``{relname: {part: (rows, bytes)}}`` — the committed partition markers of this copy.
 Markers = Mapping[str, Mapping[int, tuple[int, int]]]
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TB"  # pragma: no cover
 
 
 def human_duration(seconds: float) -> str:

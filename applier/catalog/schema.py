@@ -25,7 +25,7 @@ from applier.lsn import format_lsn, parse_lsn
 
 SCHEMA = "applier"
 #: Bump with a migration in :data:`MIGRATIONS` whenever a table or column changes.
-CATALOG_VERSION = 5
+CATALOG_VERSION = 6
 
 
 # --- PostgreSQL types SQLAlchemy does not know -----------------------------------------------------------------
@@ -199,6 +199,42 @@ apply_lag = sa.Table(
     prefixes=["UNLOGGED"],
 )
 
+#: ``applier migrate``'s tables (since catalog version 6; read and written only by :mod:`applier.migrate.store`):
+#: one row per migration and one per post-data step. Plain DDL, not SQLAlchemy tables: no module but that store
+#: touches them, and its statements are psycopg's. ``IF NOT EXISTS`` because releases before version 6 created
+#: them outside the catalog's versioning, on the first ``migrate start``: an upgraded target may have them already.
+MIGRATION_TABLES = [
+    f"""CREATE TABLE IF NOT EXISTS {SCHEMA}.migration (
+    name text PRIMARY KEY,
+    subname text NOT NULL,
+    source text NOT NULL,
+    selection jsonb NOT NULL,
+    publication text NOT NULL,
+    slot text NOT NULL,
+    phase text NOT NULL,
+    pub_created bool NOT NULL DEFAULT false,
+    slot_created bool NOT NULL DEFAULT false,
+    snapshot_lsn pg_lsn,
+    times jsonb NOT NULL DEFAULT '{{}}',
+    error text,
+    created timestamptz NOT NULL DEFAULT now(),
+    updated timestamptz NOT NULL DEFAULT now()
+)""",
+    f"""CREATE TABLE IF NOT EXISTS {SCHEMA}.migration_step (
+    name text NOT NULL REFERENCES {SCHEMA}.migration ON DELETE CASCADE,
+    step text NOT NULL,
+    ord int NOT NULL,
+    kind text NOT NULL,
+    relnames text[] NOT NULL,
+    after text[] NOT NULL,
+    statements text[] NOT NULL,
+    done bool NOT NULL DEFAULT false,
+    seconds float8,
+    finished timestamptz,
+    PRIMARY KEY (name, step)
+)""",
+]
+
 # Migrations: version -> list of SQL statements that take the catalog from version-1 to version.
 MIGRATIONS: dict[int, list[str]] = {
     2: [
@@ -219,4 +255,5 @@ MIGRATIONS: dict[int, list[str]] = {
         f"ALTER TABLE {SCHEMA}.subscription ADD COLUMN IF NOT EXISTS subrunasowner boolean NOT NULL DEFAULT false",
         *TRUST_FUNCTIONS,
     ],
+    6: MIGRATION_TABLES,
 }

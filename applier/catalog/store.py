@@ -28,6 +28,7 @@ from sqlalchemy.dialects import postgresql as pg
 from applier.catalog.schema import (
     CATALOG_VERSION,
     ERROR_COLUMNS_V2,
+    MIGRATION_TABLES,
     MIGRATIONS,
     SCHEMA,
     TRUST_FUNCTIONS,
@@ -187,7 +188,8 @@ class Catalog:
                 c.execute(sa.text(f"CREATE SCHEMA {SCHEMA}"))
             if not self.exists(c):
                 metadata.create_all(c)
-                for stmt in TRUST_FUNCTIONS:  # the trust check's functions (applier.catalog.trust)
+                # the trust check's functions (applier.catalog.trust) and the migration's tables, plain DDL
+                for stmt in [*TRUST_FUNCTIONS, *MIGRATION_TABLES]:
                     c.execute(sa.text(stmt))
                 c.execute(catalog_version.insert().values(version=CATALOG_VERSION))
                 return CATALOG_VERSION

@@ -82,16 +82,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _plan(args: argparse.Namespace, target: str) -> int:
     from applier.migrate import plan as planning
+    from applier.migrate import survey
     from applier.migrate.selection import Selection
     from applier.migrate.tools import find_dump_tools
 
     selection = Selection.of(args.schema, args.table, args.exclude_table)
     try:
-        source = planning.gather_source(args.source, selection)
+        source = survey.gather_source(args.source, selection)
     except psycopg.OperationalError as exc:
         raise ApplierError(f"cannot connect to the source ({describe(args.source)}): {exc}") from None
     try:
-        tgt = planning.gather_target(target, source.tables)
+        tgt = survey.gather_target(target, source.tables)
     except psycopg.OperationalError as exc:
         raise ApplierError(f"cannot connect to the target ({describe(target)}): {exc}") from None
     tools, found = find_dump_tools(source.major)

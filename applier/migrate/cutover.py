@@ -26,26 +26,31 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from applier import slots, verify
 from applier.catalog import sql as catalog_sql
 from applier.catalog.store import origin_name
 from applier.lsn import parse_lsn
 from applier.migrate import carry as carrying
 from applier.migrate import fence as fencing
 from applier.migrate import reverse as reversing
-from applier.migrate import state as mstate
+from applier.migrate import store
 from applier.migrate.state import MigrationError
+from applier.migrate.steps import CUTOVER_KINDS, StepKind
+
+#: The cutover's steps that its switch runs (the refresh runs before the verification, :mod:`.matviews`).
+_SWITCH_KINDS = (StepKind.CUTOVER_IDENTITY, StepKind.CUTOVER_EVENT_TRIGGER)
 
 __all__ = ["CutoverOptions", "abort", "cutover", "drop_slot", "dumps", "format_status", "status"]
 
 
-def _require(target: psycopg.Connection[Any], name: str) -> mstate.Migration:
-    m = mstate.load(target, name)
+def _require(target: psycopg.Connection[Any], name: str) -> store.Migration:
+    m = store.load(target, name)
     if m is None:
         raise MigrationError(f'migration "{name}" does not exist on this target (see: applier migrate start)')
     return m
 
 
-def _subscription(target: psycopg.Connection[Any], m: mstate.Migration) -> tuple[int, str] | None:
+def _subscription(target: psycopg.Connection[Any], m: store.Migration) -> tuple[int, str] | None:
     row = target.execute(catalog_sql.SUBSCRIPTION_ID_AND_SLOT, (m.subname,)).fetchone()
     return None if row is None else (int(row[0]), str(row[1]))
 
@@ -61,11 +66,7 @@ def status(target_conninfo: str, name: str) -> dict[str, Any]:
             {"name": r[0], "state": r[1], "rows": r[2], "bytes": r[3]}
             for r in target.execute(catalog_sql.SUBSCRIPTION_TABLE_PROGRESS, (m.subname,))
         ]
-        done, total = target.execute(
-            "SELECT count(*) FILTER (WHERE done), count(*) FROM applier.migration_step"
-            " WHERE name = %s AND kind NOT LIKE 'cutover%%'",
-            (name,),
-        ).fetchone()  # type: ignore[misc]
+        done, total = store.post_data_progress(target, name, CUTOVER_KINDS)
         sub = _subscription(target, m)
         origin = None
         if sub is not None:
@@ -76,10 +77,8 @@ def status(target_conninfo: str, name: str) -> dict[str, Any]:
             ).fetchone()
             origin = row[0] if row else None
         carried = carrying.prepared_on_target(target, sub[0]) if sub is not None else []
-        pending = [s for r in target.execute(
-            "SELECT statements FROM applier.migration_step WHERE name = %s AND NOT done"
-            " AND kind IN ('cutover_identity', 'cutover_event_trigger')"
-            " AND %s = 'done' ORDER BY ord", (name, m.phase)) for s in r[0]]  # fmt: skip
+        deferred = store.steps_to_run(target, name, _SWITCH_KINDS) if m.phase == "done" else []
+        pending = [s for step in deferred for s in step.statements]
     doc: dict[str, Any] = {
         "name": name, "phase": m.phase, "source": m.source, "selection": m.selection, "tables": tables,
         "post_data": {"done": done, "total": total}, "times": m.times, "error": m.error,
@@ -96,7 +95,7 @@ def status(target_conninfo: str, name: str) -> dict[str, Any]:
 def _add_lag(
     doc: dict[str, Any],
     target_conninfo: str,
-    m: mstate.Migration,
+    m: store.Migration,
     sub: tuple[int, str],
     *,
     origin_lsn: str | None,
@@ -133,7 +132,7 @@ SAMPLE_OVER_BYTES = 1 << 20
 
 
 def _cutover_estimate(
-    target_conninfo: str, m: mstate.Migration, origin: str, doc: dict[str, Any]
+    target_conninfo: str, m: store.Migration, origin: str, doc: dict[str, Any]
 ) -> dict[str, float] | None:
     """What a cutover would cost now (:mod:`applier.migrate.estimate`): sizes read on the target, the apply rate
     sampled from the replication origin's progress when there is a real lag to catch up."""
@@ -247,27 +246,14 @@ class _Cutover:
 
     def wait_applied(self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], origin: str, slot: str,
                      endpos: str) -> None:  # fmt: skip
-        while True:
-            row = target.execute(
-                "SELECT coalesce(pg_replication_origin_progress(%s, false) >= %s::pg_lsn, false)",
-                (origin, endpos),
-            ).fetchone()
-            if row and row[0]:
-                return
-            row = src.execute(
-                "SELECT coalesce(confirmed_flush_lsn >= %s::pg_lsn, false) FROM pg_replication_slots"
-                " WHERE slot_name = %s",
-                (endpos, slot),
-            ).fetchone()
-            if row and row[0]:
-                return
-            if not self.left():
-                raise MigrationError(f"the target did not apply the source's changes up to {endpos} in time "
-                                     "(is applier migrate start running?)")  # fmt: skip
-            time.sleep(0.05)
+        """Until the target has applied the source up to ``endpos`` (:func:`applier.verify.wait_applied`), within
+        the cutover's timeout."""
+        if not verify.wait_applied(target, src, origin, slot, endpos, timeout=self.left()):
+            raise MigrationError(f"the target did not apply the source's changes up to {endpos} in time "
+                                 "(is applier migrate start running?)")  # fmt: skip
 
     def sequences(
-        self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], m: mstate.Migration
+        self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], m: store.Migration
     ) -> int:
         """Every sequence of the migrated schemas, from the source; each must be past its column's largest value."""
         from applier.migrate.selection import Selection
@@ -311,7 +297,7 @@ class _Cutover:
         self.say(f"verify: row counts of {len(tables)} table(s) equal")
 
     def objects(
-        self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], m: mstate.Migration
+        self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], m: store.Migration
     ) -> None:
         """What the stream does not carry, before the verification: large objects brought up to date
         (:mod:`applier.migrate.largeobjects`), materialized views refreshed (:mod:`applier.migrate.matviews`)."""
@@ -321,44 +307,37 @@ class _Cutover:
             largeobjects.sync(src, target, self.say)
         matviews.refresh_at_cutover(target, m.name, self.say)
 
-    def full(self, m: mstate.Migration) -> None:
-        from applier import verify
-
+    def full(self, m: store.Migration) -> None:
         report = verify.verify(self.opts.target, m.subname, settle_timeout=max(self.left(), 1.0))
         if not report.equal:
             raise MigrationError("verification failed: " + verify.format_report(report).replace("\n", "; "))
         self.say("verify: every table equal (checksums)")
 
-    def switch(self, target: psycopg.Connection[Any], m: mstate.Migration, subid: int, fenced_at: float,
+    def switch(self, target: psycopg.Connection[Any], m: store.Migration, subid: int, fenced_at: float,
                carried: list[str], deferred: list[str]) -> float:  # fmt: skip
         """One target transaction: identity columns back to ``ALWAYS`` (those on tables a carried prepared
         transaction locks are left for later, into ``deferred``: the ``ACCESS EXCLUSIVE`` lock would wait for it),
         then the event triggers (last: they would fire on the DDL before them; after a deferred statement, deferred
         too), the subscription disabled, the migration ``done``. Returns the write downtime."""
         with target.transaction():
-            for step, kind, relnames, statements in target.execute(
-                "SELECT step, kind, relnames, statements FROM applier.migration_step WHERE name = %s AND NOT done"
-                " AND kind IN ('cutover_identity', 'cutover_event_trigger') ORDER BY ord",
-                (m.name,),
-            ).fetchall():
-                if (kind == "cutover_event_trigger" and deferred) or (
-                    carried and carrying.locked_by_prepared(target, relnames)
+            for step in store.steps_to_run(target, m.name, _SWITCH_KINDS):
+                if (step.kind == StepKind.CUTOVER_EVENT_TRIGGER and deferred) or (
+                    carried and carrying.locked_by_prepared(target, list(step.relnames))
                 ):
-                    deferred.extend(statements)
+                    deferred.extend(step.statements)
                     continue
-                for s in statements:
+                for s in step.statements:
                     target.execute(s)
-                target.execute("UPDATE applier.migration_step SET done = true, finished = now()"
-                               " WHERE name = %s AND step = %s", (m.name, step))  # fmt: skip
+                store.mark_step_done(target, m.name, step.step)
             downtime = time.monotonic() - fenced_at
             target.execute(catalog_sql.DISABLE_SUBSCRIPTION, (subid,))
-            mstate.set_phase(target, m.name, "done", seconds={"cutover downtime": downtime})
+            store.set_phase(target, m.name, "done", seconds={"cutover downtime": downtime})
         return downtime
 
     def run(self) -> int:
         with psycopg.connect(self.opts.target, autocommit=True) as target:
             m, sub = self._check_can_start(target)
-            mstate.set_phase(target, m.name, "cutover")
+            store.set_phase(target, m.name, "cutover")
             src = fencing.open_source(m.source)
             progress = _Progress()
             try:
@@ -381,7 +360,7 @@ class _Cutover:
             src.close()
         return 0
 
-    def _check_can_start(self, target: psycopg.Connection[Any]) -> tuple[mstate.Migration, tuple[int, str]]:
+    def _check_can_start(self, target: psycopg.Connection[Any]) -> tuple[store.Migration, tuple[int, str]]:
         """The migration and its subscription (id, slot), refused before anything is fenced when a cutover cannot
         succeed: not following yet, GIDs that cannot be carried, a new server that cannot be reversed."""
         m = _require(target, self.opts.name)
@@ -396,7 +375,7 @@ class _Cutover:
             reversing.check_new_server(target, m.name)
         return m, sub
 
-    def _fence_and_switch(self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], m: mstate.Migration,
+    def _fence_and_switch(self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], m: store.Migration,
                           sub: tuple[int, str], progress: _Progress) -> float:  # fmt: skip
         """Everything between the fence and ``done``, in order; any exception leaves it to :meth:`_back_out`
         (``progress`` tells it how far this got). Returns the write downtime."""
@@ -450,7 +429,7 @@ class _Cutover:
             self.say(carrying.carried_message(progress.carried))
 
     @staticmethod
-    def _back_out(target: psycopg.Connection[Any], src: psycopg.Connection[Any], m: mstate.Migration, error: str,
+    def _back_out(target: psycopg.Connection[Any], src: psycopg.Connection[Any], m: store.Migration, error: str,
                   *, reversed_: bool) -> None:  # fmt: skip
         """After a failure before ``done``: undo the reverse subscription if one was made, unfence the source, and
         put the migration back to ``following`` with the error; each step is tried even if one before failed."""
@@ -460,10 +439,10 @@ class _Cutover:
         with contextlib.suppress(Exception):
             fencing.unfence(src)
         with contextlib.suppress(Exception):
-            mstate.set_phase(target, m.name, "following", error=error)
+            store.set_phase(target, m.name, "following", error=error)
         src.close()
 
-    def _drop_on_source(self, src: psycopg.Connection[Any], m: mstate.Migration, slot: str) -> bool:
+    def _drop_on_source(self, src: psycopg.Connection[Any], m: store.Migration, slot: str) -> bool:
         """The slot (once start has let go of it) and the publication: the old server keeps no WAL for us. Whether
         the slot is gone (nothing decodes the source any more)."""
         gone = drop_slot(src, slot, patience=max(self.left(), 10.0), say=self.say)
@@ -476,22 +455,28 @@ class _Cutover:
 def drop_slot(
     src: psycopg.Connection[Any], slot: str, *, patience: float, say: Callable[[str], None]
 ) -> bool:
-    """Drop ``slot`` once nobody streams from it (waiting up to ``patience`` seconds); whether it is gone."""
-    deadline = time.monotonic() + patience
-    while True:
-        row = src.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
-        if row is None:
-            return True
-        if not row[0]:
-            with contextlib.suppress(psycopg.errors.ObjectInUse):
-                src.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
-                say(f"slot {slot} dropped from the source")
-                return True
-        if time.monotonic() >= deadline:
-            say(f"WARNING: slot {slot} is still in use on the source; drop it once start has stopped: "
-                f"SELECT pg_drop_replication_slot('{slot}')")  # fmt: skip
+    """Drop ``slot`` once nobody streams from it (waiting up to ``patience`` seconds, :mod:`applier.slots`); whether
+    it is gone. Still held: a warning, not an error (the cutover is done; the user drops it once start stops)."""
+
+    def look() -> int | None:
+        row = src.execute(
+            "SELECT active, active_pid FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+        ).fetchone()
+        return slots.ABSENT if row is None else (row[1] or 0) if row[0] else None
+
+    def drop() -> bool:
+        try:
+            src.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+        except psycopg.errors.ObjectInUse:
             return False
-        time.sleep(0.1)
+        say(f"slot {slot} dropped from the source")
+        return True
+
+    done = slots.drop_when_idle(look, drop, patience=patience, poll=0.1)
+    if done.holder is not None:
+        say(f"WARNING: slot {slot} is still in use on the source; drop it once start has stopped: "
+            f"SELECT pg_drop_replication_slot('{slot}')")  # fmt: skip
+    return done.holder is None
 
 
 def cutover(opts: CutoverOptions, say: Callable[[str], None]) -> int:
@@ -510,10 +495,7 @@ def abort(target_conninfo: str, name: str, say: Callable[[str], None], *, patien
         if m.phase == "done":
             raise MigrationError(f'migration "{name}" is done; nothing to abort')
         with target.transaction():
-            target.execute(
-                "UPDATE applier.migration SET phase = 'failed', error = 'aborted', updated = now() WHERE name = %s",
-                (name,),
-            )
+            store.set_phase(target, name, "failed", error="aborted")
             sub = _subscription(target, m)
             if sub is not None:
                 target.execute(catalog_sql.DISABLE_SUBSCRIPTION, (sub[0],))

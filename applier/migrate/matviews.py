@@ -20,13 +20,14 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from applier.migrate.postdata import Step
+from applier.migrate import store
+from applier.migrate.steps import Step, StepKind, step_name
 
 __all__ = ["STEP", "refresh_at_cutover", "steps"]
 
 #: The name of the step that refreshes the views and builds their indexes: the ``CLUSTER ON`` of a view's index
 #: and the comments on its indexes (:mod:`applier.migrate.objects`) come after it.
-STEP = "matview refresh"
+STEP = step_name(StepKind.MATVIEW, "refresh")
 
 _MATVIEWS = """
 SELECT c.oid, format('%%I.%%I', n.nspname, c.relname), c.relispopulated
@@ -55,18 +56,15 @@ def steps(
             ([oid for oid, _, _ in views],),
         )
     ]
-    out = [Step(STEP, "matview", tuple(tables), (), (*refresh, *indexes), first)]
+    out = [Step(STEP, StepKind.MATVIEW, tuple(tables), (), (*refresh, *indexes), first)]
     if refresh:
-        out.append(Step("cutover_refresh matviews", "cutover_refresh", (), (), tuple(refresh), first + 1))
+        out.append(Step.of(StepKind.CUTOVER_REFRESH, "matviews", (), (), tuple(refresh), first + 1))
     return out
 
 
 def refresh_at_cutover(target: psycopg.Connection[Any], name: str, say: Callable[[str], None]) -> None:
     """Run the ``cutover_refresh`` step's statements (every cutover attempt: a failed one may be tried again)."""
-    rows = target.execute(
-        "SELECT statements FROM applier.migration_step WHERE name = %s AND kind = 'cutover_refresh'", (name,)
-    ).fetchall()
-    statements = [s for (group,) in rows for s in group]
+    statements = store.statements_of(target, name, (StepKind.CUTOVER_REFRESH,))
     if not statements:
         return
     with target.transaction():

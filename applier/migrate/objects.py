@@ -33,7 +33,7 @@ import psycopg
 from psycopg import sql
 
 from applier.migrate import matviews
-from applier.migrate.postdata import Step
+from applier.migrate.steps import Step, StepKind, step_name
 
 __all__ = ["event_triggers", "relations", "steps"]
 
@@ -117,11 +117,14 @@ ORDER BY 1, 2, 3
 
 #: the steps (of postdata and partitions) that may make a commented object, in the order tried
 _MAKERS = {
-    "INDEX": ("index {name}", "pindex {name}"),
-    "CONSTRAINT": ("attach {table}.{name}", "constraint {table}.{name}", "fk {table}.{name}", "pconstraint {table}.{name}",
-                   "pfk {table}.{name}"),
-    "TRIGGER": ("trigger {table}.{name}", "ptrigger {table}.{name}"),
+    "INDEX": (StepKind.INDEX, StepKind.PARTITIONED_INDEX),
+    "CONSTRAINT": (StepKind.ATTACH, StepKind.CONSTRAINT, StepKind.FK, StepKind.PARTITIONED_CONSTRAINT,
+                   StepKind.PARTITIONED_FK),
+    "TRIGGER": (StepKind.TRIGGER, StepKind.PARTITIONED_TRIGGER),
 }  # fmt: skip
+
+#: what :func:`_rules`, :func:`_policies` and :func:`_statistics` make: a step's kind, subject and statements
+_Made = tuple[StepKind, str, tuple[str, ...]]
 
 _RULE_STATE = {"A": "ENABLE ALWAYS RULE", "R": "ENABLE REPLICA RULE", "D": "DISABLE RULE"}
 _COMMAND = {"r": "SELECT", "a": "INSERT", "w": "UPDATE", "d": "DELETE", "*": "ALL"}
@@ -142,7 +145,7 @@ def _comment(src: psycopg.Connection[Any], what: sql.Composable, text: str | Non
     return [(sql.SQL("COMMENT ON ") + what + sql.SQL(" IS {}").format(sql.Literal(text))).as_string(src)]
 
 
-def _rules(src: psycopg.Connection[Any], rels: list[int]) -> list[tuple[str, str, tuple[str, ...]]]:
+def _rules(src: psycopg.Connection[Any], rels: list[int]) -> list[_Made]:
     out = []
     for table, name, ruledef, enabled, comment in src.execute(_RULES, (rels,)):
         statements = [ruledef]
@@ -150,15 +153,15 @@ def _rules(src: psycopg.Connection[Any], rels: list[int]) -> list[tuple[str, str
             statements.append(sql.SQL("ALTER TABLE {} {} {}").format(sql.SQL(table), sql.SQL(_RULE_STATE[enabled]),
                                                                      sql.Identifier(name)).as_string(src))  # fmt: skip
         rule = sql.SQL("RULE {} ON {}").format(sql.Identifier(name), sql.SQL(table))
-        out.append((f"rule {table}.{name}", "rule", (*statements, *_comment(src, rule, comment))))
+        out.append((StepKind.RULE, f"{table}.{name}", (*statements, *_comment(src, rule, comment))))
     return out
 
 
-def _policies(src: psycopg.Connection[Any], rels: list[int]) -> list[tuple[str, str, tuple[str, ...]]]:
+def _policies(src: psycopg.Connection[Any], rels: list[int]) -> list[_Made]:
     out = []
     for (table,) in src.execute(_SECURED, (rels,)):
         enable = sql.SQL("ALTER TABLE {} ENABLE ROW LEVEL SECURITY").format(sql.SQL(table)).as_string(src)
-        out.append((f"row_security {table}", "row_security", (enable,)))
+        out.append((StepKind.ROW_SECURITY, table, (enable,)))
     for table, name, permissive, cmd, roles, qual, check, comment in src.execute(_POLICIES, (rels,)):
         policy = sql.SQL("POLICY {} ON {}").format(sql.Identifier(name), sql.SQL(table))
         text = (
@@ -175,12 +178,12 @@ def _policies(src: psycopg.Connection[Any], rels: list[int]) -> list[tuple[str, 
         if check is not None:
             text += sql.SQL(" WITH CHECK ({})").format(sql.SQL(check))
         out.append(
-            (f"policy {table}.{name}", "policy", (text.as_string(src), *_comment(src, policy, comment)))
+            (StepKind.POLICY, f"{table}.{name}", (text.as_string(src), *_comment(src, policy, comment)))
         )
     return out
 
 
-def _statistics(src: psycopg.Connection[Any], rels: list[int]) -> list[tuple[str, str, tuple[str, ...]]]:
+def _statistics(src: psycopg.Connection[Any], rels: list[int]) -> list[_Made]:
     out = []
     for name, definition, target, owner, comment in src.execute(_STATISTICS, (rels,)):
         stat = sql.SQL("STATISTICS {}").format(sql.SQL(name))
@@ -193,7 +196,7 @@ def _statistics(src: psycopg.Connection[Any], rels: list[int]) -> list[tuple[str
             )
         statements.append((sql.SQL("ALTER ") + stat + sql.SQL(" OWNER TO {}").format(sql.Identifier(owner))
                            ).as_string(src))  # fmt: skip
-        out.append((f"statistics {name}", "statistics", (*statements, *_comment(src, stat, comment))))
+        out.append((StepKind.STATISTICS, name, (*statements, *_comment(src, stat, comment))))
     return out
 
 
@@ -207,7 +210,11 @@ def _cluster(src: psycopg.Connection[Any], rels: list[int], tables: Sequence[str
         if matview:
             makers, what, relnames = (matviews.STEP,), "MATERIALIZED VIEW", None
         else:
-            makers = (f"index {index}", f"attach {table}.{conname}", f"constraint {table}.{conname}")
+            makers = (
+                step_name(StepKind.INDEX, index),
+                step_name(StepKind.ATTACH, f"{table}.{conname}"),
+                step_name(StepKind.CONSTRAINT, f"{table}.{conname}"),
+            )
             what, relnames = "TABLE", (table,)
         after = tuple(a for a in makers if a in built)
         if not after or (relnames is not None and table not in tables):
@@ -215,8 +222,8 @@ def _cluster(src: psycopg.Connection[Any], rels: list[int], tables: Sequence[str
         statement = sql.SQL("ALTER {} {} CLUSTER ON {}").format(
             sql.SQL(what), sql.SQL(table), sql.Identifier(index_name)
         )
-        out.append(Step(f"cluster {table}", "cluster", relnames or built[after[0]].relnames, after,
-                        (statement.as_string(src),)))  # fmt: skip
+        out.append(Step.of(StepKind.CLUSTER, table, relnames or built[after[0]].relnames, after,
+                           (statement.as_string(src),)))  # fmt: skip
     return out
 
 
@@ -226,8 +233,9 @@ def _comments(src: psycopg.Connection[Any], rels: list[int], built: dict[str, St
     migrated, keeps no comment)."""
     out = []
     for what, table, name, matview, text in src.execute(_COMMENTS, (rels, rels, rels)):
-        makers = (matviews.STEP,) if matview else _MAKERS[what]
-        after = [a for a in (m.format(table=table, name=name) for m in makers) if a in built][:1]
+        subject = name if what == "INDEX" else f"{table}.{name}"
+        makers = (matviews.STEP,) if matview else tuple(step_name(k, subject) for k in _MAKERS[what])
+        after = [a for a in makers if a in built][:1]
         if not after:
             continue
         target = (
@@ -236,8 +244,8 @@ def _comments(src: psycopg.Connection[Any], rels: list[int], built: dict[str, St
             else sql.SQL("{} ON {}").format(sql.Identifier(name), sql.SQL(table))
         )
         statement = sql.SQL("COMMENT ON {} {} IS {}").format(sql.SQL(what), target, sql.Literal(text))
-        out.append(Step(f"comment {what.lower()} {table}.{name}", "comment", built[after[0]].relnames, tuple(after),
-                        (statement.as_string(src),)))  # fmt: skip
+        out.append(Step.of(StepKind.COMMENT, f"{what.lower()} {table}.{name}", built[after[0]].relnames,
+                           tuple(after), (statement.as_string(src),)))  # fmt: skip
     return out
 
 
@@ -258,7 +266,7 @@ def steps(
     made_by = {s.step: s for s in built}
     clustered = [*_cluster(src, rels, tables, made_by), *_comments(src, rels, made_by)]
     made = [*_rules(src, rels), *_policies(src, rels), *_statistics(src, rels)]
-    out = [Step(name, kind, tuple(tables), (), statements) for name, kind, statements in made]
+    out = [Step.of(kind, subject, tuple(tables), (), statements) for kind, subject, statements in made]
     return [
         Step(s.step, s.kind, s.relnames, s.after, s.statements, first + i)
         for i, s in enumerate([*clustered, *out])
@@ -285,6 +293,6 @@ def event_triggers(src: psycopg.Connection[Any]) -> list[Step]:
         statements.append((sql.SQL("ALTER ") + trigger + sql.SQL(" OWNER TO {}").format(sql.Identifier(owner))
                            ).as_string(src))  # fmt: skip
         statements += _comment(src, trigger, comment)
-        out.append(Step(f"event_trigger {name}", "cutover_event_trigger", (), (), tuple(statements),
-                        EVENT_TRIGGER_ORD + len(out)))  # fmt: skip
+        out.append(Step.of(StepKind.CUTOVER_EVENT_TRIGGER, name, (), (), tuple(statements),
+                           EVENT_TRIGGER_ORD + len(out)))  # fmt: skip
     return out

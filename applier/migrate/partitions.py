@@ -31,8 +31,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from applier.migrate.postdata import Step
 from applier.migrate.state import MigrationError
+from applier.migrate.steps import Step, StepKind, step_name
 
 __all__ = ["steps"]
 
@@ -80,9 +80,10 @@ ORDER BY t.tgrelid, t.oid
 def _leaf_step(leaf_steps: set[str], table: str, index: str, conname: str | None, contype: str | None) -> str:
     """The name of the postdata step after which a leaf's index (and its constraint) exists: a key's attach, an
     exclusion constraint's own ``ADD CONSTRAINT`` (it builds the index), or the index's build."""
-    name = f"index {index}"
+    name = step_name(StepKind.INDEX, index)
     if conname:
-        name = f"constraint {table}.{conname}" if contype == "x" else f"attach {table}.{conname}"
+        kind = StepKind.CONSTRAINT if contype == "x" else StepKind.ATTACH
+        name = step_name(kind, f"{table}.{conname}")
     if name not in leaf_steps:
         raise MigrationError(f"post-data: no step builds {index} of partition {table} (expected {name!r})")
     return name
@@ -99,12 +100,15 @@ def steps(src: psycopg.Connection[Any], parents: Sequence[str], tables: Sequence
     leaves = {p: list(ls) for p, ls in src.execute(_LEAVES, (list(parents),))}
     keys: dict[str, list[str]] = {}  # table -> the steps after which its keys are complete
     for s in leaf_steps:
-        if s.kind == "attach":
+        if s.kind == StepKind.ATTACH:
             keys.setdefault(s.relnames[0], []).append(s.step)
     out: list[Step] = []
 
-    def add(name: str, kind: str, relnames: Sequence[str], after: Sequence[str], statement: str) -> None:
-        out.append(Step(name, kind, tuple(relnames), tuple(after), (statement,), first + len(out)))
+    def add(
+        kind: StepKind, subject: str, relnames: Sequence[str], after: Sequence[str], statement: str
+    ) -> str:
+        out.append(Step.of(kind, subject, tuple(relnames), tuple(after), (statement,), first + len(out)))
+        return out[-1].step
 
     own: dict[
         int, tuple[str, str, str]
@@ -114,14 +118,14 @@ def steps(src: psycopg.Connection[Any], parents: Sequence[str], tables: Sequence
             alter = sql.SQL("ALTER TABLE ONLY {} ADD CONSTRAINT {} ").format(
                 sql.SQL(table), sql.Identifier(conname)
             )
-            name, kind, statement = (
-                f"pconstraint {table}.{conname}",
-                "partitioned_constraint",
+            kind, subject, statement = (
+                StepKind.PARTITIONED_CONSTRAINT,
+                f"{table}.{conname}",
                 alter.as_string(src) + condef,
             )
         else:
-            name, kind, statement = f"pindex {index}", "partitioned_index", indexdef
-        add(name, kind, leaves.get(table, ()), (), statement)
+            kind, subject, statement = StepKind.PARTITIONED_INDEX, index, indexdef
+        name = add(kind, subject, leaves.get(table, ()), (), statement)
         own[oid] = (name, table, index)
         keys.setdefault(table, []).append(name)
     for parent_oid, child_oid, child, child_table, con, contype in src.execute(_CHILDREN, (list(own),)):
@@ -129,17 +133,16 @@ def steps(src: psycopg.Connection[Any], parents: Sequence[str], tables: Sequence
         child_step = (
             own[child_oid][0] if child_oid in own else _leaf_step(known, child_table, child, con, contype)
         )
-        name = f"attach_partition {child}"
-        add(name, "attach_partition", leaves.get(parent_table, ()), (parent_step, child_step),
-            f"ALTER INDEX {index} ATTACH PARTITION {child}")  # fmt: skip
+        name = add(StepKind.ATTACH_PARTITION, child, leaves.get(parent_table, ()), (parent_step, child_step),
+                   f"ALTER INDEX {index} ATTACH PARTITION {child}")  # fmt: skip
         keys.setdefault(parent_table, []).append(name)
     fks = src.execute(_FKS, (list(parents), list(parents), [*tables, *parents])).fetchall()
     for table, reftable, conname, condef in fks:
         if reftable not in leaves and reftable not in tables:
             continue  # to a table not migrated: left out, as postdata does
         add_fk = sql.SQL("ALTER TABLE {} ADD CONSTRAINT {} ").format(sql.SQL(table), sql.Identifier(conname))
-        add(f"pfk {table}.{conname}", "partitioned_fk", [*leaves.get(table, [table]), *leaves.get(reftable, [reftable])],
+        add(StepKind.PARTITIONED_FK, f"{table}.{conname}", [*leaves.get(table, [table]), *leaves.get(reftable, [reftable])],
             keys.get(reftable, ()), add_fk.as_string(src) + condef)  # fmt: skip
     for table, tgname, tgdef in src.execute(_TRIGGERS, (list(parents),)):
-        add(f"ptrigger {table}.{tgname}", "partitioned_trigger", leaves.get(table, ()), (), tgdef)
+        add(StepKind.PARTITIONED_TRIGGER, f"{table}.{tgname}", leaves.get(table, ()), (), tgdef)
     return out

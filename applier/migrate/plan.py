@@ -1,8 +1,10 @@
 """``applier migrate plan``: what a migration would move, how long it would roughly take, and what stops it.
 
-Two halves. The edges (:func:`gather_source`, :func:`gather_target`) read both servers' catalogs inside
-``READ ONLY`` transactions, so a plan provably changes nothing (no slot, no publication, no catalog row). The core
-(:func:`assess`) is pure: facts in, blockers and warnings out, so every rule is unit-tested without a server.
+Two halves. The edges (:func:`applier.migrate.survey.gather_source` and ``gather_target``) read both servers'
+catalogs inside ``READ ONLY`` transactions, so a plan provably changes nothing (no slot, no publication, no catalog
+row); they cover the tables ``start`` would migrate (:func:`applier.migrate.selection.select_tables`). This module is
+the core (:func:`assess`), pure: facts in, blockers and warnings out, so every rule is unit-tested without a server,
+and it imports no driver (``.importlinter``).
 
 **Blockers** (exit status 1) are conditions under which ``start`` would fail or would break the *source*:
 a published table without a usable key or replica identity that receives UPDATE/DELETE (publishing it makes those
@@ -21,14 +23,11 @@ The time estimate is deliberately rough: heap bytes / :data:`COPY_BYTES_PER_SECO
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import psycopg
-
-from applier.conninfo import parse
+from applier.humanize import human_bytes
 from applier.migrate.selection import Selection
 from applier.migrate.tools import DumpTools
 
@@ -42,8 +41,6 @@ __all__ = [
     "TargetFacts",
     "assess",
     "format_plan",
-    "gather_source",
-    "gather_target",
 ]
 
 #: Whole copy, default jobs, 2 cores: our tablesync measured 40-52 MB/s on an idle machine (bench/RESULTS.md) and
@@ -242,8 +239,8 @@ def _blockers(
                            "database, or drop it there, or exclude it with --exclude-table"))  # fmt: skip
     need = sum(tf.total_bytes for tf in s.tables)
     if t.free_bytes is not None and need > t.free_bytes:
-        out.append(Finding("disk", f"the selected tables take {_size(need)} on the source, the target's disk has "
-                           f"{_size(t.free_bytes)} free", "free disk space on the target"))  # fmt: skip
+        out.append(Finding("disk", f"the selected tables take {human_bytes(need)} on the source, the target's disk has "
+                           f"{human_bytes(t.free_bytes)} free", "free disk space on the target"))  # fmt: skip
     if tools is None:
         have = ", ".join(f"{d.bindir} ({d.major})" for d in found) or "none"
         out.append(Finding("pg_dump", f"no pg_dump of major version {s.major} or newer was found (found: {have})",
@@ -324,254 +321,7 @@ def assess(
     return plan
 
 
-# --- the edges: reading both servers ------------------------------------------------------------------------------
-
-_TABLES = """
-SELECT n.nspname, c.relname, c.relkind, c.relpersistence,
-       pg_relation_size(c.oid), pg_total_relation_size(c.oid), pg_indexes_size(c.oid),
-       CASE WHEN c.reltuples < 0 THEN NULL ELSE c.reltuples::bigint END,
-       EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary),
-       c.relreplident,
-       CASE c.relreplident
-         WHEN 'f' THEN true
-         WHEN 'd' THEN EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary)
-         WHEN 'i' THEN EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisreplident)
-         ELSE false END,
-       coalesce(s.n_tup_upd + s.n_tup_del, 0),
-       (SELECT count(*) FROM pg_index i WHERE i.indrelid = c.oid),
-       pg_get_userbyid(c.relowner)
-FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
-WHERE c.relkind IN ('r', 'p')
-ORDER BY 1, 2
-"""
-
-_INDEXES = """
-SELECT n.nspname, t.relname, i.relname, am.amname, x.indisprimary, x.indisunique, pg_relation_size(i.oid),
-       EXISTS (SELECT 1 FROM pg_constraint k WHERE k.conindid = i.oid AND k.conrelid = t.oid)
-FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid JOIN pg_class t ON t.oid = x.indrelid
-JOIN pg_namespace n ON n.oid = t.relnamespace JOIN pg_am am ON am.oid = i.relam
-WHERE t.relkind IN ('r', 'p')
-ORDER BY 1, 2, 3
-"""
-
-_CONSTRAINTS = """
-SELECT n.nspname, t.relname, k.contype
-FROM pg_constraint k JOIN pg_class t ON t.oid = k.conrelid JOIN pg_namespace n ON n.oid = t.relnamespace
-WHERE k.contype IN ('p', 'u', 'f', 'c', 'x') AND t.relkind IN ('r', 'p')
-"""
-
-# owners and grantees of selected schemas' relations, the schemas' own owners, the roles of the relations' policies
-# and the owners of their statistics objects (post-data names them: applier.migrate.objects)
-_ROLES = """
-SELECT n.nspname, c.relname, c.relkind, pg_get_userbyid(c.relowner) FROM pg_class c
-JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.relkind IN ('r', 'p', 'S', 'v', 'm', 'f')
-UNION ALL
-SELECT n.nspname, c.relname, c.relkind, pg_get_userbyid(a.grantee) FROM pg_class c
-JOIN pg_namespace n ON n.oid = c.relnamespace, aclexplode(c.relacl) a
-WHERE c.relkind IN ('r', 'p', 'S', 'v', 'm', 'f') AND a.grantee <> 0
-UNION ALL
-SELECT n.nspname, NULL, NULL, pg_get_userbyid(n.nspowner) FROM pg_namespace n
-UNION ALL
-SELECT n.nspname, c.relname, c.relkind, pg_get_userbyid(r) FROM pg_policy p JOIN pg_class c ON c.oid = p.polrelid
-JOIN pg_namespace n ON n.oid = c.relnamespace, unnest(p.polroles) r WHERE r <> 0
-UNION ALL
-SELECT n.nspname, c.relname, c.relkind, pg_get_userbyid(x.stxowner) FROM pg_statistic_ext x
-JOIN pg_class c ON c.oid = x.stxrelid JOIN pg_namespace n ON n.oid = c.relnamespace
-"""
-
-# one row when the role we connect as does not see row-level security policies
-_BYPASS_RLS = "SELECT 1 FROM pg_roles WHERE rolname = current_user AND (rolsuper OR rolbypassrls)"
-
-_KINDS = {"p": "primary_key", "u": "unique", "f": "foreign_key", "c": "check", "x": "exclusion"}
-
-
-def _read_only(conninfo: str, what: str) -> psycopg.Connection[Any]:
-    conn = psycopg.connect(conninfo, autocommit=False, connect_timeout=int(parse(conninfo, what).get(
-        "connect_timeout", "10")))  # fmt: skip
-    conn.execute("SET TRANSACTION READ ONLY")
-    return conn
-
-
-def _setting(conn: psycopg.Connection[Any], name: str) -> str:
-    return str(conn.execute("SELECT current_setting(%s)", (name,)).fetchone()[0])  # type: ignore[index]
-
-
-def gather_source(conninfo: str, selection: Selection) -> SourceFacts:
-    """Everything the plan needs from the source, read in one read-only transaction."""
-    with _read_only(conninfo, "source") as conn:
-        q = conn.execute
-        schemas = [
-            r[0] for r in q("SELECT nspname FROM pg_namespace ORDER BY 1") if selection.covers_schema(r[0])
-        ]
-        tables = _source_tables(conn, selection)
-        indexes = _source_indexes(conn, selection)
-        constraints = dict.fromkeys(_KINDS.values(), 0)
-        for nsp, rel, kind in q(_CONSTRAINTS):
-            if selection.covers(nsp, rel):
-                constraints[_KINDS[kind]] += 1
-        sequences = [f"{r[0]}.{r[1]}" for r in q("SELECT schemaname, sequencename FROM pg_sequences ORDER BY 1, 2")
-                     if selection.covers_schema(r[0])]  # fmt: skip
-        matviews = [f"{r[0]}.{r[1]}" for r in q("SELECT schemaname, matviewname FROM pg_matviews ORDER BY 1, 2")
-                    if selection.covers_schema(r[0])]  # fmt: skip
-        roles = _source_roles(conn, selection)
-        facts = SourceFacts(
-            version_num=int(_setting(conn, "server_version_num")),
-            wal_level=_setting(conn, "wal_level"),
-            max_replication_slots=int(_setting(conn, "max_replication_slots")),
-            slots_used=int(q("SELECT count(*) FROM pg_replication_slots").fetchone()[0]),  # type: ignore[index]
-            max_wal_senders=int(_setting(conn, "max_wal_senders")),
-            wal_senders_used=int(
-                q("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'walsender'").fetchone()[0]
-            ),  # type: ignore[index]  # fmt: skip
-            schemas=schemas,
-            tables=tables,
-            indexes=indexes,
-            constraints=constraints,
-            sequences=sequences,
-            large_objects=int(q("SELECT count(*) FROM pg_largeobject_metadata").fetchone()[0]),  # type: ignore[index]
-            extensions={r[0]: r[1] for r in q("SELECT extname, extversion FROM pg_extension ORDER BY 1")},
-            publications=[r[0] for r in q("SELECT pubname FROM pg_publication ORDER BY 1")],
-            materialized_views=matviews,
-            roles=roles,
-            row_security=_row_security(conn, selection),
-            event_triggers=_event_triggers(conn),
-        )
-        conn.rollback()
-    return facts
-
-
-def _source_tables(conn: psycopg.Connection[Any], selection: Selection) -> list[TableFacts]:
-    return [
-        TableFacts(
-            r[0],
-            r[1],
-            r[2],
-            r[3],
-            int(r[4]),
-            int(r[5]),
-            int(r[6]),
-            r[7],
-            r[8],
-            r[9],
-            r[10],
-            int(r[11]),
-            int(r[12]),
-            r[13],
-        )  # fmt: skip
-        for r in conn.execute(_TABLES)
-        if selection.covers(r[0], r[1])
-    ]
-
-
-def _source_indexes(conn: psycopg.Connection[Any], selection: Selection) -> list[dict[str, Any]]:
-    return [
-        {
-            "schema": r[0],
-            "table": r[1],
-            "name": r[2],
-            "method": r[3],
-            "primary": r[4],
-            "unique": r[5],
-            "bytes": int(r[6]),
-            "constraint": r[7],
-        }  # fmt: skip
-        for r in conn.execute(_INDEXES)
-        if selection.covers(r[0], r[1])
-    ]
-
-
-def _source_roles(conn: psycopg.Connection[Any], selection: Selection) -> list[str]:
-    """The roles that own or are granted something selected (the target needs them before the schema); with the
-    whole database selected, the large objects' owners too (large objects migrate then,
-    :mod:`applier.migrate.largeobjects`)."""
-    roles = set()
-    for nsp, rel, kind, role in conn.execute(_ROLES):
-        if not selection.covers_schema(nsp):
-            continue
-        if rel is not None and kind in ("r", "p") and not selection.covers(nsp, rel):
-            continue
-        roles.add(role)
-    if not selection.schemas and not selection.tables:
-        roles.update(
-            r[0]
-            for r in conn.execute("SELECT DISTINCT pg_get_userbyid(lomowner) FROM pg_largeobject_metadata")
-        )
-    return sorted(roles)
-
-
-def _row_security(conn: psycopg.Connection[Any], selection: Selection) -> list[str]:
-    return [
-        f"{r[0]}.{r[1]}"
-        for r in conn.execute(
-            "SELECT n.nspname, c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
-            " WHERE c.relrowsecurity ORDER BY 1, 2"
-        )
-        if selection.covers(r[0], r[1])
-    ]
-
-
-def _event_triggers(conn: psycopg.Connection[Any]) -> list[str]:
-    """The event triggers not created by an extension (those come with it)."""
-    return [
-        r[0]
-        for r in conn.execute(
-            "SELECT evtname FROM pg_event_trigger e WHERE NOT EXISTS (SELECT FROM pg_depend d WHERE"
-            " d.classid = 'pg_event_trigger'::regclass AND d.objid = e.oid AND d.deptype = 'e') ORDER BY 1"
-        )
-    ]
-
-
-def _local_free_bytes(conninfo: str, conn: psycopg.Connection[Any]) -> int | None:
-    """Free bytes on the target's data directory's file system, when that directory is visible from here: the
-    target is on this machine (a Unix socket or a loopback address) and we may read ``data_directory``."""
-    host = conn.info.host or ""
-    if not (host.startswith("/") or host in ("localhost", "127.0.0.1", "::1")):
-        return None
-    try:
-        datadir = conn.execute("SELECT current_setting('data_directory')").fetchone()[0]  # type: ignore[index]
-    except psycopg.Error:
-        conn.rollback()
-        conn.execute("SET TRANSACTION READ ONLY")
-        return None
-    try:
-        return shutil.disk_usage(datadir).free
-    except OSError:
-        return None
-
-
-def gather_target(conninfo: str, tables: Sequence[TableFacts]) -> TargetFacts:
-    """Everything the plan needs from the target, read in one read-only transaction."""
-    with _read_only(conninfo, "target") as conn:
-        q = conn.execute
-        avail: dict[str, list[str]] = {}
-        for name, version in q("SELECT name, version FROM pg_available_extension_versions"):
-            avail.setdefault(name, []).append(version)
-        existing = {f"{r[0]}.{r[1]}" for r in q(
-            "SELECT n.nspname, c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
-            " WHERE c.relkind IN ('r', 'p')")}  # fmt: skip
-        facts = TargetFacts(
-            version_num=int(_setting(conn, "server_version_num")),
-            max_prepared_transactions=int(_setting(conn, "max_prepared_transactions")),
-            available_extensions=avail,
-            roles=[r[0] for r in q("SELECT rolname FROM pg_roles ORDER BY 1")],
-            existing_tables=[tf.qualified for tf in tables if tf.qualified in existing],
-            free_bytes=_local_free_bytes(conninfo, conn),
-            bypass_rls=bool(q(_BYPASS_RLS).fetchone()),
-        )
-        conn.rollback()
-    return facts
-
-
 # --- text output ----------------------------------------------------------------------------------------------
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TB"  # pragma: no cover
 
 
 def format_plan(plan: Plan) -> str:
@@ -580,7 +330,7 @@ def format_plan(plan: Plan) -> str:
         f"source: PostgreSQL {s.version_num // 10000}, wal_level {s.wal_level}, slots "
         f"{s.slots_used}/{s.max_replication_slots} used, WAL senders {s.wal_senders_used}/{s.max_wal_senders} used",
         f"target: PostgreSQL {t.version_num // 10000}, max_prepared_transactions {t.max_prepared_transactions}, "
-        f"free disk {'unknown' if t.free_bytes is None else _size(t.free_bytes)}",
+        f"free disk {'unknown' if t.free_bytes is None else human_bytes(t.free_bytes)}",
         f"pg_dump: {'none new enough' if plan.tools is None else f'{plan.tools.bindir} ({plan.tools.major})'}",
         f"schemas: {', '.join(s.schemas) or '(none)'}",
         f"tables: {len(s.tables)}",
@@ -594,11 +344,11 @@ def format_plan(plan: Plan) -> str:
         )
         extra = ", unlogged" if tf.persistence == "u" else ", partitioned" if tf.kind == "p" else ""
         lines.append(
-            f"  {tf.qualified}: {_size(tf.total_bytes)}, {rows} rows, {tf.indexes} index(es), {key}{extra}"
+            f"  {tf.qualified}: {human_bytes(tf.total_bytes)}, {rows} rows, {tf.indexes} index(es), {key}{extra}"
         )
     c = s.constraints
     lines += [
-        f"indexes: {len(s.indexes)} ({_size(sum(i['bytes'] for i in s.indexes))})",
+        f"indexes: {len(s.indexes)} ({human_bytes(sum(i['bytes'] for i in s.indexes))})",
         "constraints: " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in c.items()),
         f"sequences: {len(s.sequences)}",
         f"large objects: {s.large_objects}",

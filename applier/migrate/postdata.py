@@ -36,27 +36,18 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from applier.migrate import store
+from applier.migrate.steps import Step, StepKind, step_name
+
 __all__ = [
+    "LeftOut",
     "Step",
     "definitions",
-    "load_steps",
     "ready",
     "run_steps",
-    "save_steps",
     "step_costs",
     "table_weights",
 ]
-
-
-@dataclass(frozen=True)
-class Step:
-    step: str  # unique within the migration, e.g. "index public.a_v_idx"
-    kind: str
-    relnames: tuple[str, ...]  # tables (quoted, qualified) whose copy must be finished
-    after: tuple[str, ...]  # steps that must be done first
-    statements: tuple[str, ...]
-    ord: int = 0
-    done: bool = False
 
 
 def ready(
@@ -97,20 +88,20 @@ def ready(
         key=lambda s: (
             work.get(s.step, 0.0) > 0,
             -work.get(s.step, 0.0),
-            s.kind not in ("key", "attach"),
+            s.kind not in (StepKind.KEY, StepKind.ATTACH),
             s.ord,
         ),
     )
 
 
 #: Kinds of step that only take a SHARE lock on their table (CREATE INDEX): several may run on it at once.
-_SHARED = ("index", "key")
+_SHARED = (StepKind.INDEX, StepKind.KEY)
 
 #: How much more an index build of these access methods costs than a btree build of the same table (measured
 #: on the bench's jsonb GIN index: about 3-4x its table's btree builds). Only the order of builds depends on it.
 _METHOD_FACTOR = {"gin": 4.0, "gist": 3.0, "spgist": 3.0, "brin": 0.2}
 #: Kinds of step that scan their table (their cost grows with it); the others are catalog changes.
-_SCANS = ("index", "key", "constraint", "validate")
+_SCANS = (StepKind.INDEX, StepKind.KEY, StepKind.CONSTRAINT, StepKind.VALIDATE)
 
 
 def step_costs(steps: Sequence[Step], pages: Mapping[str, int]) -> dict[str, float]:
@@ -173,11 +164,24 @@ def _alter(table: str) -> sql.Composable:
     return sql.SQL("ALTER TABLE ONLY {} ").format(sql.SQL(table))  # already quoted by regclass::text
 
 
-def definitions(conn: psycopg.Connection[Any], tables: Sequence[str]) -> tuple[list[Step], list[str]]:
-    """The post-data steps of ``tables`` (quoted, qualified names) and notes on what is left out. ``conn`` is a
-    source connection inside the migration's snapshot with ``search_path = ''``."""
+@dataclass(frozen=True)
+class LeftOut:
+    """A foreign key left out because the table it references is not migrated: a note for the user, and a value
+    the caller can tell apart (a key to a partitioned table is :mod:`applier.migrate.partitions`' to make)."""
+
+    conname: str
+    table: str
+    references: str
+
+    def __str__(self) -> str:
+        return f"foreign key {self.conname} of {self.table} references {self.references}, which is not migrated: left out"
+
+
+def definitions(conn: psycopg.Connection[Any], tables: Sequence[str]) -> tuple[list[Step], list[LeftOut]]:
+    """The post-data steps of ``tables`` (quoted, qualified names) and what is left out. ``conn`` is a source
+    connection inside the migration's snapshot with ``search_path = ''``."""
     steps: list[Step] = []
-    notes: list[str] = []
+    notes: list[LeftOut] = []
     keys: dict[str, list[str]] = {}  # table -> its key steps (what foreign keys to it wait for)
     replident = _index_steps(conn, tables, steps, keys)
     _constraint_steps(conn, tables, steps, notes, keys)
@@ -185,11 +189,9 @@ def definitions(conn: psycopg.Connection[Any], tables: Sequence[str]) -> tuple[l
         text = (
             _alter(table) + sql.SQL("REPLICA IDENTITY USING INDEX {}").format(sql.Identifier(index_name))
         ).as_string(conn)
-        steps.append(
-            Step(f"replica_identity {table}", "replica_identity", (table,), (after,), (text,), len(steps))
-        )
+        steps.append(Step.of(StepKind.REPLICA_IDENTITY, table, (table,), (after,), (text,), len(steps)))
     for table, tgname, tgdef in conn.execute(_TRIGGERS, (list(tables),)):
-        steps.append(Step(f"trigger {table}.{tgname}", "trigger", (table,), (), (tgdef,), len(steps)))
+        steps.append(Step.of(StepKind.TRIGGER, f"{table}.{tgname}", (table,), (), (tgdef,), len(steps)))
     return steps, notes
 
 
@@ -214,12 +216,12 @@ def _index_steps(
         if con_oid is not None and contype == "x":
             continue  # built by its ADD CONSTRAINT below
         if con_oid is None:
-            steps.append(Step(f"index {index}", "index", (table,), (), (indexdef,), len(steps)))
+            steps.append(Step.of(StepKind.INDEX, index, (table,), (), (indexdef,), len(steps)))
             if is_replident:
-                replident.append((table, index_name, f"index {index}"))
+                replident.append((table, index_name, steps[-1].step))
             continue
         if is_replident:
-            replident.append((table, conname, f"attach {table}.{conname}"))
+            replident.append((table, conname, step_name(StepKind.ATTACH, f"{table}.{conname}")))
         kind = "PRIMARY KEY" if contype == "p" else "UNIQUE"
         attach = _alter(table) + sql.SQL("ADD CONSTRAINT {} {} USING INDEX {}").format(
             sql.Identifier(conname), sql.SQL(kind), sql.Identifier(index_name)
@@ -227,15 +229,16 @@ def _index_steps(
         text = attach.as_string(conn)
         if deferrable:
             text += " DEFERRABLE" + (" INITIALLY DEFERRED" if deferred else "")
-        build = f"key {table}.{conname}"
-        name = f"attach {table}.{conname}"
-        keys.setdefault(table, []).append(name)
-        steps.append(Step(build, "key", (table,), (), (indexdef,), len(steps)))
-        steps.append(Step(name, "attach", (table,), (build,), (text,), len(steps)))
+        build = Step.of(StepKind.KEY, f"{table}.{conname}", (table,), (), (indexdef,), len(steps))
+        steps.append(build)
+        steps.append(
+            Step.of(StepKind.ATTACH, f"{table}.{conname}", (table,), (build.step,), (text,), len(steps))
+        )
+        keys.setdefault(table, []).append(steps[-1].step)
     return replident
 
 
-def _constraint_steps(conn: psycopg.Connection[Any], tables: Sequence[str], steps: list[Step], notes: list[str],
+def _constraint_steps(conn: psycopg.Connection[Any], tables: Sequence[str], steps: list[Step], notes: list[LeftOut],
                       keys: dict[str, list[str]]) -> None:  # fmt: skip
     """The other constraints' steps, into ``steps``: a foreign key added ``NOT VALID`` once the key it references
     is attached, then validated if it was valid on the source; one to a table not migrated is left out, into
@@ -244,49 +247,22 @@ def _constraint_steps(conn: psycopg.Connection[Any], tables: Sequence[str], step
     for table, reftable, conname, contype, validated, condef in conn.execute(_CONSTRAINTS, (list(tables),)):
         add = (_alter(table) + sql.SQL("ADD CONSTRAINT {} ").format(sql.Identifier(conname))).as_string(conn)
         if contype != "f":
-            steps.append(Step(f"constraint {table}.{conname}", "constraint", (table,), (), (add + condef,),
-                              len(steps)))  # fmt: skip
+            steps.append(Step.of(StepKind.CONSTRAINT, f"{table}.{conname}", (table,), (), (add + condef,),
+                                 len(steps)))  # fmt: skip
             continue
         if reftable not in selected:
-            notes.append(
-                f"foreign key {conname} of {table} references {reftable}, which is not migrated: left out"
-            )
+            notes.append(LeftOut(conname, table, reftable))
             continue
-        name = f"fk {table}.{conname}"
         not_valid = condef if condef.endswith("NOT VALID") else condef + " NOT VALID"
-        steps.append(Step(name, "fk", (table, reftable), tuple(keys.get(reftable, ())), (add + not_valid,),
-                          len(steps)))  # fmt: skip
+        fk = Step.of(StepKind.FK, f"{table}.{conname}", (table, reftable), tuple(keys.get(reftable, ())),
+                     (add + not_valid,), len(steps))  # fmt: skip
+        steps.append(fk)
         if validated:
             validate = (
                 _alter(table) + sql.SQL("VALIDATE CONSTRAINT {}").format(sql.Identifier(conname))
             ).as_string(conn)
-            steps.append(Step(f"validate {table}.{conname}", "validate", (table, reftable), (name,), (validate,),
-                              len(steps)))  # fmt: skip
-
-
-# --- the catalog ---------------------------------------------------------------------------------------------
-
-
-def save_steps(conn: psycopg.Connection[Any], name: str, steps: Sequence[Step]) -> None:
-    """Store the steps (inside the caller's transaction)."""
-    with conn.cursor() as cur:
-        cur.executemany(
-            "INSERT INTO applier.migration_step (name, step, ord, kind, relnames, after, statements)"
-            " VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
-            [
-                (name, s.step, s.ord, s.kind, list(s.relnames), list(s.after), list(s.statements))
-                for s in steps
-            ],
-        )
-
-
-def load_steps(conn: psycopg.Connection[Any], name: str) -> list[Step]:
-    rows = conn.execute(
-        "SELECT step, kind, relnames, after, statements, ord, done FROM applier.migration_step"
-        " WHERE name = %s ORDER BY ord",
-        (name,),
-    ).fetchall()
-    return [Step(r[0], r[1], tuple(r[2]), tuple(r[3]), tuple(r[4]), r[5], r[6]) for r in rows]
+            steps.append(Step.of(StepKind.VALIDATE, f"{table}.{conname}", (table, reftable), (fk.step,), (validate,),
+                                 len(steps)))  # fmt: skip
 
 
 #: A step cancelled by PostgreSQL's deadlock detector is run again (after the other transaction went on).
@@ -359,11 +335,7 @@ def _build_in(conn: psycopg.Connection[Any], name: str, step: Step, started: flo
         for statement in step.statements:
             conn.execute(statement)
         seconds = time.monotonic() - started
-        conn.execute(
-            "UPDATE applier.migration_step SET done = true, seconds = %s, finished = clock_timestamp()"
-            " WHERE name = %s AND step = %s",
-            (seconds, name, step.step),
-        )
+        store.mark_step_done(conn, name, step.step, seconds)
     return seconds
 
 
@@ -409,7 +381,7 @@ def _run(
             in_flight = {s.step for s in running.values()}
             have = copied()
             for step in ready(steps, have, done, in_flight, cost)[: max(0, jobs - len(running))]:
-                say(f"post-data: {step.kind} {step.step.split(' ', 1)[1]} started")
+                say(f"post-data: {step.kind} {step.subject} started")
                 running[pool.submit(builders.build, name, step)] = step
             if not running and not copy_running() and not ready(steps, copied(), done, ()):
                 return False  # nothing runs, nothing can start, no table will arrive
@@ -421,7 +393,7 @@ def _run(
                 step = running.pop(fut)
                 seconds = fut.result()  # an error ends the run: the step stays pending for the next start
                 done.add(step.step)
-                say(f"post-data: {step.kind} {step.step.split(' ', 1)[1]} done in {seconds:.1f}s")
+                say(f"post-data: {step.kind} {step.subject} done in {seconds:.1f}s")
         for fut in list(running):
             fut.result()
     return len(done) == len(steps)

@@ -2,16 +2,19 @@
 ``-n``/``-t``/``-T`` read them (shell wildcards ``*`` and ``?``; a pattern with a dot names ``schema.table``, one
 without matches the table name in any selected schema).
 
-Pure: the catalog queries hand every candidate ``(schema, table)`` to :meth:`Selection.covers`.
+Pure: the catalog queries hand every candidate ``(schema, table)`` to :meth:`Selection.covers`. Which of the
+source's tables a migration covers is :func:`select_tables`' answer alone, for ``plan`` and ``start`` both (issue
+27: plan matched each table's own name while start followed a partition to its root, so they could disagree); the
+query that feeds it is :func:`applier.migrate.survey.source_tables`.
 """
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
-__all__ = ["SYSTEM_SCHEMAS", "Selection"]
+__all__ = ["SYSTEM_SCHEMAS", "Selection", "SourceTables", "TableRow", "select_tables"]
 
 #: Never migrated: PostgreSQL's own schemas, and our catalog (the target's ``applier`` schema is ours).
 SYSTEM_SCHEMAS = frozenset({"pg_catalog", "information_schema", "pg_toast", "applier"})
@@ -63,3 +66,49 @@ class Selection:
             "tables": list(self.tables),
             "exclude_tables": list(self.exclude_tables),
         }
+
+
+#: A source table as :func:`select_tables` reads it: schema, name, relkind, relpersistence, and the schema and name
+#: of its partition tree's root (itself when it is not a partition).
+TableRow = tuple[str, str, str, str, str, str]
+
+
+@dataclass(frozen=True)
+class SourceTables:
+    """What a selection covers on the source."""
+
+    tables: list[tuple[str, str]]  # (schema, table) migrated: copied and followed
+    schemas: list[str]  # schemas dumped
+    exclude: list[tuple[str, str]]  # tables of those schemas that are not migrated (left out of the dump)
+    skipped: list[str]  # notes
+    #: migrated partitioned tables: dumped, never copied (their leaves are in ``tables``)
+    partitioned: list[tuple[str, str]] = field(default_factory=list)
+    #: covered but unlogged: they cannot be published, so they are not migrated (in ``exclude`` too)
+    unlogged: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def covered(self) -> set[tuple[str, str]]:
+        """Every table the selection covers, migrated or not (what ``plan`` describes and checks)."""
+        return {*self.tables, *self.partitioned, *self.unlogged}
+
+
+def select_tables(selection: Selection, schemas: Iterable[str], rows: Iterable[TableRow]) -> SourceTables:
+    """What ``selection`` covers among the source's ``schemas`` and tables (``rows``). A partition goes with its
+    partition tree's root: selected or excluded by the root's name, never by its own (docs/migrate.md,
+    "Partitioned tables"). Unlogged tables cannot be published, so they are left out (with a note); partitioned
+    tables are dumped but hold no rows: their leaves are the migrated tables (:mod:`applier.migrate.partitions`)."""
+    out = SourceTables([], [s for s in schemas if selection.covers_schema(s)], [], [])
+    for nsp, rel, kind, persistence, root_nsp, root in rows:
+        if not selection.covers_schema(nsp):
+            continue
+        if not selection.covers(root_nsp, root):
+            out.exclude.append((nsp, rel))
+        elif persistence == "u":
+            out.exclude.append((nsp, rel))
+            out.unlogged.append((nsp, rel))
+            out.skipped.append(f"{nsp}.{rel} is unlogged (it cannot be published): not migrated")
+        elif kind == "p":
+            out.partitioned.append((nsp, rel))
+        else:
+            out.tables.append((nsp, rel))
+    return out

@@ -20,13 +20,12 @@ Resumable at every step (state in ``applier.migration``/``migration_step``):
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -35,10 +34,11 @@ from psycopg import sql
 from applier.catalog import sql as catalog_sql
 from applier.conninfo import describe, without_password
 from applier.lsn import format_lsn
-from applier.migrate import largeobjects, matviews, objects, partitions, postdata, schema
-from applier.migrate import state as mstate
-from applier.migrate.selection import Selection
+from applier.migrate import largeobjects, matviews, objects, partitions, postdata, schema, store
+from applier.migrate.selection import Selection, SourceTables
 from applier.migrate.state import MigrationError
+from applier.migrate.steps import Step, StepKind
+from applier.migrate.survey import source_tables
 from applier.migrate.tools import find_dump_tools
 from applier.replication import ReplicationConnection, ReplicationConnectionError
 from applier.signals import set_once
@@ -63,52 +63,6 @@ class StartOptions:
     cutover: bool = False
 
 
-@dataclass(frozen=True)
-class SourceTables:
-    tables: list[tuple[str, str]]  # (schema, table) migrated
-    schemas: list[str]  # schemas dumped
-    exclude: list[tuple[str, str]]  # tables of those schemas that are not migrated
-    skipped: list[str]  # notes
-    #: migrated partitioned tables: dumped, never copied (their leaves are in ``tables``)
-    partitioned: list[tuple[str, str]] = field(default_factory=list)
-
-
-# each table with the schema and name of its partition tree's root (itself when it is not a partition)
-_TABLES = """
-SELECT n.nspname, c.relname, c.relkind, c.relpersistence, coalesce(rn.nspname, n.nspname), coalesce(r.relname, c.relname)
-FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-LEFT JOIN pg_class r ON r.oid = pg_partition_root(c.oid) LEFT JOIN pg_namespace rn ON rn.oid = r.relnamespace
-WHERE c.relkind IN ('r', 'p') AND c.relpersistence <> 't'
-ORDER BY 1, 2
-"""
-
-
-def source_tables(conn: psycopg.Connection[Any], selection: Selection) -> SourceTables:
-    """What the selection covers on the source: the tables to migrate, the schemas to dump, the tables of those
-    schemas to leave out of the dump. Unlogged tables cannot be published, so they are left out (with a note). A
-    partition goes with its partition tree's root (selected or excluded by the root's name); the partitioned tables
-    themselves are dumped but hold no rows: their leaves are the migrated tables (:mod:`applier.migrate.partitions`)."""
-    schemas = [
-        r[0]
-        for r in conn.execute("SELECT nspname FROM pg_namespace ORDER BY 1")
-        if selection.covers_schema(r[0])
-    ]
-    tables, exclude, skipped, partitioned = [], [], [], []
-    for nsp, rel, kind, persistence, root_nsp, root in conn.execute(_TABLES):
-        if not selection.covers_schema(nsp):
-            continue
-        if not selection.covers(root_nsp, root):
-            exclude.append((nsp, rel))
-        elif persistence == "u":
-            exclude.append((nsp, rel))
-            skipped.append(f"{nsp}.{rel} is unlogged (it cannot be published): not migrated")
-        elif kind == "p":
-            partitioned.append((nsp, rel))
-        else:
-            tables.append((nsp, rel))
-    return SourceTables(tables, schemas, exclude, skipped, partitioned)
-
-
 class _Runner:
     """One ``start``: the steps as methods, sharing connections and the stop event."""
 
@@ -125,16 +79,16 @@ class _Runner:
         self.signalled = False  # SIGTERM/SIGINT reached our handler
 
     # --- bookkeeping ------------------------------------------------------------------------------------------
-    def migration(self) -> mstate.Migration:
-        m = mstate.load(self.target, self.opts.name)
+    def migration(self) -> store.Migration:
+        m = store.load(self.target, self.opts.name)
         assert m is not None
         return m
 
     def phase(self, phase: str, **seconds: float) -> None:
-        mstate.set_phase(self.target, self.opts.name, phase, seconds=seconds)
+        store.set_phase(self.target, self.opts.name, phase, seconds=seconds)
         self.say(f"phase {phase}")
 
-    def register(self, tables: SourceTables) -> mstate.Migration:
+    def register(self, tables: SourceTables) -> store.Migration:
         """The migration's row: new, or the same migration again (same source and selection)."""
         from applier.catalog.store import Catalog
 
@@ -143,14 +97,9 @@ class _Runner:
             catalog.ensure()
         finally:
             catalog.engine.dispose()
-        mstate.ensure(self.target)
         source = without_password(self.opts.source, "source")
         selection = self.opts.selection.to_json()
-        self.target.execute(
-            "INSERT INTO applier.migration (name, subname, source, selection, publication, slot, phase)"
-            " VALUES (%s, %s, %s, %s, %s, %s, 'schema') ON CONFLICT (name) DO NOTHING",
-            (self.opts.name, self.opts.name, source, json.dumps(selection), self.opts.name, self.opts.name),
-        )
+        store.register(self.target, self.opts.name, source, selection)
         m = self.migration()
         if m.source != source or m.selection != selection:
             raise MigrationError(
@@ -160,7 +109,7 @@ class _Runner:
         return m
 
     # --- the source -------------------------------------------------------------------------------------------
-    def publication(self, m: mstate.Migration, tables: SourceTables) -> None:
+    def publication(self, m: store.Migration, tables: SourceTables) -> None:
         """Create the publication of the selected tables (once; the same table list when started again before
         the copy is over; after it, a start that resumes leaves it as it is)."""
         with psycopg.connect(self.opts.source, autocommit=True) as src:
@@ -175,7 +124,7 @@ class _Runner:
                 )
             if exists and m.phase not in ("schema", "copy"):
                 return  # its tables are settled; a cutover may have fenced the source already (read-only)
-            self.target.execute("UPDATE applier.migration SET pub_created = true WHERE name = %s", (m.name,))
+            store.mark_publication_created(self.target, m.name)
             if exists:
                 src.execute(
                     sql.SQL("ALTER PUBLICATION {} SET TABLE {}").format(sql.Identifier(m.publication), names)
@@ -186,7 +135,7 @@ class _Runner:
                 )
         self.say(f"publication {m.publication}: {len(tables.tables)} table(s)")
 
-    def fresh_slot(self, m: mstate.Migration) -> None:
+    def fresh_slot(self, m: store.Migration) -> None:
         """(Re)create the slot with an exported snapshot; keep its connection idle while the snapshot is used."""
         try:
             conn = ReplicationConnection.open(self.opts.source, application_name=f"{m.name}_migrate")
@@ -200,7 +149,7 @@ class _Runner:
                 if rows:
                     conn.drop_slot(m.slot)
                     self.say(f"slot {m.slot} of an interrupted start dropped")
-            self.target.execute("UPDATE applier.migration SET slot_created = true WHERE name = %s", (m.name,))
+            store.mark_slot_created(self.target, m.name)
             info = conn.create_slot(m.slot, snapshot="export")
         except BaseException:
             conn.close()
@@ -213,7 +162,7 @@ class _Runner:
         )
 
     # --- schema -----------------------------------------------------------------------------------------------
-    def pre_data(self, m: mstate.Migration, tables: SourceTables) -> None:
+    def pre_data(self, m: store.Migration, tables: SourceTables) -> None:
         """Pre-data, the post-data steps and the large objects, read at the snapshot; applied in one target
         transaction (a kill leaves all of it or none)."""
         started = time.monotonic()
@@ -226,7 +175,7 @@ class _Runner:
             steps, notes = postdata.definitions(src, quoted)
             steps += self.object_steps(src, tables, quoted, steps)
             parents = set(self._quoted(src, tables.partitioned))
-            notes = [n for n in notes if not any(f" references {p}, " in n for p in parents)]
+            notes = [n for n in notes if n.references not in parents]  # partitions.steps makes those
             tools, found = find_dump_tools(self._source_major())
             if tools is None:
                 raise MigrationError("no pg_dump new enough for the source (see applier migrate plan)")
@@ -238,12 +187,9 @@ class _Runner:
                 self.target.execute(script)
                 self.target.execute("SET search_path TO DEFAULT")
                 always = self.identity_always([*quoted, *self._quoted(src, tables.partitioned)])
-                postdata.save_steps(self.target, m.name, [*steps, *always])
+                store.save_steps(self.target, m.name, [*steps, *always])
                 los = largeobjects.copy(src, self.target) if largeobjects.selected(m.selection) else 0
-                self.target.execute(
-                    "UPDATE applier.migration SET snapshot_lsn = %s::pg_lsn WHERE name = %s",
-                    (format_lsn(self.snapshot_lsn or 0), m.name),
-                )
+                store.set_snapshot_lsn(self.target, m.name, self.snapshot_lsn or 0)
         finally:
             src.close()
         for note in [*tables.skipped, *notes]:
@@ -264,8 +210,8 @@ class _Runner:
         src: psycopg.Connection[Any],
         tables: SourceTables,
         quoted: list[str],
-        steps: list[postdata.Step],
-    ) -> list[postdata.Step]:
+        steps: list[Step],
+    ) -> list[Step]:
         """The post-data steps of the partitioned tables, materialized views, rules, policies and statistics objects
         (their own modules say how)."""
         extra = partitions.steps(src, self._quoted(src, tables.partitioned), quoted, steps, len(steps))
@@ -276,7 +222,7 @@ class _Runner:
         whole = not self.opts.selection.schemas and not self.opts.selection.tables
         return extra + (objects.event_triggers(src) if whole else [])
 
-    def identity_always(self, tables: list[str]) -> list[postdata.Step]:
+    def identity_always(self, tables: list[str]) -> list[Step]:
         """Make the target's ``GENERATED ALWAYS`` identity columns ``BY DEFAULT`` until the cutover, which puts them
         back (steps of kind ``cutover_identity``): the apply loop can write an ALWAYS column, but an UPDATE that may
         change one switches it for each statement under an ACCESS EXCLUSIVE lock (docs/differences.md); while only
@@ -296,8 +242,8 @@ class _Runner:
             )
             self.target.execute(alter + sql.SQL("BY DEFAULT"))
             always = (alter + sql.SQL("ALWAYS")).as_string(self.target)
-            steps.append(postdata.Step(f"identity {table}.{column}", "cutover_identity", (table,), (), (always,),
-                                       10_000 + len(steps)))  # fmt: skip
+            steps.append(Step.of(StepKind.CUTOVER_IDENTITY, f"{table}.{column}", (table,), (), (always,),
+                                 10_000 + len(steps)))  # fmt: skip
         return steps
 
     def _source_major(self) -> int:
@@ -317,7 +263,7 @@ class _Runner:
                 return "subscription"
         return "original"
 
-    def subscription(self, m: mstate.Migration, tables: list[str]) -> None:
+    def subscription(self, m: store.Migration, tables: list[str]) -> None:
         """The subscription's catalog rows (every table ``i``, two-phase pending until all are ready), using the
         slot made above; one left by an interrupted start is replaced."""
         from applier.catalog.store import Catalog
@@ -348,7 +294,7 @@ class _Runner:
         """The tables whose copy is finished (read through ``conn``, polled a few times a second)."""
         return {r[0] for r in conn.execute(catalog_sql.SUBSCRIPTION_COPIED_TABLE_NAMES, (self.opts.name,))}
 
-    def source_pages(self, steps: list[postdata.Step]) -> dict[str, int]:
+    def source_pages(self, steps: list[Step]) -> dict[str, int]:
         """Each table's size in pages on the source (now, not at the snapshot: an estimate that orders the work)."""
         tables = sorted({r for s in steps for r in s.relnames})
         with psycopg.connect(self.opts.source, autocommit=True) as src:
@@ -359,13 +305,13 @@ class _Runner:
             ).fetchall()
         return {t: int(n) for t, n in rows}
 
-    def copy_and_post_data(self, m: mstate.Migration) -> bool:
+    def copy_and_post_data(self, m: store.Migration) -> bool:
         """The copy (this thread) and post-data (a thread, as tables land); True when both completed.
 
         Critical path first: the copy takes the table with the most work behind it first (its pages plus its
         builds, :func:`postdata.table_weights`) and post-data starts the most expensive ready build first, so the
         biggest table's builds overlap the copy of all the others instead of following it."""
-        steps = [s for s in postdata.load_steps(self.target, m.name) if not s.kind.startswith("cutover")]
+        steps = [s for s in store.load_steps(self.target, m.name) if not s.kind.at_cutover]
         pages = self.source_pages(steps)
         copying = threading.Event()
         copying.set()
@@ -392,7 +338,7 @@ class _Runner:
             raise MigrationError("post-data could not finish: a step waits for a table that was not copied")
         return True
 
-    def _post_data_thread(self, m: mstate.Migration, steps: list[postdata.Step], cost: dict[str, float],
+    def _post_data_thread(self, m: store.Migration, steps: list[Step], cost: dict[str, float],
                           copying: threading.Event, outcome: dict[str, Any]) -> threading.Thread:  # fmt: skip
         """The post-data thread (not started): it runs the steps as their tables land while ``copying`` is set,
         and leaves in ``outcome`` whether all ran (``ok``), its error (which stops the copy too) and its time."""
@@ -412,7 +358,7 @@ class _Runner:
 
         return threading.Thread(target=post, name="postdata", daemon=True)
 
-    def _copier(self, m: mstate.Migration, weights: dict[str, float]) -> InitialCopy:
+    def _copier(self, m: store.Migration, weights: dict[str, float]) -> InitialCopy:
         """The initial copy, at the migration's own snapshot when this run holds it (a resumed run takes a new
         one), the heaviest table first (``weights``)."""
         from tablesync.initial import InitialCopy, _SnapshotSlot
@@ -489,7 +435,7 @@ class _Runner:
         keys = sorted(times, key=lambda k: order.index(k) if k in order else len(order))
         self.say("summary: " + ", ".join(f"{k} {times[k]:.1f}s" for k in keys))
 
-    def follow(self, m: mstate.Migration) -> int:
+    def follow(self, m: store.Migration) -> int:
         """The apply loop (``applier run``'s) in the foreground until a cutover completes or a signal stops it."""
         from applier import runner
 
@@ -574,10 +520,7 @@ class _Runner:
         """Stop when the migration is done (a cutover completed) or failed (aborted), as another shell decides."""
         while not finished.wait(0.5):
             with contextlib.suppress(Exception), psycopg.connect(self.opts.target, autocommit=True) as c:
-                row = c.execute(
-                    "SELECT phase FROM applier.migration WHERE name = %s", (self.opts.name,)
-                ).fetchone()
-                if row is not None and row[0] in ("done", "failed"):
+                if store.phase_of(c, self.opts.name) in ("done", "failed"):
                     self.stop.set()
                     return
 

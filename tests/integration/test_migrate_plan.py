@@ -106,6 +106,37 @@ def test_a_clean_source_passes_is_described_and_nothing_changes(pair) -> None:
     assert (catalog_picture(pub), catalog_picture(tgt)) == before
 
 
+def test_plan_covers_the_tables_start_migrates_a_partition_following_its_root(pair) -> None:
+    """Where plan (each table's own name) and start (the partition tree's root) used to disagree: ``--table ev``
+    now describes the partitions too, and ``--exclude-table 'ev_*'`` no longer hides them; both are what
+    :func:`applier.migrate.survey.source_tables`, start's selection, covers."""
+    from applier.migrate.selection import Selection
+    from applier.migrate.survey import source_tables
+
+    pub, tgt = pair.publisher, pair.target
+    pub.execute(
+        "CREATE TABLE ev (id int, at date, PRIMARY KEY (id, at)) PARTITION BY RANGE (at);"
+        "CREATE TABLE ev_2024 PARTITION OF ev FOR VALUES FROM ('2024-01-01') TO ('2025-01-01');"
+        "CREATE TABLE ev_2025 PARTITION OF ev FOR VALUES FROM ('2025-01-01') TO ('2026-01-01');"
+        "CREATE TABLE other (id int PRIMARY KEY)"
+    )
+    for extra, expected in [
+        (["--table", "ev"], ["ev", "ev_2024", "ev_2025"]),
+        (["--exclude-table", "ev_*"], ["ev", "ev_2024", "ev_2025", "other"]),
+        (["--exclude-table", "ev"], ["other"]),
+    ]:
+        status, doc, _ = plan(pub, tgt, *extra)
+        assert status == 0, doc["blockers"]
+        assert sorted(t["name"] for t in doc["tables"]) == expected, extra
+        selection = Selection.of(None, extra[1:] if extra[0] == "--table" else None,
+                                 extra[1:] if extra[0] == "--exclude-table" else None)  # fmt: skip
+        with pub.connect() as conn:
+            covered = source_tables(conn, selection).covered
+        assert sorted(t for s, t in covered if s == "public") == expected, extra
+    indexes = plan(pub, tgt, "--table", "ev")[1]["indexes"]
+    assert {i["table"] for i in indexes} == {"ev", "ev_2024", "ev_2025"}
+
+
 def test_a_keyless_table_that_gets_updates_blocks_until_it_has_an_identity_or_is_excluded(pair) -> None:
     pub, tgt = pair.publisher, pair.target
     pub.execute(

@@ -275,3 +275,29 @@ def test_a_kill_during_post_data_builds_nothing_twice(pair, procs, tmp_path) -> 
     assert tgt.scalar("SELECT bool_and(done) FROM applier.migration_step WHERE kind NOT LIKE 'cutover%'")
     assert schema_dump(tgt) == schema_dump(pub)
     assert_tables_equal(pub, tgt, "public.a")
+
+
+def test_the_migration_tables_are_the_catalogs_and_an_older_target_that_has_them_upgrades(pair) -> None:
+    """Catalog version 6 made the migration's tables part of the catalog: a fresh catalog has them, and a target
+    whose tables an older release made with ``CREATE TABLE IF NOT EXISTS`` (at catalog version 5) upgrades in place,
+    its migration kept."""
+    from applier.catalog.store import CATALOG_VERSION, Catalog
+    from applier.migrate import store
+
+    tgt = pair.target
+    catalog = Catalog.connect(tgt.dsn)
+    try:
+        assert catalog.ensure() == CATALOG_VERSION == 6
+        assert tgt.scalar("SELECT to_regclass('applier.migration_step') IS NOT NULL")
+        with tgt.connect() as conn:
+            store.register(conn, "old", "host=src", {"schemas": [], "tables": [], "exclude_tables": []})
+        tgt.execute("DELETE FROM applier.catalog_version WHERE version > 5")  # as an older release left it
+        assert catalog.ensure() == CATALOG_VERSION
+        assert tgt.scalar("SELECT max(version) FROM applier.catalog_version") == CATALOG_VERSION
+        with tgt.connect() as conn:
+            m = store.load(conn, "old")
+            assert m is not None and m.phase == "schema"
+            store.set_phase(conn, "old", "failed", error="aborted")
+            assert store.phase_of(conn, "old") == "failed"
+    finally:
+        catalog.engine.dispose()

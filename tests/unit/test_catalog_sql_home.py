@@ -8,6 +8,10 @@ The check reads the source (``ast``), not the running code: every string and byt
 documentation (a bare string statement, i.e. a docstring) and that names ``applier.<catalog table>`` next to SQL
 words. Docstrings, comments and log messages may name the tables; SQL may not. Tests and benchmarks are not
 checked: they read the catalog to check it.
+
+The migration's own tables (``applier.migration``, ``applier.migration_step``: catalog version 6, plain DDL in
+:data:`applier.catalog.schema.MIGRATION_TABLES`) have a home of their own: :mod:`applier.migrate.store`. No other
+module names them in SQL text (issue 27, item 1).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from applier.catalog.schema import MIGRATION_TABLES as MIGRATION_DDL
 from applier.catalog.schema import SCHEMA, metadata
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,6 +33,11 @@ HOME = ROOT / "applier" / "catalog"
 TABLES = sorted(t.name for t in metadata.tables.values() if t.schema == SCHEMA)
 
 _NAMES = re.compile(rf"\b{re.escape(SCHEMA)}\.({'|'.join(TABLES)})\b", re.IGNORECASE)
+
+#: The migration's tables, from their DDL, and the only modules that may send SQL on them.
+MIGRATION_TABLES = sorted(re.findall(rf"CREATE TABLE IF NOT EXISTS {SCHEMA}\.(\w+)", " ".join(MIGRATION_DDL)))
+_MIGRATION_NAMES = re.compile(rf"\b{re.escape(SCHEMA)}\.({'|'.join(MIGRATION_TABLES)})\b", re.IGNORECASE)
+MIGRATION_HOME = (ROOT / "applier" / "migrate" / "store.py", ROOT / "applier" / "catalog" / "schema.py")
 # SQL words: these in any case; the ones that are English words too only in capitals, as our SQL writes them
 _SQL = re.compile(
     r"\b(?i:select|insert|update|delete|join|where|truncate|returning|to_regclass|regclass)\b"
@@ -44,24 +54,37 @@ def _documentation(tree: ast.AST) -> set[int]:
     }
 
 
+def _sql_constants(tree: ast.AST, names: re.Pattern[str], filename: str) -> list[str]:
+    """The string and bytes constants of ``tree`` that are not documentation and name one of ``names`` next to SQL
+    words, one line each (``file:line: what``)."""
+    docs = _documentation(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str | bytes) and id(node) not in docs:
+            text = node.value if isinstance(node.value, str) else node.value.decode("utf-8", "replace")
+            tables = names.findall(text)
+            if tables and _SQL.search(text):
+                found.append(
+                    f"{filename}:{node.lineno}: SQL on {', '.join(sorted(set(tables)))}: {text[:80]!r}"
+                )
+    return found
+
+
+def migration_sql_in(source: str, filename: str = "<source>") -> list[str]:
+    """Where ``source`` names one of the migration's tables in SQL text, one line each."""
+    return _sql_constants(ast.parse(source, filename), _MIGRATION_NAMES, filename)
+
+
 def catalog_sql_in(source: str, filename: str = "<source>") -> list[str]:
     """Where ``source`` names a catalog table in SQL text or imports the catalog's SQLAlchemy tables, one line
     each (``file:line: what``)."""
     tree = ast.parse(source, filename)
-    docs = _documentation(tree)
-    found = []
+    found = _sql_constants(tree, _NAMES, filename)
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module == "applier.catalog.schema":
             used = sorted({a.name for a in node.names} & set(TABLES))
             if used:
                 found.append(f"{filename}:{node.lineno}: imports the catalog table(s) {', '.join(used)}")
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str | bytes) and id(node) not in docs:
-            text = node.value if isinstance(node.value, str) else node.value.decode("utf-8", "replace")
-            names = _NAMES.findall(text)
-            if names and _SQL.search(text):
-                found.append(
-                    f"{filename}:{node.lineno}: SQL on {', '.join(sorted(set(names)))}: {text[:80]!r}"
-                )
     return found
 
 
@@ -118,3 +141,44 @@ def test_the_check_finds_catalog_sql(code: str):
 )
 def test_the_check_lets_documentation_pass(code: str):
     assert not catalog_sql_in(code)
+
+
+def test_no_migration_sql_outside_its_store():
+    modules = [p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py")) if p not in MIGRATION_HOME]
+    assert len(modules) > 50
+    found = [f for p in modules for f in migration_sql_in(p.read_text(), str(p.relative_to(ROOT)))]
+    assert not found, (
+        "SQL on the migration's tables outside applier/migrate/store.py (add a function there):\n"
+        + "\n".join(found)
+    )
+
+
+def test_the_migration_store_is_where_its_sql_is():
+    """The check is not vacuous: it finds the store's statements, on both tables."""
+    assert MIGRATION_TABLES == ["migration", "migration_step"]
+    found = migration_sql_in(MIGRATION_HOME[0].read_text(), "store.py")
+    assert {t for t in MIGRATION_TABLES if any(f"SQL on {t}:" in f for f in found)} == set(MIGRATION_TABLES)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "X = \"UPDATE applier.migration SET phase = 'failed' WHERE name = %s\"\n",
+        'c.execute("SELECT statements FROM applier.migration_step WHERE kind = %s", (k,))\n',
+        'Q = (" count(*) FILTER (WHERE done) FROM applier.migration_step"\n     " WHERE name = %s")\n',
+    ],
+)
+def test_the_check_finds_migration_sql(code: str):
+    assert migration_sql_in(code)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        '"""State in ``applier.migration``; SELECT it FROM applier.migration_step."""\n',
+        'say("migration steps: see applier.migration_step")\n',
+        'X = "SELECT name FROM applier.migrations_view"\n',
+    ],
+)
+def test_the_migration_check_lets_documentation_pass(code: str):
+    assert not migration_sql_in(code)

@@ -11,10 +11,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from applier.migrate.plan import SourceFacts, TableFacts, TargetFacts, assess
-from applier.migrate.postdata import Step, ready, step_costs, table_weights
+from applier.migrate.postdata import LeftOut, Step, ready, step_costs, table_weights
 from applier.migrate.schema import edit_script, pattern
-from applier.migrate.selection import Selection
+from applier.migrate.selection import Selection, select_tables
 from applier.migrate.state import PHASES, MigrationError, advance
+from applier.migrate.steps import CUTOVER_KINDS, StepKind, step_name
 from applier.migrate.tools import DumpTools, choose
 
 PG18 = DumpTools(Path("/pg18/bin"), 18)
@@ -177,6 +178,47 @@ def _steps() -> list[Step]:
     ]
 
 
+#: A source as :func:`select_tables` reads it: ``ev`` partitioned into ``ev_2024`` (itself partitioned into
+#: ``ev_2024_h1``) and ``ev_2025``; ``other``; unlogged ``scratch``; ``keep.k`` in another schema.
+_ROWS = [
+    ("keep", "k", "r", "p", "keep", "k"),
+    ("public", "ev", "p", "p", "public", "ev"),
+    ("public", "ev_2024", "p", "p", "public", "ev"),
+    ("public", "ev_2024_h1", "r", "p", "public", "ev"),
+    ("public", "ev_2025", "r", "p", "public", "ev"),
+    ("public", "other", "r", "p", "public", "other"),
+    ("public", "scratch", "r", "u", "public", "scratch"),
+]
+
+
+def test_a_partition_follows_its_root_whatever_its_own_name() -> None:
+    """Where plan (each table's own name) and start (the partition tree's root) used to disagree: ``--table ev``
+    covered only the parent for plan, and ``--exclude-table 'ev_*'`` dropped the partitions from plan while start
+    copied them. Both now ask :func:`select_tables`."""
+    schemas = ["keep", "pg_catalog", "public"]
+    only_ev = select_tables(Selection.of(None, ["ev"], None), schemas, _ROWS)
+    assert only_ev.tables == [("public", "ev_2024_h1"), ("public", "ev_2025")]
+    assert only_ev.partitioned == [("public", "ev"), ("public", "ev_2024")]
+    assert only_ev.covered == {
+        ("public", "ev"),
+        ("public", "ev_2024"),
+        ("public", "ev_2024_h1"),
+        ("public", "ev_2025"),
+    }
+    assert ("public", "other") in only_ev.exclude and only_ev.schemas == ["keep", "public"]
+
+    by_leaf_name = select_tables(Selection.of(None, None, ["ev_*"]), schemas, _ROWS)
+    assert {("public", "ev_2024_h1"), ("public", "ev_2025")} <= set(by_leaf_name.tables)
+
+    no_ev = select_tables(Selection.of(["public"], None, ["ev"]), schemas, _ROWS)
+    assert no_ev.tables == [("public", "other")] and no_ev.schemas == ["public"]
+    assert no_ev.unlogged == [("public", "scratch")] and no_ev.covered == {
+        ("public", "other"),
+        ("public", "scratch"),
+    }
+    assert no_ev.skipped == ["public.scratch is unlogged (it cannot be published): not migrated"]
+
+
 def test_nothing_is_ready_before_its_table_is_copied_and_keys_go_first() -> None:
     steps = _steps()
     assert ready(steps, set(), set(), set()) == []
@@ -209,6 +251,44 @@ def test_a_partitions_index_is_attached_after_the_step_that_makes_it() -> None:
     assert _leaf_step(known, "public.p1", "public.p1_v", None, None) == "index public.p1_v"
     with pytest.raises(MigrationError, match="no step builds public.p2_r_excl"):
         _leaf_step(known, "public.p2", "public.p2_r_excl", "p2_r_excl", "x")
+
+
+#: Every kind's step name, as stored in applier.migration_step (the key a resumed migration finds its steps by) and
+#: shown by the progress lines: these never change.
+_NAMES = {
+    StepKind.INDEX: "index public.a_v_idx", StepKind.KEY: "key public.a.a_pkey",
+    StepKind.ATTACH: "attach public.a.a_pkey", StepKind.CONSTRAINT: "constraint public.a.a_excl",
+    StepKind.FK: "fk public.b.b_a_fkey", StepKind.VALIDATE: "validate public.b.b_a_fkey",
+    StepKind.REPLICA_IDENTITY: "replica_identity public.a", StepKind.TRIGGER: "trigger public.a.t",
+    StepKind.PARTITIONED_INDEX: "pindex public.p_v_idx", StepKind.PARTITIONED_CONSTRAINT: "pconstraint public.p.p_pkey",
+    StepKind.ATTACH_PARTITION: "attach_partition public.p1_v_idx", StepKind.PARTITIONED_FK: "pfk public.p.p_a_fkey",
+    StepKind.PARTITIONED_TRIGGER: "ptrigger public.p.t", StepKind.MATVIEW: "matview refresh",
+    StepKind.CLUSTER: "cluster public.a", StepKind.COMMENT: "comment index public.a.a_v_idx",
+    StepKind.RULE: "rule public.a.r", StepKind.ROW_SECURITY: "row_security public.a",
+    StepKind.POLICY: "policy public.a.p", StepKind.STATISTICS: "statistics public.s",
+    StepKind.CUTOVER_IDENTITY: "identity public.a.id", StepKind.CUTOVER_EVENT_TRIGGER: "event_trigger e",
+    StepKind.CUTOVER_REFRESH: "cutover_refresh matviews",
+}  # fmt: skip
+
+
+def test_every_step_kind_names_its_steps_as_before() -> None:
+    assert set(_NAMES) == set(StepKind)
+    for kind, name in _NAMES.items():
+        subject = name.split(" ", 1)[1]
+        step = Step.of(kind, subject, (), (), ())
+        assert step.step == step_name(kind, subject) == name
+        assert step.subject == subject
+        assert Step(name, kind.value, (), (), ()).kind is kind  # a row read back
+    assert {k for k in StepKind if k.at_cutover} == CUTOVER_KINDS
+    assert all(k.value.startswith("cutover") for k in CUTOVER_KINDS)
+
+
+def test_a_foreign_key_left_out_is_a_value_that_reads_as_before() -> None:
+    note = LeftOut("b_a_fkey", "public.b", "public.a")
+    assert note.references == "public.a"
+    assert (
+        str(note) == "foreign key b_a_fkey of public.b references public.a, which is not migrated: left out"
+    )
 
 
 @given(st.permutations(["a", "b"]), st.randoms(use_true_random=False))
