@@ -24,7 +24,7 @@ import socket
 import time
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import psycopg
 from psycopg import pq, sql
@@ -45,6 +45,7 @@ __all__ = [
     "StreamEnded",
     "StreamOptions",
     "SystemInfo",
+    "WaitingPeer",
     "protocol_version_for",
     "receive_buffer_for",
     "receive_buffer_setting",
@@ -301,6 +302,25 @@ def _set_receive_buffer(fd: int, setting: int | None) -> None:
         sock.close()
 
 
+class WaitingPeer(Protocol):
+    """Another connection whose traffic must go on while :meth:`ReplicationConnection.read` waits on the publisher:
+    the target session's pipeline (:class:`applier.apply.pipeline.Pipeline`).
+
+    Why: the apply loop blocks in one place only, the wait for the publisher. If the target owes us results (or
+    notices: a trigger's ``RAISE NOTICE`` per row) while we wait there, its backend blocks writing to its full
+    socket, stops running what we queued, and our own unsent output waits behind it; with a quiet publisher nothing
+    ends the wait but its timeout, and each round then moved the target one socket read further (issue 30: a
+    subscription stalled for minutes behind a 32 kB NOTICE per row)."""
+
+    def io_wanted(self) -> tuple[int, bool] | None:
+        """``(socket, output pending)`` while the peer expects results or has output to write, else ``None``."""
+        ...
+
+    def serve(self, readable: bool) -> None:
+        """Its socket is ready (``readable``, else writable): write what it can, read and take what arrived."""
+        ...
+
+
 class ReplicationConnection:
     """A logical-replication connection to a publisher (``replication=database``).
 
@@ -318,6 +338,8 @@ class ReplicationConnection:
         self._ended = False
         #: the last read_undecoded() returned because libpq's buffer and the socket were empty (no limit reached)
         self.ran_dry = False
+        #: served while :meth:`read` waits (:class:`WaitingPeer`): set by the apply worker to the target's pipeline
+        self.peer: WaitingPeer | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     @classmethod
@@ -533,12 +555,25 @@ class ReplicationConnection:
             if deadline < 0:
                 deadline = now + max(timeout, 0.0)
             remaining = deadline - now
-            if remaining <= 0:
+            wanted = self.peer.io_wanted() if self.peer is not None and remaining > 0 else None
+            if wanted is not None:
+                if not self._wait_with_peer(remaining, *wanted):
+                    continue  # the peer was served (or the wait timed out: the next turn sees that)
+            elif remaining <= 0:
                 if not select.select([self._fd], [], [], 0)[0]:
                     return None
             elif not self._selector.select(remaining):  # type: ignore[union-attr]
                 return None
             self._consume_input()
+
+    def _wait_with_peer(self, timeout: float, fd: int, writing: bool) -> bool:
+        """Wait for the publisher's socket and :attr:`peer`'s (for reading, and for writing while it has output);
+        serve the peer when its socket is ready. True when the publisher's socket is readable. One ``select`` in
+        place of the selector's wait: no system call more than a wait without a peer."""
+        readable, writable, _ = select.select([self._fd, fd], [fd] if writing else [], [], timeout)
+        if fd in readable or writable:
+            self.peer.serve(fd in readable)  # type: ignore[union-attr]
+        return self._fd in readable
 
     def read_undecoded(
         self, into: list[bytes], limit: int, wanted: bytes, *, refill: bool = False
