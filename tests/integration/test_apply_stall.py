@@ -9,10 +9,14 @@ publisher goes quiet right after the load, so the target must catch up within a 
 
 from __future__ import annotations
 
+import logging
+import time
+
 import pytest
+from prometheus_client import REGISTRY
 
 from applier.apply.testing import setup_subscription
-from applier.testing import wait_for_catchup
+from applier.testing import wait_for_catchup, wait_until
 
 pytestmark = pytest.mark.core
 
@@ -58,5 +62,44 @@ def test_many_small_transactions_into_a_noisy_trigger_catch_up(pair) -> None:  #
         assert not pair.target.scalar(
             "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'ClientWrite' AND datname = current_database()"
         )
+    finally:
+        w.stop()
+
+
+def _said(caplog: pytest.LogCaptureFixture, text: str) -> logging.LogRecord | None:
+    return next((r for r in caplog.records if text in r.getMessage()), None)
+
+
+def test_a_stall_is_reported_with_what_the_worker_waits_on(pair, caplog) -> None:  # type: ignore[no-untyped-def]
+    """What is left for the watchdog (applier.apply.stall): a lock on the target holds the worker's INSERT, so it is
+    behind with no progress; after ``stall_after`` a WARNING names the target, once, the stall counter counts it,
+    and a line says when it moves again. An idle worker is never reported."""
+    for db in (pair.publisher, pair.target):
+        db.execute("CREATE TABLE held (id int PRIMARY KEY)")
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.held"])
+    logger = logging.getLogger("applier.test.stall")
+    labels = {"subscription": pair.name, "waiting_on": "target"}
+    caplog.set_level(logging.INFO, logger=logger.name)
+    w = s.start(logger=logger, stall_after=1.0)
+    try:
+        pair.publisher.execute("INSERT INTO held VALUES (0)")
+        wait_for_catchup(pair.publisher, pair.name, timeout=30)  # the table's first use is behind us
+        time.sleep(2.5)
+        assert _said(caplog, "no progress") is None  # idle is not stalled
+        with pair.target.connect(autocommit=False) as lock:
+            lock.execute("LOCK TABLE held IN SHARE MODE")  # INSERT waits; the worker's lookups do not
+            pair.publisher.execute("INSERT INTO held VALUES (1)")
+            record = wait_until(lambda: _said(caplog, "no progress"), timeout=30, what="the stall warning")
+            assert record.levelno == logging.WARNING
+            assert "waiting on the target (" in record.getMessage()
+            assert (REGISTRY.get_sample_value("applier_apply_stalls_total", labels) or 0) >= 1
+            time.sleep(1.5)
+            assert sum("no progress" in r.getMessage() for r in caplog.records) == 1  # once per stall
+        wait_for_catchup(pair.publisher, pair.name, timeout=30)
+        wait_until(lambda: _said(caplog, "making progress again"), timeout=30, what="the end of the stall")
+        stalled = REGISTRY.get_sample_value(
+            "applier_apply_stalled_seconds_total", {"subscription": pair.name}
+        )
+        assert stalled is not None and stalled >= 1.0
     finally:
         w.stop()
