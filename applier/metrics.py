@@ -56,6 +56,17 @@ SYNC_ERRORS = Counter(
     "pg_stat_subscription_stats.sync_error_count counts them; each is retried or disables the subscription.",
     ["subscription"],
 )
+STALLS = Counter(
+    "applier_apply_stalls_total",
+    "Stalls: behind, and no progress for APPLIER_STALL_AFTER seconds (30), by what the worker waited on "
+    "(target, publisher); one per stall (applier.apply.stall).",
+    ["subscription", "waiting_on"],
+)
+STALLED = Counter(
+    "applier_apply_stalled_seconds_total",
+    "Seconds spent stalled (from each stall's start); a rate above 0 means a stall is going on now.",
+    ["subscription"],
+)
 CONFLICTS = Counter(
     "applier_conflicts_total",
     "Conflicts met while applying, by kind (update_missing, delete_missing, insert_exists, ...).",
@@ -154,6 +165,14 @@ class WorkerMetrics:
         cause = exc.__cause__ or exc.__context__
         if "23505" in (getattr(exc, "sqlstate", None), getattr(cause, "sqlstate", None)):
             CONFLICTS.labels(self.subscription, "insert_exists").inc()
+
+    def stalled(self, waiting_on: str) -> None:
+        """Count a stall that began (applier.apply.stall)."""
+        STALLS.labels(self.subscription, waiting_on).inc()
+
+    def stalled_for(self, seconds: float) -> None:
+        """Add time spent stalled."""
+        STALLED.labels(self.subscription).inc(seconds)
 
     def sync_error(self) -> None:
         """Count a failed table synchronization (``sync_error_count``)."""

@@ -24,7 +24,7 @@ import socket
 import time
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import psycopg
 from psycopg import pq, sql
@@ -45,6 +45,7 @@ __all__ = [
     "StreamEnded",
     "StreamOptions",
     "SystemInfo",
+    "WaitingPeer",
     "protocol_version_for",
     "receive_buffer_for",
     "receive_buffer_setting",
@@ -71,6 +72,9 @@ _MIN_UNDECODED = XLOG_ENVELOPE + 5
 #: goes out in large segments. On loopback a window that small costs no throughput (the round trip is microseconds);
 #: across a network it would (window / round trip), so it is not applied there.
 LOOPBACK_RECEIVE_BUFFER = 32 << 10
+#: how long :meth:`ReplicationConnection.read` waits for the publisher alone before it serves its peer (the
+#: target's pipeline) as well: longer than a busy stream's gaps, short beside the 0.2-1 s waits of a quiet one
+PEER_GRACE = 0.01
 _COPY_BOTH = pq.ExecStatus.COPY_BOTH
 _COPY_IN = pq.ExecStatus.COPY_IN
 _COMMAND_OK = pq.ExecStatus.COMMAND_OK
@@ -301,6 +305,25 @@ def _set_receive_buffer(fd: int, setting: int | None) -> None:
         sock.close()
 
 
+class WaitingPeer(Protocol):
+    """Another connection whose traffic must go on while :meth:`ReplicationConnection.read` waits on the publisher:
+    the target session's pipeline (:class:`applier.apply.pipeline.Pipeline`).
+
+    Why: the apply loop blocks in one place only, the wait for the publisher. If the target owes us results (or
+    notices: a trigger's ``RAISE NOTICE`` per row) while we wait there, its backend blocks writing to its full
+    socket, stops running what we queued, and our own unsent output waits behind it; with a quiet publisher nothing
+    ends the wait but its timeout, and each round then moved the target one socket read further (issue 30: a
+    subscription stalled for minutes behind a 32 kB NOTICE per row)."""
+
+    def io_wanted(self) -> tuple[int, bool] | None:
+        """``(socket, output pending)`` while the peer expects results or has output to write, else ``None``."""
+        ...
+
+    def serve(self, readable: bool) -> None:
+        """Its socket is ready (``readable``, else writable): write what it can, read and take what arrived."""
+        ...
+
+
 class ReplicationConnection:
     """A logical-replication connection to a publisher (``replication=database``).
 
@@ -318,6 +341,8 @@ class ReplicationConnection:
         self._ended = False
         #: the last read_undecoded() returned because libpq's buffer and the socket were empty (no limit reached)
         self.ran_dry = False
+        #: served while :meth:`read` waits (:class:`WaitingPeer`): set by the apply worker to the target's pipeline
+        self.peer: WaitingPeer | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     @classmethod
@@ -523,7 +548,7 @@ class ReplicationConnection:
             raise ReplicationConnectionError("read() needs a started stream (call start_replication first)")
         if self._ended:
             raise StreamEnded("the replication stream has already ended")
-        deadline = -1.0
+        deadline, grace = -1.0, PEER_GRACE
         while True:
             msg = self.read_undecoded(_NOTHING, 1, _NO_TYPES)  # the first buffered message, decoded
             if msg is not None:
@@ -533,12 +558,35 @@ class ReplicationConnection:
             if deadline < 0:
                 deadline = now + max(timeout, 0.0)
             remaining = deadline - now
-            if remaining <= 0:
+            wanted = self.peer.io_wanted() if self.peer is not None and remaining > 0 else None
+            if wanted is not None:
+                if not self._wait_with_peer(remaining, grace, *wanted):
+                    grace = 0.0
+                    continue  # the peer was served (or the wait timed out: the next turn sees that)
+            elif remaining <= 0:
                 if not select.select([self._fd], [], [], 0)[0]:
                     return None
             elif not self._selector.select(remaining):  # type: ignore[union-attr]
                 return None
             self._consume_input()
+
+    def _wait_with_peer(self, timeout: float, grace: float, fd: int, writing: bool) -> bool:
+        """Wait for the publisher's socket and :attr:`peer`'s (for reading, and for writing while it has output);
+        serve the peer when its socket is ready. True when the publisher's socket is readable.
+
+        The publisher alone first, for ``grace`` seconds: under a load its next message comes sooner, and the
+        target's answers are read by the round's poll as they always were, so a busy loop makes no system call
+        more than before. Only a wait that lasts longer watches both, with one ``select``."""
+        if grace > 0:
+            if self._selector.select(min(grace, timeout)):  # type: ignore[union-attr]
+                return True
+            if timeout <= grace:
+                return False
+            timeout -= grace
+        readable, writable, _ = select.select([self._fd, fd], [fd] if writing else [], [], timeout)
+        if fd in readable or writable:
+            self.peer.serve(fd in readable)  # type: ignore[union-attr]
+        return self._fd in readable
 
     def read_undecoded(
         self, into: list[bytes], limit: int, wanted: bytes, *, refill: bool = False

@@ -435,6 +435,7 @@ class LiveSync:
             binary=sub.subbinary,
         )  # fmt: skip
         target.before_commit = _moving_sync_lsn(target, sub.subid, self.tables.values())
+        repl.peer = target.pipeline  # read while the loop waits on the publisher, as the apply worker's is
         spool_dir = Path(tempfile.mkdtemp(prefix=f"applier-sync-{sub.subid}-"))
         try:
             target.good_origin_lsn = target.origin_progress(origin)

@@ -221,6 +221,28 @@ class Pipeline:
             self._flush_requested = pending[-1]
         self._flush_some()
 
+    # --- while the apply loop waits on the publisher (applier.replication.WaitingPeer) ----------------------------
+    def io_wanted(self) -> tuple[int, bool] | None:
+        """``(socket, output pending)`` while results are owed or output is unsent, else ``None``: the apply loop's
+        wait for the publisher then watches this socket too, so the target's backend never sits blocked on a full
+        send buffer (results, or a trigger's notices) while we wait for a publisher that has nothing more to send.
+        Two attribute checks: called once per wait, never per message."""
+        if not self._pending and not self.unflushed:
+            return None
+        return self.pgconn.socket, self.unflushed > 0
+
+    def serve(self, readable: bool) -> None:
+        """The socket is ready during that wait: write what libpq holds, read what arrived and take every result
+        that is complete (notices go to the connection's notice handler as they are parsed). Raises the error of
+        a finished segment, as :meth:`poll` does."""
+        self._flush_some()
+        if readable:
+            try:
+                self.pgconn.consume_input()
+            except psycopg.OperationalError as exc:
+                raise TargetConnectionError(f"connection to the target was lost: {exc}") from None
+        self._process_available()
+
     def _relieve(self) -> None:
         """Too many statements in flight: make sure the server sees a sync point and wait for about half."""
         if self._pending[-1] is not _SYNC:

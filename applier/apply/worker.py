@@ -51,6 +51,7 @@ from applier.apply.lag import LagWindow
 from applier.apply.loop import ApplyLoop
 from applier.apply.retries import ApplyWorkerError, SessionRetries
 from applier.apply.spool import Spool, default_spool_dir
+from applier.apply.stall import Progress, Stall, StallWatchdog, stall_after_default
 from applier.apply.syncstate import CatalogTables, LiveSyncDriver
 from applier.apply.target import BULK_OK_SQL, Target, TargetConnectionError
 from applier.catalog.store import Catalog, Subscription
@@ -140,6 +141,7 @@ class ApplyWorker:
         group_commit: bool | None = None,
         bulk: bool | None = None,
         fold_prepares: bool | None = None,
+        stall_after: float | None = None,
     ) -> None:
         self.target_conninfo = target_conninfo
         self.subname = subname
@@ -174,6 +176,8 @@ class ApplyWorker:
         self.bulk = bulk if bulk is not None else bulk_apply_default()
         #: decided prepared transactions applied as plain ones (docs/differences.md); ``APPLIER_FOLD_PREPARES=0``
         self.fold_prepares = fold_prepares if fold_prepares is not None else fold_prepares_default()
+        #: behind without progress this long is reported as a stall (applier.apply.stall; ``APPLIER_STALL_AFTER``)
+        self.stall_after = stall_after if stall_after is not None else stall_after_default()
 
     # --- the outer loop ----------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -221,16 +225,49 @@ class ApplyWorker:
             watch = CatalogWatch(self.catalog, sub.subname, self.bulk_tables)
             watch.start()
             self._watch = session.watch = tables.watch = watch
+            watchdog = self._stall_watchdog(session)
             try:
                 with _long_lived_frozen():
                     outcome = self._stream(session)
             finally:
                 self._watch = None
+                watchdog.close()
                 watch.close()
             clean = True
             return outcome
         finally:
             self._end_session(held, clean)
+
+    def _stall_watchdog(self, session: Session) -> StallWatchdog:
+        """The session's stall watchdog (applier.apply.stall), started: it reads the tracker's positions and the
+        pipeline's queue, which the loop keeps anyway."""
+        tracker, pipeline = session.tracker, session.target.pipeline
+
+        def probe() -> Progress:
+            return Progress(
+                tracker.last_received, tracker.last_sent.apply, pipeline.pending, pipeline.unflushed > 0
+            )
+
+        dog = StallWatchdog(
+            self.subname, probe, self._report_stall, self.metrics.stalled_for, after=self.stall_after
+        )
+        dog.start()
+        return dog
+
+    def _report_stall(self, event: str, stall: Stall, now: float) -> None:
+        """A WARNING once per stall, with what the worker waits on; a line when it moves again."""
+        p, name = stall.progress, self.subname
+        if event == "stalled":
+            self.metrics.stalled(p.waiting_on)
+            self.log.warning(
+                'logical replication apply worker for subscription "%s" has made no progress for %.0f s while '
+                "behind (received %s, applied %s): waiting on the %s (%d statements unanswered%s)",
+                name, now - stall.since, format_lsn(p.received), format_lsn(p.applied), p.waiting_on, p.unanswered,
+                ", output unsent" if p.unsent else "",
+            )  # fmt: skip
+        else:
+            self.log.info('logical replication apply worker for subscription "%s" is making progress again after '
+                          "a stall of %.0f s", name, now - stall.since)  # fmt: skip
 
     def _session_subscription(self) -> Subscription | Outcome:
         """The subscription, when a session may start; else why not (or :class:`ApplyWorkerError`)."""
@@ -267,6 +304,7 @@ class ApplyWorker:
         held.tracker = tracker = FeedbackTracker(start_lsn)
         two_phase = stream_two_phase(sub.subtwophasestate, tables.table_states())
         held.repl = repl = self._connect_publisher(sub, start_lsn, two_phase)
+        repl.peer = target.pipeline  # its results and notices are read while the loop waits on the publisher
         tables.keepalive = lambda: repl.send_status(*dataclasses.astuple(tracker.last_sent))
         if two_phase and sub.subtwophasestate == TwoPhaseState.PENDING:
             self.catalog.update_subscription(sub.subid, subtwophasestate=TwoPhaseState.ENABLED)
