@@ -89,6 +89,11 @@ def _add_create(sub: _Subcommands, common: argparse.ArgumentParser) -> None:
         dest="publications",
         help="publication to subscribe to (repeat for several)",
     )
+    _add_create_options(p)
+
+
+def _add_create_options(p: argparse.ArgumentParser) -> None:
+    """``applier create``'s WITH options, apart from where to connect: CREATE SUBSCRIPTION's names and defaults."""
     p.add_argument(
         "--two-phase",
         action="store_true",
