@@ -36,13 +36,13 @@ import psycopg
 import pytest
 from corpus_sources import CORPUS, psql_script, read, regress_statements, tap_sql
 from psycopg import sql
-from test_cli_common import ok
 from test_differential import _create_databases, _drop_native_subscription, caught_up, native_cluster
-from test_tap_support import CliApplier, drop_slot, restart_if_down, set_decoding_work_mem
 
 from applier.testing import Database, PostgresBinaries, PostgresCluster, wait_until
 from applier.testing.pytest_plugin import drop_our_origins
 from applier.testing.waits import WaitTimeout
+from tests.support.cli import ok
+from tests.support.tap import CliApplier, drop_slot, restart_if_down, set_decoding_work_mem
 
 __all__ = ["native_cluster"]  # the fixture, imported so that pytest finds it here
 

@@ -51,7 +51,6 @@ import pytest
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 from psycopg import sql
-from test_tap_support import CliApplier, restart_if_down, set_decoding_work_mem
 
 from applier.apply.testing import ApplySetup, setup_subscription
 from applier.apply.worker import WorkerStats
@@ -59,6 +58,7 @@ from applier.testing import Database, PostgresBinaries, PostgresCluster, tables_
 from applier.testing.cluster import free_port
 from applier.testing.pytest_plugin import drop_our_origins
 from applier.testing.workloads import TABLES, Step, Workload, create_schema, run_workload, workloads
+from tests.support.tap import CliApplier, restart_if_down, set_decoding_work_mem
 
 TIMEOUT = 90.0  # generous: the CI machine is a shared 2-core box, and crash recovery can take seconds
 

@@ -13,7 +13,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from test_cli_common import (
+
+from applier.catalog.store import Catalog
+from applier.subscriptions import LOCK_NAMESPACE
+from applier.testing import Database, assert_tables_equal, wait_until
+from applier.testing.cluster import free_port
+from tests.support.cli import (
     APPLIER,
     NOTHING,
     applier,
@@ -25,11 +30,6 @@ from test_cli_common import (
     ok,
     status,
 )
-
-from applier.catalog.store import Catalog
-from applier.subscriptions import LOCK_NAMESPACE
-from applier.testing import Database, assert_tables_equal, wait_until
-from applier.testing.cluster import free_port
 
 StartRun = Callable[..., subprocess.Popen[str]]
 

@@ -11,12 +11,12 @@ from collections.abc import Iterator
 import pytest
 import test_cli_lifecycle
 from psycopg import sql
-from test_cli_common import NOTHING, applier, fails, leftovers, make_tables, ok, status
 from test_cli_lifecycle import StartRun, alive, run_log, stop
 
 from applier.testing import Database, assert_tables_equal, wait_until
 from applier.testing.pytest_plugin import ReplicationPair
 from applier.testing.roles import create_apply_role, create_replication_role, drop_role
+from tests.support.cli import NOTHING, applier, fails, leftovers, make_tables, ok, status
 
 start_run = test_cli_lifecycle.start_run  # the fixture: `applier run` in the background, stopped at the end
 

@@ -7,7 +7,6 @@ import dataclasses
 import struct
 
 import pytest
-from applier_kit import REL_T, REL_U, T, U, row
 
 from applier.apply import bulk
 from applier.apply.fold import Decision
@@ -33,6 +32,7 @@ from applier.messages import (
     Update,
 )
 from state.twophase import gid_for
+from tests.support.applier_kit import REL_T, REL_U, T, U, row
 
 XID = 500
 

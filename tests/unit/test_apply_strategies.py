@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from applier_kit import REL_T, REL_U, row
 from test_applier_core import XID, ins, plain, prepared, stream_chunk
 
 from applier.apply.apply_state import ApplyStats, RemoteTransaction
@@ -31,6 +30,7 @@ from applier.messages import (
     Update,
 )
 from state.twophase import gid_for
+from tests.support.applier_kit import REL_T, REL_U, row
 
 NAMES_SKIP = ("drain", "load_local_table")
 

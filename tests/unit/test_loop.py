@@ -9,7 +9,6 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from applier_kit import REL_T, REL_U, Core, make_core, row
 from test_applier_core import REL_B, B
 
 from applier.apply.loop import ApplyLoop
@@ -27,6 +26,7 @@ from applier.messages import (
     Update,
     XLogData,
 )
+from tests.support.applier_kit import REL_T, REL_U, Core, make_core, row
 
 
 class ScriptedStream:
