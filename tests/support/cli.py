@@ -1,13 +1,19 @@
 """Helpers for the command-line tests (``tests/integration/test_cli_*.py``, and the TAP, differential, trust and
 migrate tests that drive the command line): run ``applier`` as a user would (``python -m applier.cli`` in a
-subprocess), read ``status --json`` and the catalog, and make the tables and subscriptions a test starts from."""
+subprocess), read ``status --json`` and the catalog, make the tables and subscriptions a test starts from, and
+run ``applier run`` in the background (the ``start_run`` fixture, offered by ``tests/integration/conftest.py``)."""
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from applier.testing import Database
 
@@ -113,3 +119,54 @@ def leftovers(pair: Any, subid: int, slot: str) -> dict[str, Any]:
 
 
 NOTHING = {"slots": [], "origins": [], "rows": []}
+
+
+# --- `applier run` in the background ---------------------------------------------------------------------------
+
+StartRun = Callable[..., subprocess.Popen[str]]
+
+
+@pytest.fixture
+def start_run(tmp_path: Path) -> Iterator[StartRun]:
+    """Start ``applier run ARGS...`` in the background (output to a log file); stopped with SIGTERM at the end."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(target: Database, *args: str) -> subprocess.Popen[str]:
+        log = open(tmp_path / f"run-{len(procs)}.log", "w+")  # closed with the process below
+        proc = subprocess.Popen([*APPLIER, "--target", target.dsn, "run", *args], stdout=log,
+                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        proc.log = log  # type: ignore[attr-defined]
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        proc.log.close()  # type: ignore[attr-defined]
+
+
+def run_log(proc: subprocess.Popen[str]) -> str:
+    proc.log.flush()  # type: ignore[attr-defined]
+    return Path(proc.log.name).read_text()  # type: ignore[attr-defined]
+
+
+def stop(proc: subprocess.Popen[str]) -> int:
+    """SIGTERM, as a service manager would; return the exit status."""
+    proc.send_signal(signal.SIGTERM)
+    return proc.wait(timeout=60)
+
+
+def alive(proc: subprocess.Popen[str]) -> Callable[[], bool]:
+    """A wait predicate that fails fast, with the log, if the run process died."""
+
+    def check() -> bool:
+        assert proc.poll() is None, f"applier run exited with {proc.returncode}:\n{run_log(proc)}"
+        return True
+
+    return check

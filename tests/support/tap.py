@@ -48,6 +48,7 @@ __all__ = [
     "TIMEOUT",
     "alter_subscription",
     "assert_replica",
+    "both",
     "catchup",
     "CliApplier",
     "drop_slot",
@@ -81,6 +82,13 @@ def psql(db: Database, script: str) -> None:
         for statement in script.split(";"):
             if statement.strip():
                 conn.execute(statement)  # type: ignore[arg-type]  # literal test SQL
+
+
+def both(pair: ReplicationPair, *statements: str) -> None:
+    """Run ``statements`` on the publisher and then on the target (the same schema on both sides)."""
+    for db in (pair.publisher, pair.target):
+        for s in statements:
+            db.execute(s)
 
 
 def prepared_count(db: Database) -> int:
