@@ -165,9 +165,17 @@ class ApplyWorker:
         #: (a failed sync is recorded and retried with the same backoff and cap as a failed session)
         self._live: LiveSyncDriver | None = None
         if table_sync is not None:
-            self._live = LiveSyncDriver(table_sync, target_conninfo, subname, self.log, self.stop,
-                                        catalog=self.catalog, initial=self.retry_initial, cap=self.retry_max,
-                                        counted=self.metrics.sync_error)  # fmt: skip
+            self._live = LiveSyncDriver(
+                table_sync,
+                target_conninfo,
+                subname,
+                self.log,
+                self.stop,
+                catalog=self.catalog,
+                initial=self.retry_initial,
+                cap=self.retry_max,
+                counted=self.metrics.sync_error,
+            )
         #: group commit (docs/differences.md); off with ``APPLIER_GROUP_COMMIT=0`` / ``run --no-group-commit``
         self.group_commit = group_commit if group_commit is not None else group_commit_default()
         #: bulk apply of whole plain transactions (docs/differences.md); off with ``APPLIER_BULK_APPLY=0``
@@ -243,8 +251,11 @@ class ApplyWorker:
                 )
             return Outcome.DROPPED
         if not sub.subenabled:
-            self.log.info('logical replication apply worker for subscription "%s" will stop because the '
-                          "subscription was disabled", self.subname)  # fmt: skip
+            self.log.info(
+                'logical replication apply worker for subscription "%s" will stop because the '
+                "subscription was disabled",
+                self.subname,
+            )
             return Outcome.DISABLED
         if not sub.subslotname:
             raise ApplyWorkerError(
@@ -271,16 +282,29 @@ class ApplyWorker:
         if two_phase and sub.subtwophasestate == TwoPhaseState.PENDING:
             self.catalog.update_subscription(sub.subid, subtwophasestate=TwoPhaseState.ENABLED)
             tables.two_phase_state = TwoPhaseState.ENABLED
-        self.log.info('logical replication apply worker for subscription "%s" has started streaming at %s%s',
-                      sub.subname, format_lsn(start_lsn), " with two_phase" if two_phase else "")  # fmt: skip
+        self.log.info(
+            'logical replication apply worker for subscription "%s" has started streaming at %s%s',
+            sub.subname,
+            format_lsn(start_lsn),
+            " with two_phase" if two_phase else "",
+        )
         self.stats.started_streaming.set()
         skip = SkipState(sub.subskiplsn or 0, sub.subname)
         held.applier = applier = Applier(
-            subid=sub.subid, subname=sub.subname, target=target, tracker=tracker, spool=spool,
-            tables=tables, skip=skip, clear_skip_lsn=self.catalog.clear_skip_lsn, logger=self.log,
-            prepared=target.prepared_transactions(sub.subid), group_commit=self.group_commit,
-            ungrouped_until=self.retries.ungrouped_until, bulk=self.bulk,
-        )  # fmt: skip
+            subid=sub.subid,
+            subname=sub.subname,
+            target=target,
+            tracker=tracker,
+            spool=spool,
+            tables=tables,
+            skip=skip,
+            clear_skip_lsn=self.catalog.clear_skip_lsn,
+            logger=self.log,
+            prepared=target.prepared_transactions(sub.subid),
+            group_commit=self.group_commit,
+            ungrouped_until=self.retries.ungrouped_until,
+            bulk=self.bulk,
+        )
         applier.records.original_gids = sub.original_gids
         self.retries.session_started(self.group_commit)
         return Session(sub, repl, target, applier, tracker, tables, skip)
@@ -289,10 +313,14 @@ class ApplyWorker:
         """The apply loop in the apply worker's context, until stopped (anything else ends it by raising)."""
         housekeeping = ApplyHousekeeping(self, session)
         loop = ApplyLoop(
-            session.repl, session.applier, session.tracker, housekeeping,
-            two_phase=session.tables.two_phase_state != TwoPhaseState.DISABLED, fold_prepares=self.fold_prepares,
+            session.repl,
+            session.applier,
+            session.tracker,
+            housekeeping,
+            two_phase=session.tables.two_phase_state != TwoPhaseState.DISABLED,
+            fold_prepares=self.fold_prepares,
             status_pacer=housekeeping.status_pacer,
-        )  # fmt: skip
+        )
         loop.run()
         return self._stop_session(session)
 
@@ -333,9 +361,13 @@ class ApplyWorker:
 
     def _connect_target(self, sub: Subscription) -> Target:
         try:
-            return Target.connect(self.target_conninfo, origin=sub.origin_name,
-                                  application_name=f"applier {sub.subname}", binary=sub.subbinary,
-                                  run_as_owner=sub.subrunasowner)  # fmt: skip
+            return Target.connect(
+                self.target_conninfo,
+                origin=sub.origin_name,
+                application_name=f"applier {sub.subname}",
+                binary=sub.subbinary,
+                run_as_owner=sub.subrunasowner,
+            )
         except psycopg.errors.UndefinedObject as exc:
             raise ApplyWorkerError(
                 f'replication origin "{sub.origin_name}" of subscription "{sub.subname}" does not exist on the '
@@ -376,8 +408,9 @@ class ApplyWorker:
     def publish(self, applier: Applier, *, record_lag: bool = True) -> None:
         """Counters and lag samples to the metrics; the lag summary to the catalog (not when a session ends: the
         target may be what failed, and a connection attempt must not delay the reconnect)."""
-        self.metrics.publish(applier.kinds, applier.rows, applier.conflicts, applier.bulk_transactions,
-                             applier.folded_prepares)  # fmt: skip
+        self.metrics.publish(
+            applier.kinds, applier.rows, applier.conflicts, applier.bulk_transactions, applier.folded_prepares
+        )
         lag = self.lag
         if lag.added == self._lag_written:
             return
@@ -431,8 +464,10 @@ class ApplyWorker:
         """Stop requested: finish what is committed, abandon a half-applied remote transaction (it is re-sent)."""
         repl, target, applier, tracker = session.repl, session.target, session.applier, session.tracker
         if applier.in_remote_transaction or applier.group_pending:
-            self.log.info("abandoning remote transaction %s on stop; it will be applied after restart",
-                          applier.remote_xid)  # fmt: skip
+            self.log.info(
+                "abandoning remote transaction %s on stop; it will be applied after restart",
+                applier.remote_xid,
+            )
             target.abort()
             tracker.forget_unconfirmed()
         else:

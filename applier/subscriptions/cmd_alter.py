@@ -45,8 +45,15 @@ from state.twophase import (
 _TRUE = {"true", "on", "yes", "1", "t", "y"}
 _FALSE = {"false", "off", "no", "0", "f", "n"}
 SETTABLE = (
-    "two_phase", "streaming", "binary", "disable_on_error", "origin", "slot_name", "gid_format", "run_as_owner",
-)  # fmt: skip
+    "two_phase",
+    "streaming",
+    "binary",
+    "disable_on_error",
+    "origin",
+    "slot_name",
+    "gid_format",
+    "run_as_owner",
+)
 
 
 def _bool(option: str, value: str) -> bool:
@@ -106,9 +113,15 @@ def parse_set_options(items: Sequence[str]) -> dict[str, Any]:
     return result
 
 
-_COLUMNS = {"streaming": "substream", "binary": "subbinary", "disable_on_error": "subdisableonerr",
-            "origin": "suborigin", "slot_name": "subslotname", "gid_format": "subgidformat",
-            "run_as_owner": "subrunasowner"}  # fmt: skip
+_COLUMNS = {
+    "streaming": "substream",
+    "binary": "subbinary",
+    "disable_on_error": "subdisableonerr",
+    "origin": "suborigin",
+    "slot_name": "subslotname",
+    "gid_format": "subgidformat",
+    "run_as_owner": "subrunasowner",
+}
 
 
 def set_enabled(target: str, name: str, enabled: bool, console: Console = QUIET) -> None:
@@ -129,8 +142,9 @@ def set_enabled(target: str, name: str, enabled: bool, console: Console = QUIET)
         console.info(f"its worker ({holder}) stops by itself shortly")
 
 
-def alter_options(target: str, name: str, items: Sequence[str], *, force: bool = False,
-                  console: Console = QUIET) -> None:  # fmt: skip
+def alter_options(
+    target: str, name: str, items: Sequence[str], *, force: bool = False, console: Console = QUIET
+) -> None:
     """``alter --set OPTION=VALUE ...``: all options validated before any is changed, then changed together."""
     options = parse_set_options(items)
     catalog = open_catalog(target)
@@ -164,9 +178,14 @@ def alter_options(target: str, name: str, items: Sequence[str], *, force: bool =
         with target_errors(target):
             pending = catalog.pending_prepared(sub.subid)
         new_state = check_alter_two_phase(
-            sub.subtwophasestate, options["two_phase"], enabled=sub.subenabled, worker_running=worker_running,
-            prepared_xacts=len(pending), force=force, subname=name,
-        )  # fmt: skip
+            sub.subtwophasestate,
+            options["two_phase"],
+            enabled=sub.subenabled,
+            worker_running=worker_running,
+            prepared_xacts=len(pending),
+            force=force,
+            subname=name,
+        )
         if new_state == sub.subtwophasestate:
             with target_errors(target):
                 catalog.update_subscription(sub.subid, **values)
@@ -195,8 +214,9 @@ def _check_gid_format(catalog: Catalog, sub: Subscription, target: str, new: str
     check_alter_gid_format(sub.subgidformat, new, prepared_xacts=len(pending), subname=sub.subname)
 
 
-def _two_phase_off(catalog: Catalog, sub: Subscription, target: str, values: dict[str, Any], *, force: bool,
-                   console: Console) -> None:  # fmt: skip
+def _two_phase_off(
+    catalog: Catalog, sub: Subscription, target: str, values: dict[str, Any], *, force: bool, console: Console
+) -> None:
     """on -> off: roll back our prepared transactions if forced, turn two-phase off on the slot (PostgreSQL 18+),
     and record ``d``. The catalog change commits only after the slot was altered."""
     slot = sub.subslotname

@@ -87,11 +87,19 @@ def create(target: str, opts: CreateOptions, console: Console = QUIET) -> Subscr
         )
         with target_errors(target):
             sub = catalog.create_subscription(
-                subname=opts.name, conninfo=stored_conninfo, publications=list(opts.publications),
-                two_phase_state=two_phase, streaming=opts.streaming, binary=opts.binary,
-                disable_on_error=opts.disable_on_error, origin=opts.origin, slot_name=opts.slot,
-                enabled=opts.enabled, copy_data=opts.copy_data, run_as_owner=opts.run_as_owner,
-            )  # fmt: skip
+                subname=opts.name,
+                conninfo=stored_conninfo,
+                publications=list(opts.publications),
+                two_phase_state=two_phase,
+                streaming=opts.streaming,
+                binary=opts.binary,
+                disable_on_error=opts.disable_on_error,
+                origin=opts.origin,
+                slot_name=opts.slot,
+                enabled=opts.enabled,
+                copy_data=opts.copy_data,
+                run_as_owner=opts.run_as_owner,
+            )
         state = _add_tables_and_slot(catalog, target, pub, sub, opts, tables, relids, slot_two_phase, console)
 
     if has_password(opts.publisher):
@@ -112,9 +120,17 @@ def create(target: str, opts: CreateOptions, console: Console = QUIET) -> Subscr
     return created
 
 
-def _add_tables_and_slot(catalog: Catalog, target: str, pub: ReplicationConnection, sub: Subscription,
-                         opts: CreateOptions, tables: Sequence[str], relids: dict[str, int], slot_two_phase: bool,
-                         console: Console) -> SyncState:  # fmt: skip
+def _add_tables_and_slot(
+    catalog: Catalog,
+    target: str,
+    pub: ReplicationConnection,
+    sub: Subscription,
+    opts: CreateOptions,
+    tables: Sequence[str],
+    relids: dict[str, int],
+    slot_two_phase: bool,
+    console: Console,
+) -> SyncState:
     """The new subscription's tables, in their first state (returned), then its slot; on any failure (Ctrl-C
     included) the slot, the rows and the origin go: no half-created subscription."""
     slot_created = False
@@ -169,8 +185,12 @@ def _check_publisher(pub: ReplicationConnection, opts: CreateOptions) -> list[st
             f'wal_level on the publisher is "{wal_level}"; logical replication needs "logical"',
             "on the publisher run ALTER SYSTEM SET wal_level = logical, then restart it",
         )
-    found = {r[0] for r in _pub_query(pub, "SELECT pubname FROM pg_publication WHERE pubname = ANY(%s)",
-                                      (list(opts.publications),))}  # fmt: skip
+    found = {
+        r[0]
+        for r in _pub_query(
+            pub, "SELECT pubname FROM pg_publication WHERE pubname = ANY(%s)", (list(opts.publications),)
+        )
+    }
     missing = [p for p in opts.publications if p not in found]
     if missing:
         names = ", ".join(f'"{p}"' for p in missing)

@@ -74,10 +74,14 @@ def _drop_publisher_slots(sub: Subscription, *, force: bool, console: Console) -
         console.warn(f"{exc.message}\nthe publisher's slot is left behind: drop it by hand with {manual}")
         return
     with pub:
-        names = [r[0] for r in _pub_query(
-            pub, "SELECT slot_name FROM pg_replication_slots WHERE slot_name LIKE %s AND database = current_database()",
-            (SYNC_SLOT_PATTERN.format(subid=sub.subid),),
-        )]  # fmt: skip
+        names = [
+            r[0]
+            for r in _pub_query(
+                pub,
+                "SELECT slot_name FROM pg_replication_slots WHERE slot_name LIKE %s AND database = current_database()",
+                (SYNC_SLOT_PATTERN.format(subid=sub.subid),),
+            )
+        ]
         if slot is not None:
             names.insert(0, slot)
         for name in names:

@@ -186,9 +186,15 @@ def _publisher_view(sub: Subscription, origin: int, timeout: int) -> dict[str, A
         )
     if stream is not None and stream[0] is not None:  # NULLs unless the role has pg_read_all_stats
         state, write, flush, replay, lag_bytes, lag_seconds, reply_time = stream
-        view.update(stream_state=state, received_lsn=write, flushed_lsn=flush, applied_lsn=replay,
-                    last_reply=_when(reply_time), lag_bytes=max(lag_bytes or 0, 0),
-                    lag_seconds=lag_seconds if lag_seconds is not None else (0.0 if not lag_bytes else None))  # fmt: skip
+        view.update(
+            stream_state=state,
+            received_lsn=write,
+            flushed_lsn=flush,
+            applied_lsn=replay,
+            last_reply=_when(reply_time),
+            lag_bytes=max(lag_bytes or 0, 0),
+            lag_seconds=lag_seconds if lag_seconds is not None else (0.0 if not lag_bytes else None),
+        )
     elif origin:
         lag = parse_lsn(current) - origin
         view.update(lag_bytes=max(lag, 0), lag_seconds=None)
@@ -230,10 +236,14 @@ def format_status(entries: list[dict[str, Any]]) -> str:
         if r["publisher_reachable"]:
             positions = ", ".join(
                 f"{label} {r.get(key) or '-'}"
-                for label, key in (("received", "received_lsn"), ("flushed", "flushed_lsn"),
-                                   ("applied", "applied_lsn"), ("origin", "origin_lsn"),
-                                   ("publisher", "publisher_lsn"))
-            )  # fmt: skip
+                for label, key in (
+                    ("received", "received_lsn"),
+                    ("flushed", "flushed_lsn"),
+                    ("applied", "applied_lsn"),
+                    ("origin", "origin_lsn"),
+                    ("publisher", "publisher_lsn"),
+                )
+            )
             lag = "-" if r.get("lag_bytes") is None else f"{r['lag_bytes']} bytes"
             if r.get("lag_seconds") is not None:
                 lag += f", {r['lag_seconds']:.1f} s"

@@ -48,11 +48,19 @@ def read_target_facts(c: sa.Connection) -> TargetFacts:
         )
     )
     return TargetFacts(
-        server_version=r.version, role=r.role, database=r.database, superuser=r.superuser,
-        may_create_in_database=r.create_db, schema_exists=r.schema_exists, may_create_in_schema=r.create_schema,
-        may_use_schema=r.use_schema, catalog_exists=r.catalog, catalog_writable=r.catalog_writable,
-        may_set_replication_role=may_set, missing_functions=tuple(r.missing_functions),
-    )  # fmt: skip
+        server_version=r.version,
+        role=r.role,
+        database=r.database,
+        superuser=r.superuser,
+        may_create_in_database=r.create_db,
+        schema_exists=r.schema_exists,
+        may_create_in_schema=r.create_schema,
+        may_use_schema=r.use_schema,
+        catalog_exists=r.catalog,
+        catalog_writable=r.catalog_writable,
+        may_set_replication_role=may_set,
+        missing_functions=tuple(r.missing_functions),
+    )
 
 
 def _require_grants(catalog: Catalog, facts: TargetFacts, relids: dict[str, int]) -> None:
