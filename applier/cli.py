@@ -89,6 +89,11 @@ def _add_create(sub: _Subcommands, common: argparse.ArgumentParser) -> None:
         dest="publications",
         help="publication to subscribe to (repeat for several)",
     )
+    _add_create_options(p)
+
+
+def _add_create_options(p: argparse.ArgumentParser) -> None:
+    """``applier create``'s WITH options, apart from where to connect: CREATE SUBSCRIPTION's names and defaults."""
     p.add_argument(
         "--two-phase",
         action="store_true",
@@ -107,11 +112,6 @@ def _add_create(sub: _Subcommands, common: argparse.ArgumentParser) -> None:
         help="do not copy existing rows: tables start ready (two-phase then starts enabled)",
     )
     p.add_argument("--binary", action="store_true", help="exchange column values in binary format")
-    _add_create_behaviour(p)
-
-
-def _add_create_behaviour(p: argparse.ArgumentParser) -> None:
-    """``applier create``'s options after the stream's: origin, failures, slot, enabled, trust."""
     p.add_argument(
         "--origin",
         choices=("any", "none"),
@@ -177,15 +177,19 @@ def _add_run(sub: _Subcommands, common: argparse.ArgumentParser) -> None:
         "APPLIER_FOLD_PREPARES=0)",
     )
     p.add_argument(
-        "--log-format", choices=("text", "json"), default=None,
+        "--log-format",
+        choices=("text", "json"),
+        default=None,
         help="log lines for people (text, default) or one JSON object per line for machines (json)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--max-retry-interval", metavar="SECONDS", default=None,
+        "--max-retry-interval",
+        metavar="SECONDS",
+        default=None,
         help="the longest wait between attempts while the same remote transaction or table copy keeps failing "
         "(the wait doubles from 0.5 s up to this; default 5, like PostgreSQL's wal_retrieve_retry_interval; same "
         "as APPLIER_MAX_RETRY_INTERVAL)",
-    )  # fmt: skip
+    )
 
 
 def _add_status(sub: _Subcommands, common: argparse.ArgumentParser) -> None:
@@ -272,9 +276,12 @@ def _add_verify(sub: _Subcommands, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--ranges", type=int, default=16, metavar="N", help="key ranges per table (default 16)")
     p.add_argument(
-        "--spark-rows", type=int, default=None, metavar="N",
+        "--spark-rows",
+        type=int,
+        default=None,
+        metavar="N",
         help="hash tables of at least N rows (estimated) as a Spark job (default 5000000; 0: all; SPARK_REMOTE: a cluster)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--settle-timeout",
         type=float,
@@ -321,13 +328,22 @@ def _create(args: argparse.Namespace, target: str, console: Console) -> None:
     subs.create(
         target,
         subs.CreateOptions(
-            name=args.name, publisher=args.publisher, publications=tuple(args.publications),
-            two_phase=args.two_phase, streaming=args.streaming, copy_data=args.copy_data, binary=args.binary,
-            origin=args.origin, disable_on_error=args.disable_on_error, slot_name=args.slot_name,
-            create_slot=args.create_slot, enabled=not args.disabled, run_as_owner=args.run_as_owner,
+            name=args.name,
+            publisher=args.publisher,
+            publications=tuple(args.publications),
+            two_phase=args.two_phase,
+            streaming=args.streaming,
+            copy_data=args.copy_data,
+            binary=args.binary,
+            origin=args.origin,
+            disable_on_error=args.disable_on_error,
+            slot_name=args.slot_name,
+            create_slot=args.create_slot,
+            enabled=not args.disabled,
+            run_as_owner=args.run_as_owner,
         ),
         console,
-    )  # fmt: skip
+    )
 
 
 def _run(args: argparse.Namespace, target: str) -> int:

@@ -121,9 +121,18 @@ def least_privilege_grants(server_version: int, role: str, database: str, tables
     ``applier`` created for it rather than CREATE on the database): what docs/security.md shows, and what the
     test harness grants (:mod:`applier.testing.roles`)."""
     nothing = TargetFacts(
-        server_version=server_version, role=role, database=database, superuser=False,
-        may_create_in_database=False, schema_exists=False, may_create_in_schema=False, may_use_schema=False,
-        catalog_exists=False, catalog_writable=True, may_set_replication_role=False,
-        missing_functions=ORIGIN_FUNCTIONS, tables=tuple(TableFacts(t, TABLE_PRIVILEGES) for t in tables),
-    )  # fmt: skip
+        server_version=server_version,
+        role=role,
+        database=database,
+        superuser=False,
+        may_create_in_database=False,
+        schema_exists=False,
+        may_create_in_schema=False,
+        may_use_schema=False,
+        catalog_exists=False,
+        catalog_writable=True,
+        may_set_replication_role=False,
+        missing_functions=ORIGIN_FUNCTIONS,
+        tables=tuple(TableFacts(t, TABLE_PRIVILEGES) for t in tables),
+    )
     return [line for line in missing_grants(nothing) if not line.startswith("-- or instead")]

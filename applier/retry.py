@@ -46,8 +46,13 @@ def max_retry_interval_default() -> float:
     return parse_max_retry_interval(os.environ.get(MAX_RETRY_ENV))
 
 
-def retry_delay(failures: int, *, initial: float = RETRY_INITIAL, cap: float = DEFAULT_MAX_RETRY_INTERVAL,
-                jitter: bool = True) -> float:  # fmt: skip
+def retry_delay(
+    failures: int,
+    *,
+    initial: float = RETRY_INITIAL,
+    cap: float = DEFAULT_MAX_RETRY_INTERVAL,
+    jitter: bool = True,
+) -> float:
     """The wait after the ``failures``-th failure in a row: ``initial`` doubled each time, plus up to ``initial``
     of jitter (so that several workers failing together do not retry in step), never more than ``cap``."""
     n = max(failures, 1)

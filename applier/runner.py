@@ -77,9 +77,14 @@ WAIT_TARGET = 60.0
 #: fails at once.
 _TRANSIENT_SQLSTATES = ("57P01", "57P02", "57P03")
 _TRANSIENT_MESSAGES = (
-    "not yet accepting connections", "is starting up", "is shutting down", "in recovery mode",
-    "connection refused", "server closed the connection unexpectedly", "no such file or directory",
-)  # fmt: skip
+    "not yet accepting connections",
+    "is starting up",
+    "is shutting down",
+    "in recovery mode",
+    "connection refused",
+    "server closed the connection unexpectedly",
+    "no such file or directory",
+)
 
 _SPAWN = multiprocessing.get_context("spawn")
 log = logging.getLogger("applier.run")
@@ -125,8 +130,9 @@ def _transient(exc: psycopg.Error) -> bool:
     return any(m in text for m in _TRANSIENT_MESSAGES)
 
 
-def wait_for_target(target: str, timeout: float, *, stop: threading.Event | None = None,
-                    logger: logging.Logger = log) -> None:  # fmt: skip
+def wait_for_target(
+    target: str, timeout: float, *, stop: threading.Event | None = None, logger: logging.Logger = log
+) -> None:
     """Wait until the target takes connections, for up to ``timeout`` seconds.
 
     ``run`` is a service: it may start before its target at boot, or while the target recovers from a crash. Those
@@ -146,8 +152,11 @@ def wait_for_target(target: str, timeout: float, *, stop: threading.Event | None
                 or (stop is not None and stop.is_set())
             ):
                 return  # the caller's own connection attempt reports it
-            logger.warning("the target is not taking connections yet, retrying in %.1f s: %s", delay,
-                           scrub(str(exc), target).strip().splitlines()[0])  # fmt: skip
+            logger.warning(
+                "the target is not taking connections yet, retrying in %.1f s: %s",
+                delay,
+                scrub(str(exc), target).strip().splitlines()[0],
+            )
         if stop is not None:
             stop.wait(delay)
         else:
@@ -155,8 +164,14 @@ def wait_for_target(target: str, timeout: float, *, stop: threading.Event | None
         delay = min(delay * 2, 2.0)
 
 
-def run(target: str, names: Sequence[str] = (), *, metrics_port: int | None = None,
-        wait_target: float = WAIT_TARGET, stop: threading.Event | None = None) -> int:  # fmt: skip
+def run(
+    target: str,
+    names: Sequence[str] = (),
+    *,
+    metrics_port: int | None = None,
+    wait_target: float = WAIT_TARGET,
+    stop: threading.Event | None = None,
+) -> int:
     """Run the subscriptions until SIGTERM/SIGINT or until every worker has stopped; return the exit status.
 
     ``metrics_port``: serve Prometheus metrics (:mod:`applier.metrics`) on 127.0.0.1:PORT for as long as this runs.
@@ -194,8 +209,12 @@ def run(target: str, names: Sequence[str] = (), *, metrics_port: int | None = No
             signal.signal(signum, handler)
     failed = [o for o in outcomes if not o.ok]
     if failed:  # each was logged as it ended; a last record names them all (a log record: stderr is the log)
-        log.error("%d of %d worker(s) failed: %s", len(failed), len(outcomes),
-                  "; ".join(f'subscription "{o.subname}": {o.message}' for o in failed))  # fmt: skip
+        log.error(
+            "%d of %d worker(s) failed: %s",
+            len(failed),
+            len(outcomes),
+            "; ".join(f'subscription "{o.subname}": {o.message}' for o in failed),
+        )
         return 1
     log.info("all workers stopped")
     return 0
@@ -313,8 +332,13 @@ def _outcome(
 # --- the worker --------------------------------------------------------------------------------------------------
 
 
-def worker_main(target: str, subname: str, report: multiprocessing.connection.Connection,
-                log_level: int, wait_target: float = WAIT_TARGET) -> None:  # fmt: skip
+def worker_main(
+    target: str,
+    subname: str,
+    report: multiprocessing.connection.Connection,
+    log_level: int,
+    wait_target: float = WAIT_TARGET,
+) -> None:
     """Entry point of a worker process (spawned: it imports everything afresh)."""
     configure_logging(target, log_level)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
@@ -410,14 +434,27 @@ def _initial_copy(
             stop.wait(delay)
             continue
         if copied.tables or copied.resumed:
-            wlog.info('subscription "%s": initial copy of %d table(s) done: %d rows, %d bytes in %.1f s',
-                      subname, len(copied.tables) + len(copied.resumed), copied.rows, copied.bytes, copied.seconds)  # fmt: skip
+            wlog.info(
+                'subscription "%s": initial copy of %d table(s) done: %d rows, %d bytes in %.1f s',
+                subname,
+                len(copied.tables) + len(copied.resumed),
+                copied.rows,
+                copied.bytes,
+                copied.seconds,
+            )
         return True
     return False
 
 
-def _copy_failed(target: str, catalog: Catalog, subname: str, exc: TablesyncError, failures: int, cap: float,
-                 wlog: logging.Logger) -> float | None:  # fmt: skip
+def _copy_failed(
+    target: str,
+    catalog: Catalog,
+    subname: str,
+    exc: TablesyncError,
+    failures: int,
+    cap: float,
+    wlog: logging.Logger,
+) -> float | None:
     """Record the initial copy's ``failures``-th failure in a row (the error row ``applier status`` shows, the
     metric) and log it; the wait before the next attempt, or None when ``disable_on_error`` disabled the
     subscription."""
@@ -426,17 +463,32 @@ def _copy_failed(target: str, catalog: Catalog, subname: str, exc: TablesyncErro
     with target_errors(target):
         sub = require_subscription(catalog, subname)
         disable = sub.subdisableonerr
-        catalog.record_error(sub.subid, str(exc), message_type="COPY", relation=exc.relation,
-                             retry_count=failures, retry_in=None if disable else delay)  # fmt: skip
+        catalog.record_error(
+            sub.subid,
+            str(exc),
+            message_type="COPY",
+            relation=exc.relation,
+            retry_count=failures,
+            retry_in=None if disable else delay,
+        )
         if disable:
             catalog.update_subscription(sub.subid, subenabled=False)
     if disable:
-        wlog.error('subscription "%s": %s\nthe subscription has been disabled because of this error '
-                   "(disable_on_error); fix the cause, then: applier alter %s --enable",
-                   subname, exc, subname)  # fmt: skip
+        wlog.error(
+            'subscription "%s": %s\nthe subscription has been disabled because of this error '
+            "(disable_on_error); fix the cause, then: applier alter %s --enable",
+            subname,
+            exc,
+            subname,
+        )
         return None
-    wlog.error('subscription "%s": %s\nfailure %d of the initial copy; next attempt in %.1f s',
-               subname, exc, failures, delay)  # fmt: skip
+    wlog.error(
+        'subscription "%s": %s\nfailure %d of the initial copy; next attempt in %.1f s',
+        subname,
+        exc,
+        failures,
+        delay,
+    )
     return delay
 
 
@@ -457,8 +509,10 @@ class _LockWatchdog(threading.Thread):
         while not self._done.wait(LOCK_CHECK_INTERVAL):
             if self.lock.holds():
                 continue
-            self.log.warning('lost the session holding the lock of subscription "%s"; taking it again',
-                             self.lock.sub.subname)  # fmt: skip
+            self.log.warning(
+                'lost the session holding the lock of subscription "%s"; taking it again',
+                self.lock.sub.subname,
+            )
             backoff = 1.0
             while not self._done.is_set():
                 try:

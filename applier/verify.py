@@ -340,8 +340,12 @@ def _both(ctx: _Context, pub: Callable[[], Any], tgt: Callable[[], Any]) -> tupl
     return fp.result(), ft.result()
 
 
-def _settled(ctx: _Context, pub_side: _Side, read_pub: Callable[[psycopg.Connection[Any]], Any],
-             read_tgt: Callable[[], Any]) -> tuple[Any, Any, bool]:  # fmt: skip
+def _settled(
+    ctx: _Context,
+    pub_side: _Side,
+    read_pub: Callable[[psycopg.Connection[Any]], Any],
+    read_tgt: Callable[[], Any],
+) -> tuple[Any, Any, bool]:
     """Publisher read with the WAL position it saw, then the target read once it applied past that position."""
     with pub_side.connect() as conn, conn.transaction():
         conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
@@ -396,8 +400,9 @@ class _TableCheck:
         self.report.ranges = len(parts)
         if on_spark:
             self.report.spark = True
-            hashes = spark_hashes([(side, rng) for rng in parts for side in (self.pub, self.tgt)],
-                                  self.ctx.spark_master)  # fmt: skip
+            hashes = spark_hashes(
+                [(side, rng) for rng in parts for side in (self.pub, self.tgt)], self.ctx.spark_master
+            )
             self._compare_ranges([(rng, hashes[2 * i], hashes[2 * i + 1]) for i, rng in enumerate(parts)])
             return
 
@@ -563,15 +568,25 @@ def verify(
         _connection(target, "target") as tconn,
         ThreadPoolExecutor(max_workers=max(workers, 2) * 2) as pool,
     ):
-        ctx = _Context(pub_conninfo, target, sub.origin_name, sub.subslotname or sub.subname, settle_timeout,
-                       max(attempts, 1), pool, spark_rows, spark_master)  # fmt: skip
+        ctx = _Context(
+            pub_conninfo,
+            target,
+            sub.origin_name,
+            sub.subslotname or sub.subname,
+            settle_timeout,
+            max(attempts, 1),
+            pool,
+            spark_rows,
+            spark_master,
+        )
         for rel in rels:
             report.tables.append(_verify_table(ctx, pconn, tconn, rel, ranges))
     return report
 
 
-def _verify_table(ctx: _Context, pconn: psycopg.Connection[Any], tconn: psycopg.Connection[Any], rel: RelState,
-                  ranges: int) -> TableReport:  # fmt: skip
+def _verify_table(
+    ctx: _Context, pconn: psycopg.Connection[Any], tconn: psycopg.Connection[Any], rel: RelState, ranges: int
+) -> TableReport:
     """One table: the columns both sides have, by key ranges when both have its primary key, else as a whole."""
     pub_conninfo, target = ctx.publisher, ctx.target
     t_schema, t_name = _names(tconn, rel.relid)

@@ -4,7 +4,7 @@
 - ``twophase``: the two-phase tri-state ``d p e``, the prepared transactions' GIDs and the ALTER rules that touch it.
 - ``skip``: the skip-LSN rules.
 
-The worker, the table sync and the command line call these rules directly; ``tests/unit/subscription_model.py``
+The worker, the table sync and the command line call these rules directly; ``tests/support/subscription_model.py``
 strings them into one subscription's life for the property tests.
 
 The catalog that persists what they decide is the I/O package :mod:`applier.catalog`. Nothing here imports from

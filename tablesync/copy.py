@@ -300,8 +300,9 @@ class HeadStart:
             proc = ctx.Process(
                 target=_head_start_main,
                 args=(todo[i :: max(1, streams)], publisher_conninfo, target_conninfo, self._stop, sender),
-                name=f"tablesync-head-start-{i}", daemon=True,
-            )  # fmt: skip
+                name=f"tablesync-head-start-{i}",
+                daemon=True,
+            )
             with _main_module_left_out():
                 proc.start()
             sender.close()

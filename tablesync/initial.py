@@ -193,7 +193,9 @@ class InitialCopy:
         self.sub = self.catalog.require(self.subname)
         states = self.catalog.table_states(self.sub.subid)
         stream_lsn = (
-            self._stream_position() if any(rs.state == SyncState.FINISHEDCOPY for rs in states) else 0
+            _stream_position(self.catalog, self.sub, self.subname)
+            if any(rs.state == SyncState.FINISHEDCOPY for rs in states)
+            else 0
         )
         recopy: set[str] = set()
         with self.catalog.engine.begin() as c:
@@ -225,41 +227,6 @@ class InitialCopy:
         self.resumed[rs.name] = rs.lsn
         return True
 
-    def _stream_position(self) -> int:
-        """Where the subscription's stream resumes: the latest of its origin's progress, the slot's start X and the
-        slot's ``confirmed_flush_lsn`` on the publisher.
-
-        The last one matters after a live table sync (:mod:`tablesync.live`): while a table is copied, the stream
-        skips its changes and reports them flushed, so the publisher moves the slot past them and a restart resumes
-        there (behaviour 5), beyond the origin; those transactions are never sent again.
-        """
-        assert self.sub is not None
-        confirmed = 0
-        if self.sub.subslotname:
-            try:
-                with connect(self.publisher_conninfo, autocommit=True) as pconn:
-                    row = pconn.execute(
-                        "SELECT confirmed_flush_lsn::text FROM pg_catalog.pg_replication_slots WHERE slot_name = %s",
-                        (self.sub.subslotname,),
-                    ).fetchone()
-            except psycopg.Error as exc:
-                raise TablesyncError(
-                    f"initial copy of {self.subname!r}: cannot read the position of slot "
-                    f"{self.sub.subslotname!r} on the publisher: {' '.join(str(exc).split())}"
-                ) from exc
-            if row and row[0]:
-                confirmed = parse_lsn(row[0])
-        with self.catalog.engine.connect() as c:
-            progress = c.execute(
-                sa.text(
-                    "SELECT CASE WHEN EXISTS (SELECT 1 FROM pg_replication_origin WHERE roname = :o)"
-                    " THEN pg_replication_origin_progress(:o, false)::text END"
-                ),
-                {"o": self.sub.origin_name},
-            ).scalar()
-        lsn = parse_lsn(progress) if progress else 0
-        return max(lsn, self.sub.subslotconsistentlsn or 0, confirmed)
-
     @property
     def subid(self) -> int:
         assert self.sub is not None, "load() first"
@@ -281,7 +248,9 @@ class InitialCopy:
         except ReplicationConnectionError as exc:
             raise TablesyncError(f"initial copy of {self.subname!r}: {exc}") from exc
         done = threading.Event()
-        watcher = threading.Thread(target=self._explain_slot_wait, args=(done,), daemon=True)
+        watcher = threading.Thread(
+            target=_explain_slot_wait, args=(self.publisher_conninfo, self.reporter, done), daemon=True
+        )
         watcher.start()
         try:
             info = conn.create_slot(name, temporary=True, snapshot="export")
@@ -299,24 +268,6 @@ class InitialCopy:
             f"(temporary slot {info.slot_name})"
         )
         return self.slot
-
-    def _explain_slot_wait(self, done: threading.Event) -> None:
-        """Creating a slot waits for every transaction open on the publisher, prepared ones included (they can
-        stay open for ever): if it takes long, tell the user what it waits for."""
-        if done.wait(SLOT_WAIT_NOTE_AFTER):
-            return
-        detail = ""
-        with contextlib.suppress(Exception), psycopg.connect(self.publisher_conninfo, autocommit=True) as c:
-            open_x, prepared = c.execute(
-                "SELECT (SELECT count(*) FROM pg_stat_activity WHERE backend_xid IS NOT NULL"
-                " AND pid <> pg_backend_pid()), (SELECT count(*) FROM pg_prepared_xacts)"
-            ).fetchone()  # type: ignore[misc]
-            detail = f" ({open_x} open, {prepared} prepared: COMMIT/ROLLBACK PREPARED ends those)"
-        if not done.is_set():
-            self.reporter.note(
-                "waiting for the transactions open on the publisher to finish before the snapshot can be taken"
-                + detail
-            )
 
     # 3 ----------------------------------------------------------------------------------------------------------
     def plan(self) -> list[PartitionTask]:
@@ -373,24 +324,10 @@ class InitialCopy:
                 # Deleting the old markers waits for any task of a killed run that still holds its claim row.
                 self.catalog.delete_partition_markers(self.subid, rs.name, c)
                 if ours:
-                    self._empty(raw, plan)
+                    _empty(raw, plan)
                 self.catalog.claim_partitions(self.subid, rs.name, self.slot.snapshot, CLAIM_PART, c)
                 self.catalog.set_table_state(self.subid, rs.relid, SyncState.DATASYNC, None, conn=c)
                 self.catalog.set_table_progress(self.subid, rs.relid, 0, 0, conn=c)
-
-    @staticmethod
-    def _empty(raw: Any, plan: TablePlan) -> None:
-        """Remove what an interrupted copy left: TRUNCATE, or DELETE (replica role: no FK triggers) when other
-        tables' foreign keys forbid TRUNCATE."""
-        tbl = sql.Identifier(plan.target_schema, plan.target_name)
-        raw.execute("SAVEPOINT applier_empty")
-        try:
-            raw.execute(sql.SQL("TRUNCATE ONLY {}").format(tbl))
-        except psycopg.errors.FeatureNotSupported:
-            raw.execute("ROLLBACK TO SAVEPOINT applier_empty")
-            raw.execute("SET LOCAL session_replication_role = replica")
-            raw.execute(sql.SQL("DELETE FROM ONLY {}").format(tbl))
-        raw.execute("RELEASE SAVEPOINT applier_empty")
 
     # 5 ----------------------------------------------------------------------------------------------------------
     def markers(self) -> dict[str, dict[int, tuple[int, int]]]:
@@ -573,119 +510,9 @@ class InitialCopy:
                 return self.result()
             if self.stop.is_set():
                 return self.result(stopped=True)
-            return self._copy_at_snapshot(spark_master, dict(spark_conf or {}))
+            return _copy_at_snapshot(self, spark_master, dict(spark_conf or {}))
         finally:
             self.close()
-
-    def _copy_at_snapshot(self, spark_master: str | None, spark_conf: dict[str, str]) -> CopyResult:
-        """Take the snapshot, plan and claim the partitions, and copy them: on the driver first when a local Spark
-        would add nothing, on Spark for what is left."""
-        # The driver copies while a local Spark starts (tablesync.copy.HeadStart): on one machine its processes
-        # and Spark's local executors share the same cores anyway; a cluster does the copying.
-        default_streams = "2" if spark_job.runs_locally(spark_master) else "0"
-        streams = int(os.environ.get("APPLIER_TABLESYNC_HEAD_START", default_streams) or 0)
-        # A local Spark that would run no more tasks at once than the driver's streams adds nothing but its
-        # start-up (several CPU-seconds of JVM on the cores the copy needs): it is started only if the driver
-        # leaves partitions over (one failed), to copy those.
-        parallelism = spark_job.local_parallelism(spark_master)
-        spark_later = streams > 0 and parallelism is not None and parallelism <= streams
-        # Otherwise Spark starts in the background now (the JVM takes seconds; the next three steps need none).
-        starter = None if spark_later else spark_job.SessionStarter(spark_master, spark_conf)
-        try:
-            self.open_snapshot()
-            self.plan()
-            self.claim()
-            if self.stop.is_set():
-                if starter is not None:
-                    starter.abandon()
-                return self.result(stopped=True)
-            self._start_head_start(streams)
-            if starter is None and self.head_start is not None:
-                done = self._copy_on_driver(streams, parallelism)
-                if done is not None:
-                    return done
-            if starter is None:
-                starter = spark_job.SessionStarter(spark_master, spark_conf)
-            return self._copy_with_spark(starter, streams)
-        finally:
-            if self.head_start is not None:
-                self.head_start.join()
-            if starter is not None:
-                starter.release()
-
-    def _start_head_start(self, streams: int) -> None:
-        if streams <= 0:
-            return
-        try:
-            self.head_start = HeadStart(
-                self.tasks, self.publisher_conninfo, self.target_conninfo, streams=streams
-            )
-        except Exception as exc:  # noqa: BLE001 - e.g. a daemonic process may not start children
-            self.reporter.note(f"copying with Spark only ({exc})")
-
-    def _copy_on_driver(self, streams: int, parallelism: int | None) -> CopyResult | None:
-        """Spark not started yet: the driver copies everything it can; the result if that was all (or a stop),
-        None when partitions are left over for Spark."""
-        assert self.head_start is not None
-        self.reporter.note(
-            f"copying on the driver with {streams} stream(s): a local Spark would run {parallelism} "
-            "task(s) at once on the same cores, and is started only for partitions left over"
-        )
-        if not self.copy(None, leave_rest=True):
-            return self.result(stopped=True)
-        self._raise_head_start_failure()
-        left = len(self.tasks) - len(self.head_start.done)
-        if not left:
-            return self.complete()
-        self.reporter.note(f"the driver left {left} partition(s): starting Spark to copy them")
-        return None
-
-    def _copy_with_spark(self, starter: spark_job.SessionStarter, streams: int) -> CopyResult:
-        """Wait for Spark, unless the driver's head start copies everything first (then Spark is not needed), and
-        run the job over what the driver has not copied."""
-        while self.head_start is not None and not starter.ready(0.1):
-            if self.stop.is_set():
-                starter.abandon()
-                return self.result(stopped=True)
-            if self.head_start.failure is not None:
-                starter.abandon()
-                self._raise_head_start_failure()
-            if len(self.head_start.done) == len(self.tasks):
-                return self._finished_by_driver(starter, "every partition before Spark was ready")
-        handle = starter.handle()
-        if self.head_start is not None and len(self.tasks) - len(self.head_start.done) <= streams:
-            # what is left is already under way in the driver: a Spark job would only wait for it
-            if len(self.head_start.wait()) == len(self.tasks):
-                return self._finished_by_driver(starter, "the last partitions as Spark got ready")
-        if self.head_start is not None:
-            self.head_start.stop()
-            self.reporter.note(
-                f"Spark ready after {starter.ready_after or 0:.1f}s; meanwhile the driver copied "
-                f"{len(self.head_start.done)}/{len(self.tasks)} partition(s)"
-            )
-        if handle.ui_url:
-            self.reporter.note(f"Spark UI: {handle.ui_url}")
-        elif handle.remote:
-            self.reporter.note(f"Spark Connect: {handle.remote}")
-        if not self.copy(handle.session):
-            return self.result(stopped=True)
-        return self.complete()  # before stopping Spark: the tables are ready a little sooner
-
-    def _raise_head_start_failure(self) -> None:
-        """Fail the copy with the error of a partition the target refused outright (a unique or check constraint
-        violation, a value it cannot take): Spark would only meet it again, after starting a JVM."""
-        failure = self.head_start.failure if self.head_start is not None else None
-        if failure is not None:
-            raise TablesyncError(
-                f"initial copy of subscription {self.subname!r} failed: {failure}",
-                relation=self.head_start.failure_relation if self.head_start is not None else None,
-            )
-
-    def _finished_by_driver(self, starter: spark_job.SessionStarter, what: str) -> CopyResult:
-        """The driver's head start copied everything: Spark (still starting, or just ready) is let go."""
-        self.reporter.note(f"the driver copied {what}: Spark not needed")
-        starter.abandon()
-        return self.complete() if self.copy(None) else self.result(stopped=True)
 
     @contextlib.contextmanager
     def spark(
@@ -701,6 +528,200 @@ class InitialCopy:
             yield handle.session
         finally:
             spark_job.release(handle)
+
+
+# The steps' helpers that need nothing of a copier but what they are given (module functions keep the class to
+# its steps, which subclasses override: tablesync.live.LiveCopy, and the migration's copy at its own snapshot).
+
+
+def _stream_position(catalog: Catalog, sub: Subscription, subname: str) -> int:
+    """Where the subscription's stream resumes: the latest of its origin's progress, the slot's start X and the
+    slot's ``confirmed_flush_lsn`` on the publisher.
+
+    The last one matters after a live table sync (:mod:`tablesync.live`): while a table is copied, the stream
+    skips its changes and reports them flushed, so the publisher moves the slot past them and a restart resumes
+    there (behaviour 5), beyond the origin; those transactions are never sent again.
+    """
+    confirmed = 0
+    if sub.subslotname:
+        try:
+            with connect(sub.subconninfo, autocommit=True) as pconn:
+                row = pconn.execute(
+                    "SELECT confirmed_flush_lsn::text FROM pg_catalog.pg_replication_slots WHERE slot_name = %s",
+                    (sub.subslotname,),
+                ).fetchone()
+        except psycopg.Error as exc:
+            raise TablesyncError(
+                f"initial copy of {subname!r}: cannot read the position of slot "
+                f"{sub.subslotname!r} on the publisher: {' '.join(str(exc).split())}"
+            ) from exc
+        if row and row[0]:
+            confirmed = parse_lsn(row[0])
+    with catalog.engine.connect() as c:
+        progress = c.execute(
+            sa.text(
+                "SELECT CASE WHEN EXISTS (SELECT 1 FROM pg_replication_origin WHERE roname = :o)"
+                " THEN pg_replication_origin_progress(:o, false)::text END"
+            ),
+            {"o": sub.origin_name},
+        ).scalar()
+    lsn = parse_lsn(progress) if progress else 0
+    return max(lsn, sub.subslotconsistentlsn or 0, confirmed)
+
+
+def _explain_slot_wait(publisher_conninfo: str, reporter: CopyProgress, done: threading.Event) -> None:
+    """Creating a slot waits for every transaction open on the publisher, prepared ones included (they can
+    stay open for ever): if it takes long, tell the user what it waits for."""
+    if done.wait(SLOT_WAIT_NOTE_AFTER):
+        return
+    detail = ""
+    with contextlib.suppress(Exception), psycopg.connect(publisher_conninfo, autocommit=True) as c:
+        open_x, prepared = c.execute(
+            "SELECT (SELECT count(*) FROM pg_stat_activity WHERE backend_xid IS NOT NULL"
+            " AND pid <> pg_backend_pid()), (SELECT count(*) FROM pg_prepared_xacts)"
+        ).fetchone()  # type: ignore[misc]
+        detail = f" ({open_x} open, {prepared} prepared: COMMIT/ROLLBACK PREPARED ends those)"
+    if not done.is_set():
+        reporter.note(
+            "waiting for the transactions open on the publisher to finish before the snapshot can be taken"
+            + detail
+        )
+
+
+def _empty(raw: Any, plan: TablePlan) -> None:
+    """Remove what an interrupted copy left: TRUNCATE, or DELETE (replica role: no FK triggers) when other
+    tables' foreign keys forbid TRUNCATE."""
+    tbl = sql.Identifier(plan.target_schema, plan.target_name)
+    raw.execute("SAVEPOINT applier_empty")
+    try:
+        raw.execute(sql.SQL("TRUNCATE ONLY {}").format(tbl))
+    except psycopg.errors.FeatureNotSupported:
+        raw.execute("ROLLBACK TO SAVEPOINT applier_empty")
+        raw.execute("SET LOCAL session_replication_role = replica")
+        raw.execute(sql.SQL("DELETE FROM ONLY {}").format(tbl))
+    raw.execute("RELEASE SAVEPOINT applier_empty")
+
+
+# Where the partitions are copied (the driver's head start, Spark, or both): :meth:`InitialCopy.run`'s policy
+# over the steps. It calls each step on the copier, so a subclass's override of a step still applies.
+
+
+def _copy_at_snapshot(
+    copier: InitialCopy, spark_master: str | None, spark_conf: dict[str, str]
+) -> CopyResult:
+    """Take the snapshot, plan and claim the partitions, and copy them: on the driver first when a local Spark
+    would add nothing, on Spark for what is left."""
+    # The driver copies while a local Spark starts (tablesync.copy.HeadStart): on one machine its processes
+    # and Spark's local executors share the same cores anyway; a cluster does the copying.
+    default_streams = "2" if spark_job.runs_locally(spark_master) else "0"
+    streams = int(os.environ.get("APPLIER_TABLESYNC_HEAD_START", default_streams) or 0)
+    # A local Spark that would run no more tasks at once than the driver's streams adds nothing but its
+    # start-up (several CPU-seconds of JVM on the cores the copy needs): it is started only if the driver
+    # leaves partitions over (one failed), to copy those.
+    parallelism = spark_job.local_parallelism(spark_master)
+    spark_later = streams > 0 and parallelism is not None and parallelism <= streams
+    # Otherwise Spark starts in the background now (the JVM takes seconds; the next three steps need none).
+    starter = None if spark_later else spark_job.SessionStarter(spark_master, spark_conf)
+    try:
+        copier.open_snapshot()
+        copier.plan()
+        copier.claim()
+        if copier.stop.is_set():
+            if starter is not None:
+                starter.abandon()
+            return copier.result(stopped=True)
+        _start_head_start(copier, streams)
+        if starter is None and copier.head_start is not None:
+            done = _copy_on_driver(copier, streams, parallelism)
+            if done is not None:
+                return done
+        if starter is None:
+            starter = spark_job.SessionStarter(spark_master, spark_conf)
+        return _copy_with_spark(copier, starter, streams)
+    finally:
+        if copier.head_start is not None:
+            copier.head_start.join()
+        if starter is not None:
+            starter.release()
+
+
+def _start_head_start(copier: InitialCopy, streams: int) -> None:
+    if streams <= 0:
+        return
+    try:
+        copier.head_start = HeadStart(
+            copier.tasks, copier.publisher_conninfo, copier.target_conninfo, streams=streams
+        )
+    except Exception as exc:  # noqa: BLE001 - e.g. a daemonic process may not start children
+        copier.reporter.note(f"copying with Spark only ({exc})")
+
+
+def _copy_on_driver(copier: InitialCopy, streams: int, parallelism: int | None) -> CopyResult | None:
+    """Spark not started yet: the driver copies everything it can; the result if that was all (or a stop),
+    None when partitions are left over for Spark."""
+    assert copier.head_start is not None
+    copier.reporter.note(
+        f"copying on the driver with {streams} stream(s): a local Spark would run {parallelism} "
+        "task(s) at once on the same cores, and is started only for partitions left over"
+    )
+    if not copier.copy(None, leave_rest=True):
+        return copier.result(stopped=True)
+    _raise_head_start_failure(copier)
+    left = len(copier.tasks) - len(copier.head_start.done)
+    if not left:
+        return copier.complete()
+    copier.reporter.note(f"the driver left {left} partition(s): starting Spark to copy them")
+    return None
+
+
+def _copy_with_spark(copier: InitialCopy, starter: spark_job.SessionStarter, streams: int) -> CopyResult:
+    """Wait for Spark, unless the driver's head start copies everything first (then Spark is not needed), and
+    run the job over what the driver has not copied."""
+    while copier.head_start is not None and not starter.ready(0.1):
+        if copier.stop.is_set():
+            starter.abandon()
+            return copier.result(stopped=True)
+        if copier.head_start.failure is not None:
+            starter.abandon()
+            _raise_head_start_failure(copier)
+        if len(copier.head_start.done) == len(copier.tasks):
+            return _finished_by_driver(copier, starter, "every partition before Spark was ready")
+    handle = starter.handle()
+    if copier.head_start is not None and len(copier.tasks) - len(copier.head_start.done) <= streams:
+        # what is left is already under way in the driver: a Spark job would only wait for it
+        if len(copier.head_start.wait()) == len(copier.tasks):
+            return _finished_by_driver(copier, starter, "the last partitions as Spark got ready")
+    if copier.head_start is not None:
+        copier.head_start.stop()
+        copier.reporter.note(
+            f"Spark ready after {starter.ready_after or 0:.1f}s; meanwhile the driver copied "
+            f"{len(copier.head_start.done)}/{len(copier.tasks)} partition(s)"
+        )
+    if handle.ui_url:
+        copier.reporter.note(f"Spark UI: {handle.ui_url}")
+    elif handle.remote:
+        copier.reporter.note(f"Spark Connect: {handle.remote}")
+    if not copier.copy(handle.session):
+        return copier.result(stopped=True)
+    return copier.complete()  # before stopping Spark: the tables are ready a little sooner
+
+
+def _raise_head_start_failure(copier: InitialCopy) -> None:
+    """Fail the copy with the error of a partition the target refused outright (a unique or check constraint
+    violation, a value it cannot take): Spark would only meet it again, after starting a JVM."""
+    failure = copier.head_start.failure if copier.head_start is not None else None
+    if failure is not None:
+        raise TablesyncError(
+            f"initial copy of subscription {copier.subname!r} failed: {failure}",
+            relation=copier.head_start.failure_relation if copier.head_start is not None else None,
+        )
+
+
+def _finished_by_driver(copier: InitialCopy, starter: spark_job.SessionStarter, what: str) -> CopyResult:
+    """The driver's head start copied everything: Spark (still starting, or just ready) is let go."""
+    copier.reporter.note(f"the driver copied {what}: Spark not needed")
+    starter.abandon()
+    return copier.complete() if copier.copy(None) else copier.result(stopped=True)
 
 
 def describe(result: CopyResult) -> str:

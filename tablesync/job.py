@@ -424,9 +424,16 @@ def run_partition_tasks(
         from tablesync.planner import PartitionTask as Task
 
         schema = pa.schema(
-            [("task_id", pa.int64()), ("relname", pa.string()), ("part", pa.int32()), ("rows", pa.int64()),
-             ("bytes", pa.int64()), ("skipped", pa.bool_()), ("seconds", pa.float64())]
-        )  # fmt: skip
+            [
+                ("task_id", pa.int64()),
+                ("relname", pa.string()),
+                ("part", pa.int32()),
+                ("rows", pa.int64()),
+                ("bytes", pa.int64()),
+                ("skipped", pa.bool_()),
+                ("seconds", pa.float64()),
+            ]
+        )
         with PartitionCopier(publisher_conninfo, target_conninfo) as copier:
             for batch in batches:
                 for bin_id in batch.column(0).to_pylist():

@@ -155,8 +155,15 @@ class _CatchupContext:
     as the apply worker's, which stops at the end point (the first commit ending at or after P, or an idle position
     at or after P, behaviour 78) and keeps the temporary slot's stream alive with status updates."""
 
-    def __init__(self, stop: threading.Event, repl: ReplicationConnection, target: Target, applier: Applier,
-                 tracker: FeedbackTracker, tables: _SyncingTables) -> None:  # fmt: skip
+    def __init__(
+        self,
+        stop: threading.Event,
+        repl: ReplicationConnection,
+        target: Target,
+        applier: Applier,
+        tracker: FeedbackTracker,
+        tables: _SyncingTables,
+    ) -> None:
         self.stop, self.repl, self.target, self.applier = stop, repl, target, applier
         self.tracker, self.tables = tracker, tables
         self.last_status = time.monotonic()
@@ -284,8 +291,12 @@ class LiveSync:
     def _state_log(self, name: str, state: SyncState, lsn: int | None, extra: str = "") -> None:
         self.log.info(
             'logical replication table synchronization for subscription "%s", table "%s": state %s%s%s',
-            self.subname, name, state.value, f" at {format_lsn(lsn)}" if lsn is not None else "", extra,
-        )  # fmt: skip
+            self.subname,
+            name,
+            state.value,
+            f" at {format_lsn(lsn)}" if lsn is not None else "",
+            extra,
+        )
 
     def _run(self) -> None:
         try:
@@ -294,13 +305,21 @@ class LiveSync:
         except BaseException as exc:  # noqa: BLE001 - reported to the apply loop
             self.error = exc
             if self.stop.is_set():
-                self.log.info('table synchronization for subscription "%s" stopped; the tables (%s) are copied '
-                              "again later", self.subname, ", ".join(self.tables) or "none")  # fmt: skip
+                self.log.info(
+                    'table synchronization for subscription "%s" stopped; the tables (%s) are copied '
+                    "again later",
+                    self.subname,
+                    ", ".join(self.tables) or "none",
+                )
             else:
                 # logged once, by the apply worker's LiveSyncDriver, with the retry it plans (one line for all)
                 self.failure = self._failure_of(exc)
-                self.log.debug('table synchronization for subscription "%s" failed (tables %s): %s',
-                               self.subname, ", ".join(self.tables) or "?", explain(exc))  # fmt: skip
+                self.log.debug(
+                    'table synchronization for subscription "%s" failed (tables %s): %s',
+                    self.subname,
+                    ", ".join(self.tables) or "?",
+                    explain(exc),
+                )
             self._set_phase(Phase.FAILED)
 
     def _failure_of(self, exc: BaseException) -> SyncFailure:
@@ -311,10 +330,13 @@ class LiveSync:
         if isinstance(exc, ApplyError):
             ctx = exc.context
             return SyncFailure(
-                exc.message, (ctx.relation if ctx else None) or tables,
-                ctx.message_type if ctx else "CATCHUP", exc.sqlstate, ctx.xid if ctx else None,
+                exc.message,
+                (ctx.relation if ctx else None) or tables,
+                ctx.message_type if ctx else "CATCHUP",
+                exc.sqlstate,
+                ctx.xid if ctx else None,
                 ctx.describe() if ctx else None,
-            )  # fmt: skip
+            )
         relation = getattr(exc, "relation", None) or tables
         sqlstate = exc.sqlstate if isinstance(exc, psycopg.Error) else None
         return SyncFailure(
@@ -348,8 +370,12 @@ class LiveSync:
             return None
         self.tables = {rs.name: rs.relid for rs in to_copy}
         for rs in to_copy:
-            self.log.info('logical replication table synchronization worker for subscription "%s", table "%s" '
-                          "has started", self.subname, rs.name)  # fmt: skip
+            self.log.info(
+                'logical replication table synchronization worker for subscription "%s", table "%s" '
+                "has started",
+                self.subname,
+                rs.name,
+            )
         try:
             copier.open_snapshot()
         except TablesyncError as exc:
@@ -399,8 +425,12 @@ class LiveSync:
                 for relid in self.tables.values():
                     copier.catalog.set_table_state(copier.subid, relid, SyncState.SYNCDONE, c_lsn, conn=c)
             for name in self.tables:
-                self._state_log(name, SyncState.SYNCDONE, c_lsn,
-                                f" (the apply stream is at {format_lsn(go)}: no catch-up needed)")  # fmt: skip
+                self._state_log(
+                    name,
+                    SyncState.SYNCDONE,
+                    c_lsn,
+                    f" (the apply stream is at {format_lsn(go)}: no catch-up needed)",
+                )
             return
         self.catchup_lsn = go
         self._set_phase(Phase.CATCHUP)
@@ -408,8 +438,9 @@ class LiveSync:
             self._state_log(name, SyncState.CATCHUP, go, f" (catching up from {format_lsn(c_lsn)})")
         self.done_lsn = self._catch_up(copier, c_lsn, go)
         for name in self.tables:
-            self._state_log(name, SyncState.SYNCDONE, self.done_lsn,
-                            f" (caught up {self.caught_up} transaction(s))")  # fmt: skip
+            self._state_log(
+                name, SyncState.SYNCDONE, self.done_lsn, f" (caught up {self.caught_up} transaction(s))"
+            )
 
     def _catch_up(self, copier: LiveCopy, c_lsn: int, until: int) -> int:
         """Stream the temporary slot from C and apply the syncing tables' transactions up to ``until``; set them

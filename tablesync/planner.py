@@ -311,10 +311,17 @@ def plan_table(
     else:
         ranges = page_ranges(remote.pages, block_size=remote.block_size, partition_bytes=partition_bytes)
     return TablePlan(
-        relid=relid, target_schema=target_schema, target_name=target_name, relname=relname, remote=remote,
-        columns=cols, rowfilter=combined_row_filter(remote.published), binary=reason is None, ranges=ranges,
+        relid=relid,
+        target_schema=target_schema,
+        target_name=target_name,
+        relname=relname,
+        remote=remote,
+        columns=cols,
+        rowfilter=combined_row_filter(remote.published),
+        binary=reason is None,
+        ranges=ranges,
         text_reason=reason,
-    )  # fmt: skip
+    )
 
 
 def partition_tasks(
@@ -341,21 +348,29 @@ def partition_tasks(
     for task_id, (pages, plan, i, lo, hi) in enumerate(items):
         tasks.append(
             PartitionTask(
-                task_id=task_id, subid=subid, snapshot=snapshot, relname=plan.relname, part=i,
-                nparts=len(plan.ranges), copy_out=copy_out_sql(plan, lo, hi).as_string(render),  # type: ignore[arg-type]
+                task_id=task_id,
+                subid=subid,
+                snapshot=snapshot,
+                relname=plan.relname,
+                part=i,
+                nparts=len(plan.ranges),
+                copy_out=copy_out_sql(plan, lo, hi).as_string(render),  # type: ignore[arg-type]
                 copy_in=copy_in_sql(plan).as_string(render),  # type: ignore[arg-type]
                 lock_target=lock_target_sql(plan).as_string(render),  # type: ignore[arg-type]
                 pages=pages,
                 trust_check="" if run_as_owner else trust_check_sql(plan).as_string(render),  # type: ignore[arg-type]
             )
-        )  # fmt: skip
+        )
     return tasks
 
 
 def pack_tasks(
-    tasks: Sequence[PartitionTask], *, block_size: int = DEFAULT_BLOCK_SIZE,
-    target_bytes: int = DEFAULT_PARTITION_BYTES, min_bins: int = 8,
-) -> list[list[int]]:  # fmt: skip
+    tasks: Sequence[PartitionTask],
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    target_bytes: int = DEFAULT_PARTITION_BYTES,
+    min_bins: int = 8,
+) -> list[list[int]]:
     """Group partitions into Spark tasks ("bins") of about ``target_bytes`` each; return their task ids.
 
     A partition of a big table is a bin of its own; small tables are packed together, so a hundred small tables

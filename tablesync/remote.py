@@ -152,10 +152,15 @@ def fetch_remote_table(
         )
     pages, block = conn.execute(size_sql, (oid,)).fetchone()  # type: ignore[misc]
     return RemoteTable(
-        schema=schema, name=table, relkind=relkind, columns=tuple(n for n, _ in cols),
-        types={n: facts.column_type(t) for n, t in cols}, published=published, pages=int(pages),
+        schema=schema,
+        name=table,
+        relkind=relkind,
+        columns=tuple(n for n, _ in cols),
+        types={n: facts.column_type(t) for n, t in cols},
+        published=published,
+        pages=int(pages),
         block_size=int(block or DEFAULT_BLOCK_SIZE),
-    )  # fmt: skip
+    )
 
 
 def fetch_target_table(

@@ -28,10 +28,18 @@ def subscribe(
     cat = Catalog.connect(target_conninfo)
     cat.ensure()
     sub = cat.create_subscription(
-        subname=subname, conninfo=publisher_conninfo, publications=list(publications), two_phase_state=TwoPhaseState.DISABLED,
-        streaming="off", binary=False, disable_on_error=False, origin="any", slot_name=subname, enabled=True,
+        subname=subname,
+        conninfo=publisher_conninfo,
+        publications=list(publications),
+        two_phase_state=TwoPhaseState.DISABLED,
+        streaming="off",
+        binary=False,
+        disable_on_error=False,
+        origin="any",
+        slot_name=subname,
+        enabled=True,
         copy_data=True,
-    )  # fmt: skip
+    )
     import psycopg
 
     with psycopg.connect(target_conninfo, autocommit=True) as conn:

@@ -6,19 +6,15 @@
 - ``differential/``: our applier against PostgreSQL's native subscriber from one publisher (generated workloads,
   and the corpus of real schemas).
 
-Test modules share helpers by plain imports (``from test_cli_common import ...``); every folder is put on
-``sys.path`` here, so such an import works whichever folder the importing test lives in.
+Test modules share helpers through the ``tests.support`` package (``from tests.support.cli import ok``), whichever
+folder they live in; the repository root is on ``sys.path`` through pytest's ``pythonpath`` setting (pyproject.toml).
 """
 
-import sys
-from pathlib import Path
-
+import pytest
 from hypothesis import settings
 
-_HERE = Path(__file__).resolve().parent
-for _folder in ("unit", "integration", "tap", "differential"):
-    if str(_HERE / _folder) not in sys.path:
-        sys.path.insert(0, str(_HERE / _folder))
+# the helpers' asserts explain a failure as a test's own do (pytest rewrites only test modules and conftests itself)
+pytest.register_assert_rewrite("tests.support")
 
 pytest_plugins = ["applier.testing.pytest_plugin"]
 

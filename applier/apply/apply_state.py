@@ -105,8 +105,12 @@ class ApplyStats:
         self.conflicts[kind] += 1
         log.info(
             'conflict detected on relation "%s": conflict=%s\nDETAIL:  Could not find the row to be %sd.'
-            "\nCONTEXT:  %s", ctx.relation if ctx else "?", kind, op, ctx.describe() if ctx else "",
-        )  # fmt: skip
+            "\nCONTEXT:  %s",
+            ctx.relation if ctx else "?",
+            kind,
+            op,
+            ctx.describe() if ctx else "",
+        )
 
 
 class Alias:

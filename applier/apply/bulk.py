@@ -248,9 +248,13 @@ def _stretches(
     """The stretches of one run of same-kind changes (``messages``, of transactions ``txns``) to one relation of
     ``n`` columns (``key``: its key positions, for an Update or Delete); ``None`` when one is not the simple shape."""
     segments = tuple_segments(
-        batch.data, batch.null_at, batch.starts[messages] + 31, batch.ends[messages], n,
+        batch.data,
+        batch.null_at,
+        batch.starts[messages] + 31,
+        batch.ends[messages],
+        n,
         unchanged=kind == UPDATE,
-    )  # fmt: skip
+    )
     if segments is None:
         return None
     seg_start, seg_len, is_null = segments

@@ -119,9 +119,12 @@ class BulkExecution:
             if stop - first < bulkapply.MIN_TRANSACTIONS:
                 return None
         stretches = bulkapply.plan(
-            batch, first, stop, {r: len(e.names) for r, e in entries.items()},
+            batch,
+            first,
+            stop,
+            {r: len(e.names) for r, e in entries.items()},
             {r: e.key_positions or () for r, e in entries.items() if r in updated},
-        )  # fmt: skip
+        )
         if stretches is None:  # not the simple shape: message by message up to the end of this run
             batch.refused_until = int(batch.commits[stop - 1]) + 1
             return None
@@ -148,9 +151,13 @@ class BulkExecution:
         return entries, refused
 
     def _send(
-        self, batch: bulkapply.Batch, stretches: Sequence[bulkapply.Stretch], entries: dict[int, RelMapEntry],
-        xid: int, final_lsn: int,
-    ) -> dict[str, int]:  # fmt: skip
+        self,
+        batch: bulkapply.Batch,
+        stretches: Sequence[bulkapply.Stretch],
+        entries: dict[int, RelMapEntry],
+        xid: int,
+        final_lsn: int,
+    ) -> dict[str, int]:
         """Send one statement per stretch, in the group's local transaction; returns the rows by operation."""
         target = self.core.target
         n_rows = dict.fromkeys(_BULK_OPERATIONS.values(), 0)
@@ -178,8 +185,13 @@ class BulkExecution:
         m, t = int(stretch.messages[0]), int(stretch.transactions[0])
         payload = batch.data[int(batch.starts[m]) + _XLOGDATA_HEADER : int(batch.ends[m])].tobytes()
         msg = decode_message(payload, encoding=core.encoding)
-        ctx = ErrorContext(core.origin, _BULK_OPERATIONS[stretch.kind].upper(), entry.display, int(batch.xid[t]),
-                           int(batch.final_lsn[t]))  # fmt: skip
+        ctx = ErrorContext(
+            core.origin,
+            _BULK_OPERATIONS[stretch.kind].upper(),
+            entry.display,
+            int(batch.xid[t]),
+            int(batch.final_lsn[t]),
+        )
         if isinstance(msg, Update):
             core.target.update(entry, msg.old, msg.new, ctx)
         elif isinstance(msg, Delete):
@@ -198,9 +210,11 @@ class BulkExecution:
 
         def missing(positions: list[int]) -> None:
             for p in positions:
-                core.missing_row(ErrorContext(
-                    core.origin, message_type, entry.display, int(xids[p - 1]), int(final_lsns[p - 1])
-                ))  # fmt: skip
+                core.missing_row(
+                    ErrorContext(
+                        core.origin, message_type, entry.display, int(xids[p - 1]), int(final_lsns[p - 1])
+                    )
+                )
 
         return missing
 

@@ -58,8 +58,13 @@ class TableSync(Protocol):
         """The apply stream is at a transaction boundary at ``current_lsn``: join it there."""
         ...
 
-    def wait(self, interrupt: threading.Event | None = None, timeout: float | None = None, *,
-             tick: Callable[[], None] | None = None) -> bool:  # fmt: skip
+    def wait(
+        self,
+        interrupt: threading.Event | None = None,
+        timeout: float | None = None,
+        *,
+        tick: Callable[[], None] | None = None,
+    ) -> bool:
         """Block until finished (``tick`` keeps the apply stream alive meanwhile); ``interrupt`` stops the sync."""
         ...
 

@@ -125,9 +125,11 @@ def tuple_segments(
         bad |= off >= ends
         q = np.clip(off + 1, 0, last - 3)
         length = (
-            (data[q].astype(_I64) << 24) | (data[q + 1].astype(_I64) << 16)
-            | (data[q + 2].astype(_I64) << 8) | data[q + 3]
-        )  # fmt: skip
+            (data[q].astype(_I64) << 24)
+            | (data[q + 1].astype(_I64) << 16)
+            | (data[q + 2].astype(_I64) << 8)
+            | data[q + 3]
+        )
         bad |= (length < 0) & ~bare  # (a NULL has no length: these are the next bytes)
         length[null] = 2
         if unchanged:

@@ -72,7 +72,7 @@ from applier.messages import (
     TupleData,
     Type,
     Update,
-)  # fmt: skip
+)
 from state import skip as skiprules
 
 __all__ = ["MESSAGE_NAMES", "RAW_SPOOL_TYPES", "VECTOR_MIN", "Applier", "SkipState", "TableStates"]
@@ -81,12 +81,26 @@ log = logging.getLogger("applier.apply")
 
 #: PostgreSQL's names of the message types, as the error context prints them (``logicalrep_message_type``).
 MESSAGE_NAMES: dict[type, str] = {
-    Begin: "BEGIN", Commit: "COMMIT", Origin: "ORIGIN", Relation: "RELATION", Type: "TYPE", Insert: "INSERT",
-    Update: "UPDATE", Delete: "DELETE", Truncate: "TRUNCATE", Message: "MESSAGE", StreamStart: "STREAM START",
-    StreamStop: "STREAM STOP", StreamCommit: "STREAM COMMIT", StreamAbort: "STREAM ABORT",
-    BeginPrepare: "BEGIN PREPARE", Prepare: "PREPARE", CommitPrepared: "COMMIT PREPARED",
-    RollbackPrepared: "ROLLBACK PREPARED", StreamPrepare: "STREAM PREPARE",
-}  # fmt: skip
+    Begin: "BEGIN",
+    Commit: "COMMIT",
+    Origin: "ORIGIN",
+    Relation: "RELATION",
+    Type: "TYPE",
+    Insert: "INSERT",
+    Update: "UPDATE",
+    Delete: "DELETE",
+    Truncate: "TRUNCATE",
+    Message: "MESSAGE",
+    StreamStart: "STREAM START",
+    StreamStop: "STREAM STOP",
+    StreamCommit: "STREAM COMMIT",
+    StreamAbort: "STREAM ABORT",
+    BeginPrepare: "BEGIN PREPARE",
+    Prepare: "PREPARE",
+    CommitPrepared: "COMMIT PREPARED",
+    RollbackPrepared: "ROLLBACK PREPARED",
+    StreamPrepare: "STREAM PREPARE",
+}
 
 _SPOOLED = (Relation, Type, Insert, Update, Delete, Truncate, Message)
 #: Type bytes of the messages above (all carry the subtransaction xid right after the type byte inside a stream).
@@ -134,9 +148,15 @@ class PublicNames:
         Alias("stats", n) for n in ("transactions", "kinds", "rows", "conflicts")
     )
     bulk_transactions, records_in_group, records_batched, folded_prepares, converted_rows = (
-        Alias("stats", n) for n in ("bulk_transactions", "records_in_group", "records_batched", "folded_prepares",
-                                    "converted_rows")
-    )  # fmt: skip
+        Alias("stats", n)
+        for n in (
+            "bulk_transactions",
+            "records_in_group",
+            "records_batched",
+            "folded_prepares",
+            "converted_rows",
+        )
+    )
 
     copy_lane, handle_insert_run = Alias("inserts", "lane"), Alias("inserts", "copy_stretches")
 

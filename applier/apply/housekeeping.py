@@ -46,9 +46,14 @@ WATCH_STALE = 5.0
 RECEIVER_TIMEOUT = 60.0
 #: the subscription options the stream depends on: a change restarts the session
 STREAM_OPTIONS = (
-    "subconninfo", "subslotname", "subbinary", "substream", "suborigin", "subpublications",
+    "subconninfo",
+    "subslotname",
+    "subbinary",
+    "substream",
+    "suborigin",
+    "subpublications",
     "subrunasowner",  # the session's statements carry the trust check or not (applier.apply.target_dml)
-)  # fmt: skip
+)
 
 
 def state_set(rels: Iterable[RelState]) -> frozenset[tuple[int, str, int | None]]:
@@ -127,8 +132,9 @@ class CatalogWatch(threading.Thread):
         self.join(5)
 
 
-def unchanged(watch: CatalogWatch, sub: Subscription, skip: SkipState, tables: Any, applier: Applier,
-              now: float) -> bool:  # fmt: skip
+def unchanged(
+    watch: CatalogWatch, sub: Subscription, skip: SkipState, tables: Any, applier: Applier, now: float
+) -> bool:
     """True when the watch's latest snapshot (fresh enough) shows nothing the synchronous re-read would act on:
     the same subscription options, skip-LSN and two-phase state, every table ready with the same state, and the
     same bulk fitness for every mapped table. Then the loop needs no round trip of its own."""
@@ -254,8 +260,12 @@ class ApplyHousekeeping:
             s.target.pipeline.drain()
             outcome, reason = why
             verb = "restart" if outcome is Outcome.RESTART else "stop"
-            wlog.info('logical replication apply worker for subscription "%s" will %s because %s', subname, verb,
-                      reason)  # fmt: skip
+            wlog.info(
+                'logical replication apply worker for subscription "%s" will %s because %s',
+                subname,
+                verb,
+                reason,
+            )
             if outcome is Outcome.RESTART:
                 raise Restart()
             raise Ended(outcome)

@@ -85,9 +85,15 @@ class ApplyTarget(Protocol):
     ) -> None: ...
 
     def record_prepared(
-        self, gid: str, subid: int, xid: int, prepare_lsn: int, end_lsn: int, prepare_time: int,
+        self,
+        gid: str,
+        subid: int,
+        xid: int,
+        prepare_lsn: int,
+        end_lsn: int,
+        prepare_time: int,
         ctx: ErrorContext | None,
-    ) -> None: ...  # fmt: skip
+    ) -> None: ...
 
     def record_prepared_many(
         self, records: Sequence[tuple[str, int, int, int, int]], subid: int, ctx: ErrorContext | None
@@ -109,14 +115,20 @@ class ApplyTarget(Protocol):
     def bulk_insert(self, entry: RelMapEntry, columns: Sequence[bytes], ctx: ErrorContext | None) -> None: ...
 
     def bulk_update(
-        self, entry: RelMapEntry, columns: Sequence[bytes], ctx: ErrorContext | None,
+        self,
+        entry: RelMapEntry,
+        columns: Sequence[bytes],
+        ctx: ErrorContext | None,
         on_missing: Callable[[list[int]], None],
-    ) -> None: ...  # fmt: skip
+    ) -> None: ...
 
     def bulk_delete(
-        self, entry: RelMapEntry, keys: Sequence[bytes], ctx: ErrorContext | None,
+        self,
+        entry: RelMapEntry,
+        keys: Sequence[bytes],
+        ctx: ErrorContext | None,
         on_missing: Callable[[list[int]], None],
-    ) -> None: ...  # fmt: skip
+    ) -> None: ...
 
     # COPY
     def start_copy(self, entry: RelMapEntry, rows: Sequence[TupleData], ctx: ErrorContext | None) -> None: ...

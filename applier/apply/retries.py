@@ -57,9 +57,12 @@ class SessionRetries:
     def run(self, attempt: Callable[[], Outcome]) -> Outcome:
         """``attempt`` until it returns, retrying what may get better by waiting."""
         retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception(self.retryable), wait=self.backoff, sleep=self.worker.stop.wait,
-            before_sleep=self.before_sleep, reraise=True,
-        )  # fmt: skip
+            retry=tenacity.retry_if_exception(self.retryable),
+            wait=self.backoff,
+            sleep=self.worker.stop.wait,
+            before_sleep=self.before_sleep,
+            reraise=True,
+        )
         return retrying(attempt)
 
     # --- sessions --------------------------------------------------------------------------------------------
@@ -93,8 +96,12 @@ class SessionRetries:
             # transaction per local one, and let that attempt record the error (and disable the subscription) for
             # the one transaction it concerns, with everything before it committed, as the native worker would;
             # that attempt also counts it (once, as the native worker's apply_error_count would)
-            w.log.warning('logical replication apply worker for subscription "%s" will apply the transactions '
-                          "it received one by one after: %s", w.subname, exc)  # fmt: skip
+            w.log.warning(
+                'logical replication apply worker for subscription "%s" will apply the transactions '
+                "it received one by one after: %s",
+                w.subname,
+                exc,
+            )
             self.ungrouped_until = max(self.ungrouped_until, ctx.finish_lsn)
             return Outcome.RESTART
         self._count(exc)
@@ -124,15 +131,28 @@ class SessionRetries:
         stats.last_error = str(exc)
         self.worker.metrics.error(exc)
 
-    def _record(self, sub: Subscription, exc: ApplierError, ctx: ErrorContext | None, sqlstate: str | None,
-                retry_in: float | None) -> None:  # fmt: skip
+    def _record(
+        self,
+        sub: Subscription,
+        exc: ApplierError,
+        ctx: ErrorContext | None,
+        sqlstate: str | None,
+        retry_in: float | None,
+    ) -> None:
         """The error with its context into the catalog, for ``applier status`` (behaviour 54)."""
         message = exc.message if isinstance(exc, ApplyError) else str(exc)
         self.worker.catalog.record_error(
-            sub.subid, message, remote_xid=ctx.xid if ctx else None, finish_lsn=ctx.finish_lsn if ctx else None,
-            message_type=ctx.message_type if ctx else None, relation=ctx.relation if ctx else None,
-            sqlstate=sqlstate, gid=ctx.gid if ctx else None, retry_count=self.failures, retry_in=retry_in,
-        )  # fmt: skip
+            sub.subid,
+            message,
+            remote_xid=ctx.xid if ctx else None,
+            finish_lsn=ctx.finish_lsn if ctx else None,
+            message_type=ctx.message_type if ctx else None,
+            relation=ctx.relation if ctx else None,
+            sqlstate=sqlstate,
+            gid=ctx.gid if ctx else None,
+            retry_count=self.failures,
+            retry_in=retry_in,
+        )
 
     def _disable(self, sub: Subscription, exc: ApplierError) -> Outcome:
         w = self.worker
@@ -144,8 +164,9 @@ class SessionRetries:
         w.log.info('subscription "%s" has been disabled because of an error', w.subname)
         return Outcome.DISABLED
 
-    def log_failure(self, exc: ApplierError, ctx: ErrorContext | None, sqlstate: str | None,
-                    delay: float | None) -> None:  # fmt: skip
+    def log_failure(
+        self, exc: ApplierError, ctx: ErrorContext | None, sqlstate: str | None, delay: float | None
+    ) -> None:
         """The error line of a failed remote transaction: what failed, where, when we try again and how to skip
         it; with ``--log-format json`` each part is a field of its own."""
         subname = self.worker.subname
@@ -155,16 +176,26 @@ class SessionRetries:
             text = f"{text}\nSQLSTATE: {sqlstate}"
         if ctx is not None and ctx.finish_lsn:
             skip = skip_command(subname, ctx.finish_lsn)
-            fields.update(remote_xid=ctx.xid, finish_lsn=format_lsn(ctx.finish_lsn), gid=ctx.gid,
-                          relation=ctx.relation, message_type=ctx.message_type, skip_command=skip)  # fmt: skip
+            fields.update(
+                remote_xid=ctx.xid,
+                finish_lsn=format_lsn(ctx.finish_lsn),
+                gid=ctx.gid,
+                relation=ctx.relation,
+                message_type=ctx.message_type,
+                skip_command=skip,
+            )
             if ctx.gid:
                 text += f"\nprepared transaction GID: {ctx.gid}"
             text += f"\nto skip this remote transaction: {skip}"
         if delay is not None:
             fields["retry_in"] = round(delay, 3)
             text += f"\nfailure {self.failures} of this transaction; next attempt in {delay:.1f} s"
-        self.worker.log.error('logical replication apply worker for subscription "%s": %s', subname, text,
-                              extra={"failure": fields})  # fmt: skip
+        self.worker.log.error(
+            'logical replication apply worker for subscription "%s": %s',
+            subname,
+            text,
+            extra={"failure": fields},
+        )
 
     # --- tenacity's hooks ------------------------------------------------------------------------------------
     @staticmethod
@@ -193,8 +224,12 @@ class SessionRetries:
         w = self.worker
         self._count(exc)
         delay = retry_state.upcoming_sleep
-        w.log.warning('logical replication apply worker for subscription "%s" will retry in %.1f s: %s',
-                      w.subname, delay, exc)  # fmt: skip
+        w.log.warning(
+            'logical replication apply worker for subscription "%s" will retry in %.1f s: %s',
+            w.subname,
+            delay,
+            exc,
+        )
         if w.subid is not None and not isinstance(exc, psycopg.OperationalError | sqlalchemy.exc.DBAPIError):
             # e.g. the publisher refused START_REPLICATION: worth showing in applier status (a target that is down
             # cannot record anything, so connection errors are only logged)

@@ -39,9 +39,14 @@ class SkipClearing:
     """Clears :attr:`SkipState.skip_lsn` in the catalog when the transaction it names ends."""
 
     def __init__(
-        self, subid: int, subname: str, skip: SkipState, target: ApplyTarget,
-        clear_now: Callable[[int, int], bool], log: logging.Logger,
-    ) -> None:  # fmt: skip
+        self,
+        subid: int,
+        subname: str,
+        skip: SkipState,
+        target: ApplyTarget,
+        clear_now: Callable[[int, int], bool],
+        log: logging.Logger,
+    ) -> None:
         self.subid = subid
         self.subname = subname
         self.skip = skip

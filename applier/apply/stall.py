@@ -19,11 +19,15 @@ transaction whose rest has not arrived).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+from applier.lsn import format_lsn
 
 #: seconds behind without progress before a stall is reported (``APPLIER_STALL_AFTER``)
 STALL_AFTER = 30.0
@@ -122,3 +126,33 @@ class StallWatchdog(threading.Thread):
     def close(self) -> None:
         self._stop_event.set()
         self.join(5)
+
+
+def start_watchdog(name: str, tracker: Any, pipeline: Any, metrics: Any, log: logging.Logger | logging.LoggerAdapter[Any],
+                   *, after: float) -> StallWatchdog:  # fmt: skip
+    """Start the watchdog of apply worker ``name``'s session: it reads the feedback ``tracker``'s positions and the
+    target ``pipeline``'s queue, which the loop keeps anyway; a stall is a WARNING once, with what the worker waits
+    on, and the metrics' counters (``metrics.stalled``, ``metrics.stalled_for``); a line when it moves again."""
+
+    def probe() -> Progress:
+        return Progress(
+            tracker.last_received, tracker.last_sent.apply, pipeline.pending, pipeline.unflushed > 0
+        )
+
+    def report(event: str, stall: Stall, now: float) -> None:
+        p = stall.progress
+        if event == "stalled":
+            metrics.stalled(p.waiting_on)
+            log.warning(
+                'logical replication apply worker for subscription "%s" has made no progress for %.0f s while '
+                "behind (received %s, applied %s): waiting on the %s (%d statements unanswered%s)",
+                name, now - stall.since, format_lsn(p.received), format_lsn(p.applied), p.waiting_on, p.unanswered,
+                ", output unsent" if p.unsent else "",
+            )  # fmt: skip
+        else:
+            log.info('logical replication apply worker for subscription "%s" is making progress again after a '
+                     "stall of %.0f s", name, now - stall.since)  # fmt: skip
+
+    dog = StallWatchdog(name, probe, report, metrics.stalled_for, after=after)
+    dog.start()
+    return dog

@@ -45,10 +45,19 @@ class LiveSyncDriver:
     which starts again from the first step once a sync succeeds. The apply stream keeps applying the other tables
     meanwhile."""
 
-    def __init__(self, coordinator: TableSyncCoordinator, target_conninfo: str, subname: str,
-                 log: logging.Logger, stop: threading.Event, *, catalog: Catalog | None = None,
-                 initial: float = RETRY_INITIAL, cap: float = DEFAULT_MAX_RETRY_INTERVAL,
-                 counted: Callable[[], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        coordinator: TableSyncCoordinator,
+        target_conninfo: str,
+        subname: str,
+        log: logging.Logger,
+        stop: threading.Event,
+        *,
+        catalog: Catalog | None = None,
+        initial: float = RETRY_INITIAL,
+        cap: float = DEFAULT_MAX_RETRY_INTERVAL,
+        counted: Callable[[], None] | None = None,
+    ) -> None:
         self.coordinator, self.target_conninfo, self.subname, self.log = (
             coordinator,
             target_conninfo,
@@ -104,9 +113,12 @@ class LiveSyncDriver:
         elif job.failure is not None and not self.stop.is_set():
             self._failed(job.failure)
         elif job.failure is not None:  # failed as the worker stops: not recorded, but not silent either
-            self.log.error('table synchronization for subscription "%s" failed as the worker stopped; it is '
-                           "copied again at the next start: %s", self.subname,
-                           " ".join(job.failure.message.split()))  # fmt: skip
+            self.log.error(
+                'table synchronization for subscription "%s" failed as the worker stopped; it is '
+                "copied again at the next start: %s",
+                self.subname,
+                " ".join(job.failure.message.split()),
+            )
             self.retry_at = time.monotonic() + self.initial
         else:  # stopped, not failed: start again soon (the tables stay d/f, copied again)
             self.retry_at = time.monotonic() + self.initial
@@ -127,13 +139,24 @@ class LiveSyncDriver:
         )
         if disable:
             self.disabled = True
-            self.log.error('subscription "%s" has been disabled because of an error: table synchronization '
-                           "failed %s (disable_on_error): %s; fix the cause, then: applier alter %s --enable",
-                           self.subname, where, error, self.subname)  # fmt: skip
+            self.log.error(
+                'subscription "%s" has been disabled because of an error: table synchronization '
+                "failed %s (disable_on_error): %s; fix the cause, then: applier alter %s --enable",
+                self.subname,
+                where,
+                error,
+                self.subname,
+            )
             return
-        self.log.error('table synchronization for subscription "%s" failed %s: failure %d in a row; next attempt '
-                       "in %.1f s (applier status shows the error): %s", self.subname, where, self.failures, delay,
-                       error)  # fmt: skip
+        self.log.error(
+            'table synchronization for subscription "%s" failed %s: failure %d in a row; next attempt '
+            "in %.1f s (applier status shows the error): %s",
+            self.subname,
+            where,
+            self.failures,
+            delay,
+            error,
+        )
 
     def _record(self, failure: SyncFailure, delay: float) -> bool:
         """The error into the catalog; disable the subscription when it says so. True when disabled. A target
@@ -146,10 +169,15 @@ class LiveSyncDriver:
                 return False
             disable = sub.subdisableonerr
             self.catalog.record_error(
-                sub.subid, failure.message, remote_xid=failure.remote_xid, message_type=failure.message_type,
-                relation=failure.relation, sqlstate=failure.sqlstate, retry_count=self.failures,
+                sub.subid,
+                failure.message,
+                remote_xid=failure.remote_xid,
+                message_type=failure.message_type,
+                relation=failure.relation,
+                sqlstate=failure.sqlstate,
+                retry_count=self.failures,
                 retry_in=None if disable else delay,
-            )  # fmt: skip
+            )
             if disable:
                 self.catalog.update_subscription(sub.subid, subenabled=False)
             return disable
@@ -162,8 +190,9 @@ class CatalogTables(TableStates):
     """Table states from the catalog, cached; non-ready tables are re-read once per remote transaction
     (``logicalrep_rel_open`` re-reads them on every open while not READY)."""
 
-    def __init__(self, catalog: Catalog, sub: Subscription, log: logging.Logger,
-                 live: LiveSyncDriver | None) -> None:  # fmt: skip
+    def __init__(
+        self, catalog: Catalog, sub: Subscription, log: logging.Logger, live: LiveSyncDriver | None
+    ) -> None:
         self.catalog, self.subid, self.subname, self.log, self.live = (
             catalog,
             sub.subid,
@@ -254,8 +283,11 @@ class CatalogTables(TableStates):
             self.subid, [(by_name[t.name].relid, t.state, t.lsn) for t in ready], current_lsn
         )
         for t in ready:
-            self.log.info('logical replication table synchronization for subscription "%s", table "%s" has '
-                          "finished", self.subname, t.name)  # fmt: skip
+            self.log.info(
+                'logical replication table synchronization for subscription "%s", table "%s" has finished',
+                self.subname,
+                t.name,
+            )
         self.reload()
 
     def _drain(self) -> None:

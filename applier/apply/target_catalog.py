@@ -42,9 +42,12 @@ class CatalogWrites:
         self._reconcile_ready = False
 
     def mark_ready(
-        self, subid: int, tables: Sequence[tuple[int, SyncState, int | None]], origin_lsn: int,
+        self,
+        subid: int,
+        tables: Sequence[tuple[int, SyncState, int | None]],
+        origin_lsn: int,
         origin: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Set table states and advance the session's origin to ``origin_lsn`` in one local transaction, and wait
         for it. Only between remote transactions (nothing else may be open). ``origin`` names the session's origin
         in an error's context: a live sync's catch-up applies through its own, not the subscription's."""
@@ -53,10 +56,14 @@ class CatalogWrites:
         for relid, state, lsn in tables:
             self.pipeline.send_query(
                 catalog_sql.SET_TABLE_STATE,
-                [state.encode(), None if lsn is None else format_lsn(lsn).encode(), str(subid).encode(),
-                 str(relid).encode()],
+                [
+                    state.encode(),
+                    None if lsn is None else format_lsn(lsn).encode(),
+                    str(subid).encode(),
+                    str(relid).encode(),
+                ],
                 ctx,
-            )  # fmt: skip
+            )
         self.session.origin_setup(origin_lsn, now_pg_timestamp(), ctx)
         self.pipeline.send_prepared(
             b"applier_commit", (), None, ctx, self.session.confirming(origin_lsn, None)
@@ -64,23 +71,40 @@ class CatalogWrites:
         self.session.in_transaction = False
         self.pipeline.drain()
 
-    def record_prepared(self, gid: str, subid: int, xid: int, prepare_lsn: int, end_lsn: int, prepare_time: int,
-                        ctx: ErrorContext | None) -> None:  # fmt: skip
+    def record_prepared(
+        self,
+        gid: str,
+        subid: int,
+        xid: int,
+        prepare_lsn: int,
+        end_lsn: int,
+        prepare_time: int,
+        ctx: ErrorContext | None,
+    ) -> None:
         """Queue the ``applier.prepared_xact`` record of a transaction about to be prepared (behaviour 65), as a
         statement prepared once per session (no parse and plan per transaction): in a transaction of its own, or
         in the open local transaction, whose commit the caller then sends (a group commit's)."""
         self.session.end_copy()
         if not self._record_prepared_ready:
             self.pipeline.send_prepare(
-                b"applier_record_prepared", catalog_sql.RECORD_PREPARED,
-                [], ctx,
-            )  # fmt: skip
+                b"applier_record_prepared",
+                catalog_sql.RECORD_PREPARED,
+                [],
+                ctx,
+            )
             self._record_prepared_ready = True
         self._recording(
-            ctx, b"applier_record_prepared",
-            [gid.encode(), str(subid).encode(), str(xid).encode(), format_lsn(prepare_lsn).encode(),
-             format_lsn(end_lsn).encode(), str(prepare_time).encode()],
-        )  # fmt: skip
+            ctx,
+            b"applier_record_prepared",
+            [
+                gid.encode(),
+                str(subid).encode(),
+                str(xid).encode(),
+                format_lsn(prepare_lsn).encode(),
+                format_lsn(end_lsn).encode(),
+                str(prepare_time).encode(),
+            ],
+        )
 
     def record_prepared_many(
         self, records: Sequence[tuple[str, int, int, int, int]], subid: int, ctx: ErrorContext | None
@@ -92,9 +116,11 @@ class CatalogWrites:
         self.session.end_copy()
         if not self._record_many_ready:
             self.pipeline.send_prepare(
-                b"applier_record_prepared_many", catalog_sql.RECORD_PREPARED_MANY,
-                [], ctx,
-            )  # fmt: skip
+                b"applier_record_prepared_many",
+                catalog_sql.RECORD_PREPARED_MANY,
+                [],
+                ctx,
+            )
             self._record_many_ready = True
 
         def array(values: Any) -> bytes:
@@ -102,11 +128,17 @@ class CatalogWrites:
             return b"{" + b",".join(values) + b"}"
 
         self._recording(
-            ctx, b"applier_record_prepared_many",
-            [array(r[0].encode() for r in records), str(subid).encode(), array(str(r[1]).encode() for r in records),
-             array(format_lsn(r[2]).encode() for r in records), array(format_lsn(r[3]).encode() for r in records),
-             array(str(r[4]).encode() for r in records)],
-        )  # fmt: skip
+            ctx,
+            b"applier_record_prepared_many",
+            [
+                array(r[0].encode() for r in records),
+                str(subid).encode(),
+                array(str(r[1]).encode() for r in records),
+                array(format_lsn(r[2]).encode() for r in records),
+                array(format_lsn(r[3]).encode() for r in records),
+                array(str(r[4]).encode() for r in records),
+            ],
+        )
 
     def reconcile_prepared(self, subid: int) -> None:
         """Queue the removal of the records of finished prepared transactions, in a local transaction of its own,

@@ -72,10 +72,19 @@ def setup_subscription(
     catalog = Catalog.connect(target.dsn)
     catalog.ensure()
     sub = catalog.create_subscription(
-        subname=name, conninfo=publisher.dsn, publications=[name], two_phase_state=two_phase_state,
-        streaming=streaming, binary=binary, disable_on_error=disable_on_error, origin="any", slot_name=name,
-        enabled=True, copy_data=False, run_as_owner=run_as_owner,
-    )  # fmt: skip
+        subname=name,
+        conninfo=publisher.dsn,
+        publications=[name],
+        two_phase_state=two_phase_state,
+        streaming=streaming,
+        binary=binary,
+        disable_on_error=disable_on_error,
+        origin="any",
+        slot_name=name,
+        enabled=True,
+        copy_data=False,
+        run_as_owner=run_as_owner,
+    )
     for t in tables:
         relid = target.scalar("SELECT %s::regclass::oid", (t,))
         catalog.add_table(sub.subid, int(relid), t, table_state, None)

@@ -51,7 +51,7 @@ from applier.apply.lag import LagWindow
 from applier.apply.loop import ApplyLoop
 from applier.apply.retries import ApplyWorkerError, SessionRetries
 from applier.apply.spool import Spool, default_spool_dir
-from applier.apply.stall import Progress, Stall, StallWatchdog, stall_after_default
+from applier.apply.stall import StallWatchdog, stall_after_default, start_watchdog
 from applier.apply.syncstate import CatalogTables, LiveSyncDriver
 from applier.apply.target import BULK_OK_SQL, Target, TargetConnectionError
 from applier.catalog.store import Catalog, Subscription
@@ -167,9 +167,17 @@ class ApplyWorker:
         #: (a failed sync is recorded and retried with the same backoff and cap as a failed session)
         self._live: LiveSyncDriver | None = None
         if table_sync is not None:
-            self._live = LiveSyncDriver(table_sync, target_conninfo, subname, self.log, self.stop,
-                                        catalog=self.catalog, initial=self.retry_initial, cap=self.retry_max,
-                                        counted=self.metrics.sync_error)  # fmt: skip
+            self._live = LiveSyncDriver(
+                table_sync,
+                target_conninfo,
+                subname,
+                self.log,
+                self.stop,
+                catalog=self.catalog,
+                initial=self.retry_initial,
+                cap=self.retry_max,
+                counted=self.metrics.sync_error,
+            )
         #: group commit (docs/differences.md); off with ``APPLIER_GROUP_COMMIT=0`` / ``run --no-group-commit``
         self.group_commit = group_commit if group_commit is not None else group_commit_default()
         #: bulk apply of whole plain transactions (docs/differences.md); off with ``APPLIER_BULK_APPLY=0``
@@ -239,35 +247,9 @@ class ApplyWorker:
             self._end_session(held, clean)
 
     def _stall_watchdog(self, session: Session) -> StallWatchdog:
-        """The session's stall watchdog (applier.apply.stall), started: it reads the tracker's positions and the
-        pipeline's queue, which the loop keeps anyway."""
-        tracker, pipeline = session.tracker, session.target.pipeline
-
-        def probe() -> Progress:
-            return Progress(
-                tracker.last_received, tracker.last_sent.apply, pipeline.pending, pipeline.unflushed > 0
-            )
-
-        dog = StallWatchdog(
-            self.subname, probe, self._report_stall, self.metrics.stalled_for, after=self.stall_after
-        )
-        dog.start()
-        return dog
-
-    def _report_stall(self, event: str, stall: Stall, now: float) -> None:
-        """A WARNING once per stall, with what the worker waits on; a line when it moves again."""
-        p, name = stall.progress, self.subname
-        if event == "stalled":
-            self.metrics.stalled(p.waiting_on)
-            self.log.warning(
-                'logical replication apply worker for subscription "%s" has made no progress for %.0f s while '
-                "behind (received %s, applied %s): waiting on the %s (%d statements unanswered%s)",
-                name, now - stall.since, format_lsn(p.received), format_lsn(p.applied), p.waiting_on, p.unanswered,
-                ", output unsent" if p.unsent else "",
-            )  # fmt: skip
-        else:
-            self.log.info('logical replication apply worker for subscription "%s" is making progress again after '
-                          "a stall of %.0f s", name, now - stall.since)  # fmt: skip
+        """The session's stall watchdog (applier.apply.stall), started."""
+        return start_watchdog(self.subname, session.tracker, session.target.pipeline, self.metrics, self.log,
+                              after=self.stall_after)  # fmt: skip
 
     def _session_subscription(self) -> Subscription | Outcome:
         """The subscription, when a session may start; else why not (or :class:`ApplyWorkerError`)."""
@@ -280,8 +262,11 @@ class ApplyWorker:
                 )
             return Outcome.DROPPED
         if not sub.subenabled:
-            self.log.info('logical replication apply worker for subscription "%s" will stop because the '
-                          "subscription was disabled", self.subname)  # fmt: skip
+            self.log.info(
+                'logical replication apply worker for subscription "%s" will stop because the '
+                "subscription was disabled",
+                self.subname,
+            )
             return Outcome.DISABLED
         if not sub.subslotname:
             raise ApplyWorkerError(
@@ -309,16 +294,29 @@ class ApplyWorker:
         if two_phase and sub.subtwophasestate == TwoPhaseState.PENDING:
             self.catalog.update_subscription(sub.subid, subtwophasestate=TwoPhaseState.ENABLED)
             tables.two_phase_state = TwoPhaseState.ENABLED
-        self.log.info('logical replication apply worker for subscription "%s" has started streaming at %s%s',
-                      sub.subname, format_lsn(start_lsn), " with two_phase" if two_phase else "")  # fmt: skip
+        self.log.info(
+            'logical replication apply worker for subscription "%s" has started streaming at %s%s',
+            sub.subname,
+            format_lsn(start_lsn),
+            " with two_phase" if two_phase else "",
+        )
         self.stats.started_streaming.set()
         skip = SkipState(sub.subskiplsn or 0, sub.subname)
         held.applier = applier = Applier(
-            subid=sub.subid, subname=sub.subname, target=target, tracker=tracker, spool=spool,
-            tables=tables, skip=skip, clear_skip_lsn=self.catalog.clear_skip_lsn, logger=self.log,
-            prepared=target.prepared_transactions(sub.subid), group_commit=self.group_commit,
-            ungrouped_until=self.retries.ungrouped_until, bulk=self.bulk,
-        )  # fmt: skip
+            subid=sub.subid,
+            subname=sub.subname,
+            target=target,
+            tracker=tracker,
+            spool=spool,
+            tables=tables,
+            skip=skip,
+            clear_skip_lsn=self.catalog.clear_skip_lsn,
+            logger=self.log,
+            prepared=target.prepared_transactions(sub.subid),
+            group_commit=self.group_commit,
+            ungrouped_until=self.retries.ungrouped_until,
+            bulk=self.bulk,
+        )
         applier.records.original_gids = sub.original_gids
         self.retries.session_started(self.group_commit)
         return Session(sub, repl, target, applier, tracker, tables, skip)
@@ -327,10 +325,14 @@ class ApplyWorker:
         """The apply loop in the apply worker's context, until stopped (anything else ends it by raising)."""
         housekeeping = ApplyHousekeeping(self, session)
         loop = ApplyLoop(
-            session.repl, session.applier, session.tracker, housekeeping,
-            two_phase=session.tables.two_phase_state != TwoPhaseState.DISABLED, fold_prepares=self.fold_prepares,
+            session.repl,
+            session.applier,
+            session.tracker,
+            housekeeping,
+            two_phase=session.tables.two_phase_state != TwoPhaseState.DISABLED,
+            fold_prepares=self.fold_prepares,
             status_pacer=housekeeping.status_pacer,
-        )  # fmt: skip
+        )
         loop.run()
         return self._stop_session(session)
 
@@ -371,9 +373,13 @@ class ApplyWorker:
 
     def _connect_target(self, sub: Subscription) -> Target:
         try:
-            return Target.connect(self.target_conninfo, origin=sub.origin_name,
-                                  application_name=f"applier {sub.subname}", binary=sub.subbinary,
-                                  run_as_owner=sub.subrunasowner)  # fmt: skip
+            return Target.connect(
+                self.target_conninfo,
+                origin=sub.origin_name,
+                application_name=f"applier {sub.subname}",
+                binary=sub.subbinary,
+                run_as_owner=sub.subrunasowner,
+            )
         except psycopg.errors.UndefinedObject as exc:
             raise ApplyWorkerError(
                 f'replication origin "{sub.origin_name}" of subscription "{sub.subname}" does not exist on the '
@@ -414,8 +420,9 @@ class ApplyWorker:
     def publish(self, applier: Applier, *, record_lag: bool = True) -> None:
         """Counters and lag samples to the metrics; the lag summary to the catalog (not when a session ends: the
         target may be what failed, and a connection attempt must not delay the reconnect)."""
-        self.metrics.publish(applier.kinds, applier.rows, applier.conflicts, applier.bulk_transactions,
-                             applier.folded_prepares)  # fmt: skip
+        self.metrics.publish(
+            applier.kinds, applier.rows, applier.conflicts, applier.bulk_transactions, applier.folded_prepares
+        )
         lag = self.lag
         if lag.added == self._lag_written:
             return
@@ -469,8 +476,10 @@ class ApplyWorker:
         """Stop requested: finish what is committed, abandon a half-applied remote transaction (it is re-sent)."""
         repl, target, applier, tracker = session.repl, session.target, session.applier, session.tracker
         if applier.in_remote_transaction or applier.group_pending:
-            self.log.info("abandoning remote transaction %s on stop; it will be applied after restart",
-                          applier.remote_xid)  # fmt: skip
+            self.log.info(
+                "abandoning remote transaction %s on stop; it will be applied after restart",
+                applier.remote_xid,
+            )
             target.abort()
             tracker.forget_unconfirmed()
         else:

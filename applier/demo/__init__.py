@@ -56,8 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plain", action="store_true", help="plain log lines even on a terminal")
     p.add_argument("--spark-master", default=None, help="Spark master for the copy (default local[*])")
     p.add_argument("--workdir", type=Path, default=None, help="where the servers' data directories go")
-    p.add_argument("--capture", type=Path, default=None,
-                   help="write one frame of the live view to DIR/demo-live.svg and .txt (for docs)")  # fmt: skip
+    p.add_argument(
+        "--capture",
+        type=Path,
+        default=None,
+        help="write one frame of the live view to DIR/demo-live.svg and .txt (for docs)",
+    )
     return p
 
 
@@ -73,8 +77,12 @@ class Demo:
         )  # the servers may run as another OS user (we are root): let it reach its datadir
         self.log_path = self.workdir / "applier-run.log"
         binaries = find_binaries("18")
-        self.publisher_cluster = PostgresCluster(binaries, name="demo-publisher", datadir=self.workdir / "publisher",
-                                                 settings={"logical_decoding_work_mem": "1MB"})  # fmt: skip
+        self.publisher_cluster = PostgresCluster(
+            binaries,
+            name="demo-publisher",
+            datadir=self.workdir / "publisher",
+            settings={"logical_decoding_work_mem": "1MB"},
+        )
         self.target_cluster = PostgresCluster(binaries, name="demo-target", datadir=self.workdir / "target")
         self.worker: subprocess.Popen[bytes] | None = None
         self.best: Snapshot | None = None
@@ -96,8 +104,10 @@ class Demo:
         finally:
             self._stop_worker()
             if self.args.keep:
-                self.say(f"servers left running:\n  publisher: psql \"{self.publisher.dsn}\"\n"
-                         f"  target:    psql \"{self.target.dsn}\"\n  applier log: {self.log_path}")  # fmt: skip
+                self.say(
+                    f'servers left running:\n  publisher: psql "{self.publisher.dsn}"\n'
+                    f'  target:    psql "{self.target.dsn}"\n  applier log: {self.log_path}'
+                )
             else:
                 self.publisher_cluster.destroy()
                 self.target_cluster.destroy()
@@ -116,11 +126,21 @@ class Demo:
         create_schema(self.publisher, self.target)
         t0 = time.monotonic()
         counts = populate(self.publisher, a.orders)
-        self.say(f"publisher has {sum(counts.values()):,} rows in {len(counts)} tables "
-                 f"({time.monotonic() - t0:.1f}s); publication demo_pub")  # fmt: skip
+        self.say(
+            f"publisher has {sum(counts.values()):,} rows in {len(counts)} tables "
+            f"({time.monotonic() - t0:.1f}s); publication demo_pub"
+        )
         self.publisher.execute("CREATE PUBLICATION demo_pub FOR TABLE " + ", ".join(TABLES))
-        sub = create(self.target.dsn, CreateOptions(name=SUBNAME, publisher=self.publisher.dsn,
-                                                    publications=("demo_pub",), two_phase=True, streaming="on"))  # fmt: skip
+        sub = create(
+            self.target.dsn,
+            CreateOptions(
+                name=SUBNAME,
+                publisher=self.publisher.dsn,
+                publications=("demo_pub",),
+                two_phase=True,
+                streaming="on",
+            ),
+        )
         self.say(f"subscription {SUBNAME} created (subid {sub.subid}, two-phase {sub.subtwophasestate})")
 
         from tablesync import run_initial_copy
@@ -160,8 +180,10 @@ class Demo:
         with open(self.log_path, "ab") as log:
             self.worker = subprocess.Popen(
                 [sys.executable, "-m", "applier.cli", "--target", self.target.dsn, "run", SUBNAME],
-                stdout=log, stderr=subprocess.STDOUT, env=env,
-            )  # fmt: skip
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
         self.say(f"applier run started (pid {self.worker.pid}, log {self.log_path})")
 
     def _watch_plain(self, watcher: Watcher, deadline: float) -> None:

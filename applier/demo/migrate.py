@@ -253,9 +253,7 @@ class MigrateDemo:
         argv = [sys.executable, "-m", "applier.cli", "migrate", verb, *args]
         self.say("$ applier migrate " + " ".join(_shell_word(w) for w in argv[4:]))
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )  # fmt: skip
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         timer = threading.Timer(self.args.timeout, proc.kill)
         timer.start()
         try:

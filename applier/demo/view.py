@@ -65,18 +65,34 @@ class Watcher:
         [st] = status(self.target.dsn, self.subname, publisher_timeout=3)
         if not self.history or self.history[-1][1] != st["two_phase"]:
             self.history.append((now - self.started, st["two_phase"]))
-        pub_prepared = [(g, int(x)) for g, x in self.publisher.query(
-            "SELECT gid, transaction::text FROM pg_prepared_xacts WHERE database = current_database() ORDER BY prepared")]  # fmt: skip
-        tgt_prepared = [g for (g,) in self.target.query(
-            "SELECT gid FROM pg_prepared_xacts WHERE database = current_database() ORDER BY prepared")]  # fmt: skip
+        pub_prepared = [
+            (g, int(x))
+            for g, x in self.publisher.query(
+                "SELECT gid, transaction::text FROM pg_prepared_xacts WHERE database = current_database() ORDER BY prepared"
+            )
+        ]
+        tgt_prepared = [
+            g
+            for (g,) in self.target.query(
+                "SELECT gid FROM pg_prepared_xacts WHERE database = current_database() ORDER BY prepared"
+            )
+        ]
         commits = int(
             self.target.scalar("SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()")
         )
         if self._last_commits is not None and now > self._last_commits[0]:
             self._rate = (commits - self._last_commits[1]) / (now - self._last_commits[0])
         self._last_commits = (now, commits)
-        return Snapshot(now - self.started, st, pub_prepared, tgt_prepared, commits, self._rate,
-                        dataclasses.replace(self.workload), list(self.history))  # fmt: skip
+        return Snapshot(
+            now - self.started,
+            st,
+            pub_prepared,
+            tgt_prepared,
+            commits,
+            self._rate,
+            dataclasses.replace(self.workload),
+            list(self.history),
+        )
 
 
 def _lag(st: dict[str, Any]) -> str:
@@ -108,8 +124,11 @@ def render(snap: Snapshot) -> Group:
     head.add_row("lag", _lag(st))
     head.add_row("target commits/s", f"{snap.commits_per_second:,.0f}")
     w = snap.workload
-    head.add_row("publisher workload", f"{w.committed} committed, {w.prepared} prepared, {w.commit_prepared} commit "
-                 f"prepared, {w.rollback_prepared} rollback prepared")  # fmt: skip
+    head.add_row(
+        "publisher workload",
+        f"{w.committed} committed, {w.prepared} prepared, {w.commit_prepared} commit "
+        f"prepared, {w.rollback_prepared} rollback prepared",
+    )
     if st.get("last_error"):
         head.add_row("last error", Text(st["last_error"]["message"][:200], style="red"))
 

@@ -26,8 +26,17 @@ class WorkloadStats:
 class LiveWorkload(threading.Thread):
     """Runs until ``stop`` is set, at about ``rate`` transactions a second; then resolves what it prepared."""
 
-    def __init__(self, db: Database, *, first_order_id: int, max_order_id: int, rate: float = 40.0,
-                 prepared_share: float = 0.25, rollback_share: float = 0.2, seed: int = 7) -> None:  # fmt: skip
+    def __init__(
+        self,
+        db: Database,
+        *,
+        first_order_id: int,
+        max_order_id: int,
+        rate: float = 40.0,
+        prepared_share: float = 0.25,
+        rollback_share: float = 0.2,
+        seed: int = 7,
+    ) -> None:
         super().__init__(name="demo-workload", daemon=True)
         self.db, self.rate = db, rate
         self.next_order = first_order_id

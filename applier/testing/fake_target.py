@@ -182,9 +182,15 @@ class FakeTarget:
         self._advance_origin(end_lsn, on_ok)
 
     def record_prepared(
-        self, gid: str, subid: int, xid: int, prepare_lsn: int, end_lsn: int, prepare_time: int,
+        self,
+        gid: str,
+        subid: int,
+        xid: int,
+        prepare_lsn: int,
+        end_lsn: int,
+        prepare_time: int,
         ctx: ErrorContext | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.end_copy()
         self.record("record_prepared", (gid, subid, xid, prepare_lsn, end_lsn, prepare_time), ctx)
         self.records[gid] = (end_lsn, prepare_time)
@@ -227,17 +233,23 @@ class FakeTarget:
         self.record("bulk_insert", (entry.local.display, tuple(columns)), ctx)
 
     def bulk_update(
-        self, entry: RelMapEntry, columns: Sequence[bytes], ctx: ErrorContext | None,
+        self,
+        entry: RelMapEntry,
+        columns: Sequence[bytes],
+        ctx: ErrorContext | None,
         on_missing: Callable[[list[int]], None],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.end_copy()
         self._require_transaction("bulk UPDATE")
         self.record("bulk_update", (entry.local.display, tuple(columns)), ctx)
 
     def bulk_delete(
-        self, entry: RelMapEntry, keys: Sequence[bytes], ctx: ErrorContext | None,
+        self,
+        entry: RelMapEntry,
+        keys: Sequence[bytes],
+        ctx: ErrorContext | None,
         on_missing: Callable[[list[int]], None],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.end_copy()
         self._require_transaction("bulk DELETE")
         self.record("bulk_delete", (entry.local.display, tuple(keys)), ctx)

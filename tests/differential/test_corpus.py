@@ -36,15 +36,13 @@ import psycopg
 import pytest
 from corpus_sources import CORPUS, psql_script, read, regress_statements, tap_sql
 from psycopg import sql
-from test_cli_common import ok
-from test_differential import _create_databases, _drop_native_subscription, caught_up, native_cluster
-from test_tap_support import CliApplier, drop_slot, restart_if_down, set_decoding_work_mem
 
 from applier.testing import Database, PostgresBinaries, PostgresCluster, wait_until
 from applier.testing.pytest_plugin import drop_our_origins
 from applier.testing.waits import WaitTimeout
-
-__all__ = ["native_cluster"]  # the fixture, imported so that pytest finds it here
+from tests.support.cli import ok
+from tests.support.native import caught_up, create_databases, drop_native_subscription
+from tests.support.tap import CliApplier, drop_slot, restart_if_down, set_decoding_work_mem
 
 TIMEOUT = (
     180.0  # shared 2-core machine; the Chinook/Northwind copies and pgbench's 100k accounts take a while
@@ -188,7 +186,7 @@ class Run:
 @contextlib.contextmanager
 def three_databases(clusters: tuple[PostgresCluster, PostgresCluster, PostgresCluster]) -> Iterator[Run]:
     name = f"c{os.getpid() % 10000}_{next(_counter)}"
-    pub, ours, native = _create_databases(list(clusters), name)
+    pub, ours, native = create_databases(list(clusters), name)
     run = Run(pub, ours, native, name)
     try:
         yield run
@@ -197,7 +195,7 @@ def three_databases(clusters: tuple[PostgresCluster, PostgresCluster, PostgresCl
             run.applier.close()
         for c in clusters:
             restart_if_down(c)
-        _drop_native_subscription(native, run.native_name)
+        drop_native_subscription(native, run.native_name)
         with contextlib.suppress(psycopg.Error):
             drop_slot(pub, name)
         with contextlib.suppress(psycopg.Error):

@@ -51,14 +51,15 @@ import pytest
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 from psycopg import sql
-from test_tap_support import CliApplier, restart_if_down, set_decoding_work_mem
 
 from applier.apply.testing import ApplySetup, setup_subscription
 from applier.apply.worker import WorkerStats
-from applier.testing import Database, PostgresBinaries, PostgresCluster, tables_differ, wait_until
+from applier.testing import Database, PostgresCluster, tables_differ, wait_until
 from applier.testing.cluster import free_port
 from applier.testing.pytest_plugin import drop_our_origins
 from applier.testing.workloads import TABLES, Step, Workload, create_schema, run_workload, workloads
+from tests.support.native import caught_up, create_databases, drop_native_subscription
+from tests.support.tap import CliApplier, restart_if_down, set_decoding_work_mem
 
 TIMEOUT = 90.0  # generous: the CI machine is a shared 2-core box, and crash recovery can take seconds
 
@@ -75,21 +76,6 @@ _prepared_workloads = workloads(max_actions=MAX_ACTIONS, min_prepared=2, min_act
 _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
 _counter = itertools.count(1)
 _GID = re.compile(r"^pg_gid_\d+_(\d+)$")
-
-
-# --- the native subscriber's cluster ----------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def native_cluster(pg_binaries: PostgresBinaries) -> Iterator[PostgresCluster]:
-    """A third cluster for PostgreSQL's own subscriber (module-scoped: starting one takes a second or two)."""
-    cluster = PostgresCluster(
-        pg_binaries, name="native", settings={"wal_retrieve_retry_interval": "200ms"}
-    ).start()
-    try:
-        yield cluster
-    finally:
-        cluster.destroy()
 
 
 # --- one example's databases and subscriptions ------------------------------------------------------------------
@@ -111,34 +97,6 @@ class Trio:
         return f"n_{self.name}"
 
 
-def _create_databases(clusters: list[PostgresCluster], name: str) -> list[Database]:
-    made: list[Database] = []
-    try:
-        for c in clusters:
-            made.append(c.create_database(name))
-    except BaseException:
-        for db in made:
-            db.cluster.drop_database(db.name)
-        raise
-    return made
-
-
-def _drop_native_subscription(native: Database, subname: str) -> None:
-    """DROP SUBSCRIPTION (it drops its slot on the publisher); tolerate a publisher that is gone."""
-    with contextlib.suppress(psycopg.Error), native.connect() as conn:
-        exists = conn.execute("SELECT 1 FROM pg_subscription WHERE subname = %s", (subname,)).fetchone()
-        if not exists:
-            return
-        conn.execute(sql.SQL("ALTER SUBSCRIPTION {} DISABLE").format(sql.Identifier(subname)))
-        try:
-            conn.execute(sql.SQL("DROP SUBSCRIPTION {}").format(sql.Identifier(subname)))
-        except psycopg.Error:
-            conn.execute(
-                sql.SQL("ALTER SUBSCRIPTION {} SET (slot_name = NONE)").format(sql.Identifier(subname))
-            )
-            conn.execute(sql.SQL("DROP SUBSCRIPTION {}").format(sql.Identifier(subname)))
-
-
 @contextlib.contextmanager
 def trio(
     publisher_cluster: PostgresCluster,
@@ -152,7 +110,7 @@ def trio(
     ``publisher_conninfo`` overrides the conninfo our subscription stores (the fault test routes it through a
     proxy)."""
     name = f"d{os.getpid() % 10000}_{next(_counter)}"
-    pub, ours, native = _create_databases([publisher_cluster, target_cluster, native_cluster], name)
+    pub, ours, native = create_databases([publisher_cluster, target_cluster, native_cluster], name)
     t: Trio | None = None
     try:
         set_decoding_work_mem(pub, "64kB")
@@ -175,7 +133,7 @@ def trio(
         for c in (publisher_cluster, target_cluster, native_cluster):
             restart_if_down(c)
         if t is not None:
-            _drop_native_subscription(native, t.native_name)
+            drop_native_subscription(native, t.native_name)
         with contextlib.suppress(psycopg.Error):
             drop_our_origins(ours)
         for db in (native, ours, pub):
@@ -199,16 +157,6 @@ def prepared_xids(db: Database) -> set[int]:
 def publisher_prepared_xids(db: Database) -> set[int]:
     return {int(x) for (x,) in db.query("SELECT transaction::text FROM pg_prepared_xacts WHERE database = %s",
                                         (db.name,))}  # fmt: skip
-
-
-def caught_up(publisher: Database, application_name: str, lsn: str) -> bool:
-    return bool(
-        publisher.cluster.scalar(
-            "SELECT replay_lsn >= %s::pg_lsn FROM pg_stat_replication"
-            " WHERE application_name = %s AND state = 'streaming'",
-            (lsn, application_name),
-        )
-    )
 
 
 def wait_both(t: Trio, *, timeout: float = TIMEOUT) -> str:

@@ -11,11 +11,11 @@ import time
 
 import pytest
 from prometheus_client import REGISTRY
-from test_apply_group_commit import both
 
 from applier.apply.testing import setup_subscription
 from applier.apply.worker import REREAD_INTERVAL
 from applier.testing import assert_tables_equal, wait_for_catchup
+from tests.support.tap import both
 
 pytestmark = pytest.mark.core
 

@@ -32,7 +32,11 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
-from test_tap_support import (
+
+from applier.testing import PostgresCluster, wait_until
+from applier.testing.pytest_plugin import ReplicationPair
+from applier.testing.workloads import TABLES, Workload, create_schema, run_workload, workloads
+from tests.support.tap import (
     TIMEOUT,
     CliApplier,
     assert_replica,
@@ -42,10 +46,6 @@ from test_tap_support import (
     set_decoding_work_mem,
     walsender_pid,
 )
-
-from applier.testing import PostgresCluster, wait_until
-from applier.testing.pytest_plugin import ReplicationPair
-from applier.testing.workloads import TABLES, Workload, create_schema, run_workload, workloads
 
 FAST_EXAMPLES = 3
 MAX_ACTIONS = 30

@@ -12,13 +12,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from test_cli_common import APPLIER, create, make_tables, ok, status
 
 from applier.apply.testing import setup_subscription
 from applier.catalog.store import CATALOG_VERSION, Catalog
 from applier.retry import RetrySettingError, parse_max_retry_interval, retry_delay
 from applier.testing import wait_for_catchup, wait_until
 from applier.testing.cluster import free_port
+from tests.support.cli import APPLIER, create, make_tables, ok, status
 
 
 def _errors(target, subid: int) -> list[dict]:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 from prometheus_client import REGISTRY
 from psycopg import sql
-from test_tap_support import CliApplier, catchup, walsender_pid
 
 from applier.apply.testing import setup_subscription
 from applier.testing import assert_tables_equal, wait_for_catchup, wait_until
+from tests.support.tap import CliApplier, catchup, walsender_pid
 
 pytestmark = pytest.mark.core
 

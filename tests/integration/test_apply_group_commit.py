@@ -9,10 +9,10 @@ import random
 import time
 
 import pytest
-from test_tap_support import TIMEOUT, CliApplier, catchup, walsender_pid
 
 from applier.apply.testing import setup_subscription
 from applier.testing import assert_tables_equal, wait_for_catchup, wait_until
+from tests.support.tap import TIMEOUT, CliApplier, both, catchup, walsender_pid
 
 pytestmark = pytest.mark.core
 
@@ -27,12 +27,6 @@ BEGIN
   END LOOP;
 END $$
 """
-
-
-def both(pair, *statements: str) -> None:
-    for db in (pair.publisher, pair.target):
-        for s in statements:
-            db.execute(s)
 
 
 def _schema(pair) -> None:

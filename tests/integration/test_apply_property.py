@@ -38,11 +38,11 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
-from test_tap_support import assert_replica, catchup, fresh_subscription, module_pair, set_decoding_work_mem
 
 from applier.testing import PostgresCluster
 from applier.testing.pytest_plugin import ReplicationPair
 from applier.testing.workloads import TABLES, Workload, create_schema, run_workload, workloads
+from tests.support.tap import assert_replica, catchup, fresh_subscription, module_pair, set_decoding_work_mem
 
 FAST_EXAMPLES = 10
 FAST_ACTIONS = 30

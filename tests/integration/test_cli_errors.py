@@ -10,7 +10,10 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
-from test_cli_common import (
+
+from applier.subscriptions import LOCK_NAMESPACE
+from applier.testing import PostgresBinaries, PostgresCluster, find_binaries, wait_until
+from tests.support.cli import (
     APPLIER,
     NOTHING,
     applier,
@@ -23,9 +26,6 @@ from test_cli_common import (
     ok,
     status,
 )
-
-from applier.subscriptions import LOCK_NAMESPACE
-from applier.testing import PostgresBinaries, PostgresCluster, find_binaries, wait_until
 
 pytestmark = pytest.mark.core
 

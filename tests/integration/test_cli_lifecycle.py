@@ -6,16 +6,18 @@ subscription rule, side-by-side runs, and what ``status`` reports."""
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import urllib.request
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
-from test_cli_common import (
-    APPLIER,
+
+from applier.catalog.store import Catalog
+from applier.subscriptions import LOCK_NAMESPACE
+from applier.testing import Database, assert_tables_equal, wait_until
+from applier.testing.cluster import free_port
+from tests.support.cli import (
     NOTHING,
+    StartRun,
+    alive,
     applier,
     catalog_row,
     create,
@@ -23,51 +25,10 @@ from test_cli_common import (
     leftovers,
     make_tables,
     ok,
+    run_log,
     status,
+    stop,
 )
-
-from applier.catalog.store import Catalog
-from applier.subscriptions import LOCK_NAMESPACE
-from applier.testing import Database, assert_tables_equal, wait_until
-from applier.testing.cluster import free_port
-
-StartRun = Callable[..., subprocess.Popen[str]]
-
-
-@pytest.fixture
-def start_run(tmp_path: Path) -> Iterator[StartRun]:
-    """Start ``applier run ARGS...`` in the background (output to a log file); stopped with SIGTERM at the end."""
-    procs: list[subprocess.Popen[str]] = []
-
-    def start(target: Database, *args: str) -> subprocess.Popen[str]:
-        log = open(tmp_path / f"run-{len(procs)}.log", "w+")  # closed with the process below
-        proc = subprocess.Popen([*APPLIER, "--target", target.dsn, "run", *args], stdout=log,
-                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
-        proc.log = log  # type: ignore[attr-defined]
-        procs.append(proc)
-        return proc
-
-    yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        proc.log.close()  # type: ignore[attr-defined]
-
-
-def run_log(proc: subprocess.Popen[str]) -> str:
-    proc.log.flush()  # type: ignore[attr-defined]
-    return Path(proc.log.name).read_text()  # type: ignore[attr-defined]
-
-
-def stop(proc: subprocess.Popen[str]) -> int:
-    """SIGTERM, as a service manager would; return the exit status."""
-    proc.send_signal(signal.SIGTERM)
-    return proc.wait(timeout=60)
 
 
 def lock_taken(target: Database, subid: int) -> bool:
@@ -78,16 +39,6 @@ def lock_taken(target: Database, subid: int) -> bool:
             (LOCK_NAMESPACE, subid),
         )
     )
-
-
-def alive(proc: subprocess.Popen[str]) -> Callable[[], bool]:
-    """A wait predicate that fails fast, with the log, if the run process died."""
-
-    def check() -> bool:
-        assert proc.poll() is None, f"applier run exited with {proc.returncode}:\n{run_log(proc)}"
-        return True
-
-    return check
 
 
 @pytest.mark.slow

@@ -9,16 +9,24 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-import test_cli_lifecycle
 from psycopg import sql
-from test_cli_common import NOTHING, applier, fails, leftovers, make_tables, ok, status
-from test_cli_lifecycle import StartRun, alive, run_log, stop
 
 from applier.testing import Database, assert_tables_equal, wait_until
 from applier.testing.pytest_plugin import ReplicationPair
 from applier.testing.roles import create_apply_role, create_replication_role, drop_role
-
-start_run = test_cli_lifecycle.start_run  # the fixture: `applier run` in the background, stopped at the end
+from tests.support.cli import (
+    NOTHING,
+    StartRun,
+    alive,
+    applier,
+    fails,
+    leftovers,
+    make_tables,
+    ok,
+    run_log,
+    status,
+    stop,
+)
 
 TABLES = ("public.t1", "public.t2")
 SUPERUSER_WARNING = "is a superuser; applier does not need one"

@@ -13,12 +13,12 @@ import subprocess
 import psycopg
 import pytest
 from psycopg import sql
-from test_cli_common import APPLIER, create, fails, make_tables, ok
 from test_migrate_cutover import SCHEMA, migrate
 from test_migrate_plan import pg15  # noqa: F401 - a fixture
 from test_migrate_start import exit_status, phase, procs, start, wait_phase  # noqa: F401 - procs is a fixture
 
 from applier.testing import Database, wait_until
+from tests.support.cli import APPLIER, create, fails, make_tables, ok
 
 ODD_GID = "app'tx 1"  # a GID that needs quoting
 

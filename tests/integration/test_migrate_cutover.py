@@ -11,11 +11,11 @@ import threading
 import psycopg
 import pytest
 from psycopg import sql
-from test_cli_common import APPLIER
 from test_migrate_plan import pg15, pg16  # noqa: F401 - fixtures
 from test_migrate_start import exit_status, phase, procs, start, wait_phase  # noqa: F401 - procs is a fixture
 
 from applier.testing import Database, wait_until
+from tests.support.cli import APPLIER
 
 pytestmark = pytest.mark.core
 

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from test_cli_common import APPLIER
 
 from applier.testing import Database, PostgresBinaries, PostgresCluster, find_binaries, running_cluster
+from tests.support.cli import APPLIER
 
 pytestmark = pytest.mark.core
 

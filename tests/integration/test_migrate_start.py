@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 from psycopg import sql
-from test_cli_common import APPLIER
 
 from applier.migrate.tools import find_dump_tools
 from applier.testing import Database, assert_tables_equal, wait_until
+from tests.support.cli import APPLIER
 
 pytestmark = pytest.mark.core
 

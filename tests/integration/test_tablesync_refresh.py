@@ -19,12 +19,12 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
-from test_cli_common import catalog_tables, create, make_tables, ok, status
-from test_tap_support import CliApplier, set_decoding_work_mem, stream_txns
 
 from applier.testing import Database, tables_differ, wait_until
 from state.errors import IllegalTransition
 from state.tables import SyncState, TableState, join_apply_stream
+from tests.support.cli import catalog_tables, create, make_tables, ok, status
+from tests.support.tap import CliApplier, set_decoding_work_mem, stream_txns
 
 pytestmark = [pytest.mark.spark]
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 from psycopg import sql
-from test_cli_common import APPLIER, create, ok, status
 
 from applier.apply.testing import ApplySetup, setup_subscription
 from applier.testing import wait_for_catchup, wait_until
+from tests.support.cli import APPLIER, create, ok, status
 
 pytestmark = pytest.mark.core
 

@@ -25,15 +25,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from test_tap_support import (
+
+from applier.testing import PostgresCluster, wait_until
+from tests.support.tap import (
     TIMEOUT,
     Nodes,
     alter_subscription,
     stream_txns,
     subscribed_nodes,
 )
-
-from applier.testing import PostgresCluster, wait_until
 
 COUNTS = "SELECT count(*), count(c), count(d = 999) FROM test_tab"
 

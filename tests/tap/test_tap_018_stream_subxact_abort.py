@@ -24,9 +24,9 @@ from collections.abc import Iterator
 
 import pytest
 from psycopg import sql
-from test_tap_support import Nodes, alter_subscription, psql, stream_txns, subscribed_nodes
 
 from applier.testing import PostgresCluster
+from tests.support.tap import Nodes, alter_subscription, psql, stream_txns, subscribed_nodes
 
 COUNTS = "SELECT count(*), count(c) FROM test_tab"
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from test_tap_support import Nodes, psql, stream_txns, subscribed_nodes
 
 from applier.testing import PostgresCluster
+from tests.support.tap import Nodes, psql, stream_txns, subscribed_nodes
 
 
 @pytest.fixture(scope="module")

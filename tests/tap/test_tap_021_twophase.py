@@ -44,7 +44,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from test_tap_support import (
+
+from applier.apply.testing import ApplySetup, setup_subscription
+from applier.testing import Database, PostgresCluster, wait_until
+from tests.support.tap import (
     TIMEOUT,
     CliApplier,
     catchup,
@@ -54,9 +57,6 @@ from test_tap_support import (
     restart_if_down,
     rollback_prepared,
 )
-
-from applier.apply.testing import ApplySetup, setup_subscription
-from applier.testing import Database, PostgresCluster, wait_until
 
 
 @dataclass

@@ -25,7 +25,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from test_tap_support import (
+
+from applier.apply.testing import ApplySetup, setup_subscription
+from applier.apply.worker import WorkerThread
+from applier.testing import Database, PostgresCluster, wait_until
+from tests.support.tap import (
     TIMEOUT,
     catchup,
     extra_database,
@@ -38,10 +42,6 @@ from test_tap_support import (
     wait_for_new_walsender,
     walsender_pid,
 )
-
-from applier.apply.testing import ApplySetup, setup_subscription
-from applier.apply.worker import WorkerThread
-from applier.testing import Database, PostgresCluster, wait_until
 
 TABLES = ["public.tab_full", "public.test_tab"]
 

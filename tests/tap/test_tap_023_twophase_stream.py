@@ -30,7 +30,11 @@ from dataclasses import dataclass
 
 import pytest
 from psycopg import sql
-from test_tap_support import (
+
+from applier.apply.testing import ApplySetup, setup_subscription
+from applier.apply.worker import WorkerThread
+from applier.testing import Database, PostgresCluster, wait_until
+from tests.support.tap import (
     TIMEOUT,
     catchup,
     module_pair,
@@ -42,10 +46,6 @@ from test_tap_support import (
     wait_for_new_walsender,
     walsender_pid,
 )
-
-from applier.apply.testing import ApplySetup, setup_subscription
-from applier.apply.worker import WorkerThread
-from applier.testing import Database, PostgresCluster, wait_until
 
 #: The TAP file's streamed workload: insert, update and delete enough rows to exceed the 64kB limit.
 STREAMED_PREPARE = """BEGIN;

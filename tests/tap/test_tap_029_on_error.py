@@ -30,8 +30,11 @@ import re
 from collections.abc import Iterator
 
 import pytest
-from test_cli_common import applier, ok, status
-from test_tap_support import (
+
+from applier.testing import PostgresCluster, wait_until
+from applier.testing.pytest_plugin import ReplicationPair
+from tests.support.cli import applier, ok, status
+from tests.support.tap import (
     TIMEOUT,
     CliApplier,
     catchup,
@@ -40,9 +43,6 @@ from test_tap_support import (
     psql,
     set_decoding_work_mem,
 )
-
-from applier.testing import PostgresCluster, wait_until
-from applier.testing.pytest_plugin import ReplicationPair
 
 pytestmark = [pytest.mark.core, pytest.mark.spark]
 

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from applier_kit import Core, make_core
+
+from tests.support.applier_kit import Core, make_core
 
 
 @pytest.fixture

@@ -7,12 +7,10 @@ import dataclasses
 import struct
 
 import pytest
-from applier_kit import REL_T, REL_U, T, U, row
 
 from applier.apply import bulk
 from applier.apply.fold import Decision
 from applier.apply.ports import COPY_THRESHOLD
-from applier.apply.relmap import LocalColumn
 from applier.encoder import encode_message
 from applier.errors import ProtocolError
 from applier.messages import (
@@ -21,7 +19,6 @@ from applier.messages import (
     Commit,
     CommitPrepared,
     Delete,
-    Insert,
     Prepare,
     RollbackPrepared,
     StreamAbort,
@@ -33,28 +30,20 @@ from applier.messages import (
     Update,
 )
 from state.twophase import gid_for
-
-XID = 500
-
-
-def plain(xid: int, lsn: int, *changes: object) -> list[object]:
-    """A plain transaction: BEGIN (final LSN ``lsn``), the changes, COMMIT ending at ``lsn + 8``."""
-    return [Begin(lsn, 1000 + xid, xid), *changes, Commit(0, lsn, lsn + 8, 2000 + xid)]
-
-
-def prepared(xid: int, lsn: int, *changes: object) -> list[object]:
-    """BEGIN PREPARE .. PREPARE of a transaction prepared at ``lsn`` (its PREPARE ends at ``lsn + 8``)."""
-    gid = f"pub_{xid}"
-    return [
-        BeginPrepare(lsn, lsn + 8, 3000 + xid, xid, gid),
-        *changes,
-        Prepare(0, lsn, lsn + 8, 3000 + xid, xid, gid),
-    ]
-
-
-def ins(relid: int, *values: object, xid: int | None = None) -> Insert:
-    return Insert(xid, relid, row(*values))
-
+from tests.support.applier_kit import (
+    REL_B,
+    REL_T,
+    REL_U,
+    XID,
+    B,
+    T,
+    U,
+    ins,
+    plain,
+    prepared,
+    row,
+    stream_chunk,
+)
 
 # --- plain transactions ----------------------------------------------------------------------------------------
 
@@ -315,10 +304,6 @@ def test_the_next_prepared_records_are_written_ahead_in_one_statement(core_facto
 # --- streamed transactions -------------------------------------------------------------------------------------
 
 
-def stream_chunk(xid: int, *changes: object, first: bool = True) -> list[object]:
-    return [StreamStart(xid, first), *changes, StreamStop()]
-
-
 def test_stream_commit_replays_the_spool_in_one_transaction(core_factory):
     core = core_factory()
     rel = dataclasses.replace(REL_T, xid=XID)
@@ -403,10 +388,6 @@ def test_a_skipped_prepared_transaction_is_prepared_empty_and_clears_the_skip_ls
 
 
 # --- whole transactions a batch at a time (applier.apply.bulk) -------------------------------------------------
-
-B = dataclasses.replace(T, oid=1003, name="b", bulk=True,
-                        columns=(LocalColumn("id", 23, array_type=1007), LocalColumn("v", 25, array_type=1009)))  # fmt: skip
-REL_B = dataclasses.replace(REL_T, relid=3, relname="b")
 
 
 def _xlog(payload: bytes, lsn: int) -> bytes:

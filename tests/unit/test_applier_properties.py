@@ -10,7 +10,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from applier_kit import REL_T, REL_U, U, make_core, row
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -32,6 +31,7 @@ from applier.messages import (
 )
 from applier.testing.fake_target import Call
 from state.twophase import gid_for
+from tests.support.applier_kit import REL_T, REL_U, U, make_core, row
 
 #: how a remote transaction ends: plain commit; prepared, then committed / rolled back / left prepared; streamed,
 #: then committed / aborted / prepared and committed

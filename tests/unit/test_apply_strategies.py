@@ -8,8 +8,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from applier_kit import REL_T, REL_U, row
-from test_applier_core import XID, ins, plain, prepared, stream_chunk
 
 from applier.apply.apply_state import ApplyStats, RemoteTransaction
 from applier.apply.context import ApplyError
@@ -31,6 +29,7 @@ from applier.messages import (
     Update,
 )
 from state.twophase import gid_for
+from tests.support.applier_kit import REL_T, REL_U, XID, ins, plain, prepared, row, stream_chunk
 
 NAMES_SKIP = ("drain", "load_local_table")
 

@@ -1,12 +1,13 @@
 """The shape of the code, checked so that it stays readable (issue 18): no function in ``applier``, ``tablesync``
 or ``state`` longer than :data:`MAX_FUNCTION_LINES` lines or with ``if``/``for``/``while``/``try``/``with`` nested
-deeper than :data:`MAX_DEPTH`, and the transaction/dispatch core class (:class:`applier.apply.handlers.Applier`) no
-longer than :data:`MAX_CORE_LINES` lines. A function that grows past a limit is a sign that a strategy or a step
-wants its own function or module; see docs/architecture.md for where each belongs.
+deeper than :data:`MAX_DEPTH`, and no class (the transaction/dispatch core,
+:class:`applier.apply.handlers.Applier`, first) longer than :data:`MAX_CLASS_LINES` lines. A function or class that
+grows past a limit is a sign that a strategy or a step wants its own function or module; see docs/architecture.md
+for where each belongs.
 
 The check covered ``applier/apply`` and ``tablesync/live.py`` first; it covers every package since the CLI's parser,
 the migration, the runner and the initial copy were split into named steps. A function let off goes in
-:data:`EXEMPT` with the reason."""
+:data:`EXEMPT` with the reason, a class in :data:`EXEMPT_CLASSES` (issue 27 capped every class, not only the core)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,21 @@ PACKAGES = ("applier", "tablesync", "state")
 CHECKED = sorted(path for package in PACKAGES for path in (ROOT / package).rglob("*.py"))
 MAX_FUNCTION_LINES = 60
 MAX_DEPTH = 3
-MAX_CORE_LINES = 400
+MAX_CLASS_LINES = 400
 #: functions let off these limits ("path name"), each with the reason
 EXEMPT: dict[str, str] = {
     "applier/decoder.py _read_tuple": "the codec's hottest loop, one turn per column of every row: its fourth level "
     "is a text/binary column's length check, and flattening it reorders the per-column tests (or adds a call per "
     "column); not without a benchmark on a quiet machine (tests/unit/test_decoder_fastpath.py, bench/)",
+}
+#: classes let off :data:`MAX_CLASS_LINES` ("path name"), each with the reason; remove one once it fits
+EXEMPT_CLASSES: dict[str, str] = {
+    "applier/apply/target.py Target": "432 lines: the apply's connection to the target; target.py and "
+    "target_dml.py are being changed by other work right now, so it is split after that lands (its catalog and "
+    "DML parts already have modules of their own: target_catalog.py, target_dml.py)",
+    "applier/migrate/start.py _Runner": "477 lines: issue 27 splits `start` into set-up and following (and "
+    "removes the InitialCopy subclass defined in a method); applier/migrate/ is being reworked by other work "
+    "right now, so the cap waits for that rework",
 }
 _NESTING = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.Try, ast.With, ast.AsyncWith)
 _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
@@ -89,11 +99,42 @@ def test_function_shape(where: str, node: ast.FunctionDef | ast.AsyncFunctionDef
     assert depth <= MAX_DEPTH, f"{where} nests {depth} deep (at most {MAX_DEPTH})"
 
 
+def _classes() -> list[tuple[str, ast.ClassDef]]:
+    found = []
+    for path in CHECKED:
+        where = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef) and f"{where} {node.name}" not in EXEMPT_CLASSES:
+                found.append((f"{where}:{node.lineno} {node.name}", node))
+    return found
+
+
+CLASSES = _classes()
+
+
 def test_the_core_class_is_small():
+    """The transaction/dispatch core is never let off: the strategies live beside it, not in it."""
+    assert not any(k.startswith("applier/apply/handlers.py ") for k in EXEMPT_CLASSES)
     tree = ast.parse((APPLY / "handlers.py").read_text())
     (core,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Applier"]
     length = (core.end_lineno or core.lineno) - core.lineno + 1
-    assert length <= MAX_CORE_LINES, f"Applier is {length} lines (at most {MAX_CORE_LINES})"
+    assert length <= MAX_CLASS_LINES, f"Applier is {length} lines (at most {MAX_CLASS_LINES})"
+
+
+def test_every_class_exemption_names_a_class_that_exists():
+    names = set()
+    for path in CHECKED:
+        where = path.relative_to(ROOT).as_posix()
+        names |= {
+            f"{where} {n.name}" for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)
+        }
+    assert set(EXEMPT_CLASSES) <= names, set(EXEMPT_CLASSES) - names
+
+
+@pytest.mark.parametrize("where,node", CLASSES, ids=[w for w, _ in CLASSES])
+def test_class_size(where: str, node: ast.ClassDef):
+    length = (node.end_lineno or node.lineno) - node.lineno + 1
+    assert length <= MAX_CLASS_LINES, f"{where} is {length} lines (at most {MAX_CLASS_LINES})"
 
 
 def test_the_depth_measure():

@@ -3,12 +3,11 @@ paths use it."""
 
 from __future__ import annotations
 
-from applier_kit import REL_T, row
-
 from applier.apply import commit_policy
 from applier.apply.commit_policy import CommitPolicy, DeferredCommit
 from applier.apply.feedback import FeedbackTracker
 from applier.messages import Begin, Commit, Insert
+from tests.support.applier_kit import REL_T, row
 
 
 def test_a_group_holds_feedback_until_taken_and_counts_only_real_groups():

@@ -9,9 +9,6 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from applier_kit import REL_T, REL_U, Core, make_core, row
-from test_applier_core import REL_B, B
-
 from applier.apply.loop import ApplyLoop
 from applier.apply.pacing import READ_REST_WAIT
 from applier.apply.ports import COPY_THRESHOLD
@@ -27,6 +24,7 @@ from applier.messages import (
     Update,
     XLogData,
 )
+from tests.support.applier_kit import REL_B, REL_T, REL_U, B, Core, make_core, row
 
 
 class ScriptedStream:

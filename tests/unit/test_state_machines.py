@@ -24,7 +24,36 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from subscription_model import (
+
+from applier.errors import ApplierError
+from state.errors import AlterRefused, IllegalTransition
+from state.skip import (
+    SkipOutcome,
+    completed_skipping_message,
+    mistaken_skip_warning,
+    on_transaction_end,
+    starts_skipping,
+)
+from state.tables import (
+    SyncState,
+    TableState,
+    all_tables_ready,
+    begin_catchups,
+    process_syncing_tables,
+    settle_finished_copy,
+    should_apply_changes_for_rel,
+    transition,
+)
+from state.twophase import (
+    TwoPhaseState,
+    check_alter_two_phase,
+    check_refresh_publication,
+    check_skip_lsn,
+    initial_two_phase,
+    should_restart_for_two_phase,
+    stream_two_phase,
+)
+from tests.support.subscription_model import (
     AlterSkipLsn,
     AlterSlotTwoPhase,
     AlterTwoPhase,
@@ -56,35 +85,6 @@ from subscription_model import (
     WorkerStarted,
     apply_event,
     new_subscription,
-)
-
-from applier.errors import ApplierError
-from state.errors import AlterRefused, IllegalTransition
-from state.skip import (
-    SkipOutcome,
-    completed_skipping_message,
-    mistaken_skip_warning,
-    on_transaction_end,
-    starts_skipping,
-)
-from state.tables import (
-    SyncState,
-    TableState,
-    all_tables_ready,
-    begin_catchups,
-    process_syncing_tables,
-    settle_finished_copy,
-    should_apply_changes_for_rel,
-    transition,
-)
-from state.twophase import (
-    TwoPhaseState,
-    check_alter_two_phase,
-    check_refresh_publication,
-    check_skip_lsn,
-    initial_two_phase,
-    should_restart_for_two_phase,
-    stream_two_phase,
 )
 
 S = SyncState

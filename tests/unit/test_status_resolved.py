@@ -1,12 +1,12 @@
-"""``applier status`` says whether the worker got past its last recorded error (applier.subscriptions._resolved),
-and stops showing a next attempt and a skip command for one it got past."""
+"""``applier status`` says whether the worker got past its last recorded error
+(applier.subscriptions.cmd_status._resolved), and stops showing a next attempt and a skip command for one it got past."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from applier.catalog.store import RelState
-from applier.subscriptions import _error_lines, _resolved
+from applier.subscriptions.cmd_status import _error_lines, _resolved
 from state.tables import SyncState
 
 

@@ -4,7 +4,7 @@ states, and :func:`make_core`, an :class:`~applier.apply.handlers.Applier` wired
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from applier.apply.feedback import FeedbackTracker
@@ -12,7 +12,18 @@ from applier.apply.handlers import Applier, SkipState, TableStates
 from applier.apply.relmap import LocalColumn, LocalTable
 from applier.apply.spool import Spool
 from applier.encoder import encode_message
-from applier.messages import Relation, RelationColumn, TupleData
+from applier.messages import (
+    Begin,
+    BeginPrepare,
+    Commit,
+    Insert,
+    Prepare,
+    Relation,
+    RelationColumn,
+    StreamStart,
+    StreamStop,
+    TupleData,
+)
 from applier.testing.fake_target import FakeTarget
 
 #: the local tables of the unit tests: public.t (id key, v) and public.u (id key), oids 1001 and 1002
@@ -99,3 +110,37 @@ def make_core(
         tables=states, skip=skip, clear_skip_lsn=clear, **options,  # type: ignore[arg-type]
     )  # fmt: skip
     return Core(applier, target, tracker, states, skip, cleared)
+
+
+# --- messages of whole transactions, for the tests of the core and of its strategies ------------------------------
+
+XID = 500
+
+
+def plain(xid: int, lsn: int, *changes: object) -> list[object]:
+    """A plain transaction: BEGIN (final LSN ``lsn``), the changes, COMMIT ending at ``lsn + 8``."""
+    return [Begin(lsn, 1000 + xid, xid), *changes, Commit(0, lsn, lsn + 8, 2000 + xid)]
+
+
+def prepared(xid: int, lsn: int, *changes: object) -> list[object]:
+    """BEGIN PREPARE .. PREPARE of a transaction prepared at ``lsn`` (its PREPARE ends at ``lsn + 8``)."""
+    gid = f"pub_{xid}"
+    return [
+        BeginPrepare(lsn, lsn + 8, 3000 + xid, xid, gid),
+        *changes,
+        Prepare(0, lsn, lsn + 8, 3000 + xid, xid, gid),
+    ]
+
+
+def ins(relid: int, *values: object, xid: int | None = None) -> Insert:
+    return Insert(xid, relid, row(*values))
+
+
+def stream_chunk(xid: int, *changes: object, first: bool = True) -> list[object]:
+    return [StreamStart(xid, first), *changes, StreamStop()]
+
+
+#: a third table, marked for the bulk path (applier.apply.bulk), with its columns' array types
+B = replace(T, oid=1003, name="b", bulk=True,
+            columns=(LocalColumn("id", 23, array_type=1007), LocalColumn("v", 25, array_type=1009)))  # fmt: skip
+REL_B = replace(REL_T, relid=3, relname="b")

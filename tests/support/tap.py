@@ -1,7 +1,7 @@
 """Shared helpers for the ports of PostgreSQL's subscription TAP tests (``tests/tap/test_tap_0NN_*.py``), the property
 test (``test_apply_property.py``) and the crash test (``test_apply_crash.py``); other test modules use them too.
 
-This module holds no tests (its name only follows the pattern of the files it serves). It exists so that every
+It exists so that every
 port reads like the Perl file it comes from: :func:`psql` runs a script the way ``safe_psql`` does,
 :func:`prepared_count` is the TAP tests' ``SELECT count(*) FROM pg_prepared_xacts``, :func:`catchup` is
 ``wait_for_catchup``, :func:`alter_subscription` is ``ALTER SUBSCRIPTION ... SET`` plus the wait for the worker's
@@ -48,6 +48,7 @@ __all__ = [
     "TIMEOUT",
     "alter_subscription",
     "assert_replica",
+    "both",
     "catchup",
     "CliApplier",
     "drop_slot",
@@ -81,6 +82,13 @@ def psql(db: Database, script: str) -> None:
         for statement in script.split(";"):
             if statement.strip():
                 conn.execute(statement)  # type: ignore[arg-type]  # literal test SQL
+
+
+def both(pair: ReplicationPair, *statements: str) -> None:
+    """Run ``statements`` on the publisher and then on the target (the same schema on both sides)."""
+    for db in (pair.publisher, pair.target):
+        for s in statements:
+            db.execute(s)
 
 
 def prepared_count(db: Database) -> int:

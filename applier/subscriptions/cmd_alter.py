@@ -1,0 +1,319 @@
+"""``applier alter``: ``--enable``/``--disable``, ``--set OPTION=VALUE``, ``--skip-lsn`` and
+``--refresh-publication``. Every option is validated before any is changed; the transitions the state machines
+decide (:mod:`state.twophase`) are asked before the catalog or the slot is touched."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from applier.catalog.store import Catalog, Subscription
+from applier.lsn import format_lsn, parse_lsn
+from applier.replication import ReplicationConnection
+from applier.subscriptions.common import (
+    ALTER_SLOT_TWO_PHASE_VERSION,
+    QUIET,
+    Console,
+    SubscriptionBusy,
+    SubscriptionError,
+    _check_slot_name,
+    _slot_row,
+    _target_tables,
+    connect_publisher,
+    open_catalog,
+    origin_progress,
+    published_tables,
+    require_subscription,
+    rollback_prepared,
+    target_errors,
+)
+from applier.subscriptions.lock import SubscriptionLock, _holder
+from state.tables import initial_sync_state
+from state.twophase import (
+    GID_FORMATS,
+    TwoPhaseState,
+    check_alter_gid_format,
+    check_alter_two_phase,
+    check_refresh_publication,
+    check_skip_lsn,
+)
+
+_TRUE = {"true", "on", "yes", "1", "t", "y"}
+_FALSE = {"false", "off", "no", "0", "f", "n"}
+SETTABLE = (
+    "two_phase",
+    "streaming",
+    "binary",
+    "disable_on_error",
+    "origin",
+    "slot_name",
+    "gid_format",
+    "run_as_owner",
+)
+
+
+def _bool(option: str, value: str) -> bool:
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise SubscriptionError(
+        f'{option} requires a Boolean value, not "{value}"', f"use {option}=true or {option}=false"
+    )
+
+
+def parse_set_options(items: Sequence[str]) -> dict[str, Any]:
+    """``["streaming=on", "binary=false"]`` -> ``{"streaming": "on", "binary": False}``, validated."""
+    result: dict[str, Any] = {}
+    for item in items:
+        option, sep, value = item.partition("=")
+        option = option.strip().lower()
+        if not sep:
+            raise SubscriptionError(f'--set needs OPTION=VALUE, not "{item}"', "e.g. --set streaming=on")
+        if option not in SETTABLE:
+            raise SubscriptionError(
+                f'unrecognized subscription option "{option}"', f"settable options: {', '.join(SETTABLE)}"
+            )
+        if option in result:
+            raise SubscriptionError(f'option "{option}" given twice')
+        v = value.strip()
+        if option in ("two_phase", "binary", "disable_on_error", "run_as_owner"):
+            result[option] = _bool(option, v)
+        elif option == "streaming":
+            if v.lower() == "parallel":
+                result[option] = "parallel"
+            else:
+                result[option] = "on" if _bool(option, v) else "off"
+        elif option == "origin":
+            if v.lower() not in ("any", "none"):
+                raise SubscriptionError(f'unrecognized origin value: "{v}"', "use origin=any or origin=none")
+            result[option] = v.lower()
+        elif option == "gid_format":
+            if v.lower() not in GID_FORMATS:
+                raise SubscriptionError(
+                    f'unrecognized gid_format value: "{v}"',
+                    "use gid_format=subscription or gid_format=original",
+                )
+            result[option] = v.lower()
+        else:  # slot_name
+            if v.upper() == "NONE":
+                result[option] = None
+            else:
+                _check_slot_name(v, default=False)
+                result[option] = v
+    if "two_phase" in result and "slot_name" in result:
+        raise SubscriptionError(
+            "slot_name and two_phase cannot be altered at the same time", "run two separate alter commands"
+        )
+    return result
+
+
+_COLUMNS = {
+    "streaming": "substream",
+    "binary": "subbinary",
+    "disable_on_error": "subdisableonerr",
+    "origin": "suborigin",
+    "slot_name": "subslotname",
+    "gid_format": "subgidformat",
+    "run_as_owner": "subrunasowner",
+}
+
+
+def set_enabled(target: str, name: str, enabled: bool, console: Console = QUIET) -> None:
+    """``alter --enable`` / ``--disable``. A running worker notices a disable and exits; ``applier run`` starts an
+    enabled one."""
+    catalog = open_catalog(target)
+    with target_errors(target):
+        sub = require_subscription(catalog, name)
+        if enabled and sub.subslotname is None:
+            raise SubscriptionError(
+                f'cannot enable subscription "{name}": it has no slot name',
+                f"set one first: applier alter {name} --set slot_name=SLOT",
+            )
+        catalog.update_subscription(sub.subid, subenabled=enabled)
+        holder = _holder(catalog, sub.subid)
+    console.info(f'subscription "{name}" {"enabled" if enabled else "disabled"}')
+    if not enabled and holder is not None:
+        console.info(f"its worker ({holder}) stops by itself shortly")
+
+
+def alter_options(
+    target: str, name: str, items: Sequence[str], *, force: bool = False, console: Console = QUIET
+) -> None:
+    """``alter --set OPTION=VALUE ...``: all options validated before any is changed, then changed together."""
+    options = parse_set_options(items)
+    catalog = open_catalog(target)
+    with target_errors(target):
+        sub = require_subscription(catalog, name)
+    if "slot_name" in options and options["slot_name"] is None and sub.subenabled:
+        raise SubscriptionError(
+            f'cannot set slot_name = NONE for enabled subscription "{name}"',
+            f"disable it first: applier alter {name} --disable",
+        )
+    if force and options.get("two_phase") is not False:
+        raise SubscriptionError(
+            "--force only applies to --set two_phase=off (it rolls back prepared transactions)"
+        )
+    if "gid_format" in options:
+        _check_gid_format(catalog, sub, target, options["gid_format"])
+    values = {_COLUMNS[k]: v for k, v in options.items() if k != "two_phase"}
+    if "two_phase" not in options:
+        with target_errors(target):
+            catalog.update_subscription(sub.subid, **values)
+        console.info(f'subscription "{name}" altered: ' + ", ".join(items))
+        return
+    # two_phase: only with no worker running, which holding the lock ourselves guarantees for the duration
+    lock = SubscriptionLock(target, sub, "alter")
+    try:
+        lock.acquire()
+        worker_running = False
+    except SubscriptionBusy:
+        worker_running = True
+    try:
+        with target_errors(target):
+            pending = catalog.pending_prepared(sub.subid)
+        new_state = check_alter_two_phase(
+            sub.subtwophasestate,
+            options["two_phase"],
+            enabled=sub.subenabled,
+            worker_running=worker_running,
+            prepared_xacts=len(pending),
+            force=force,
+            subname=name,
+        )
+        if new_state == sub.subtwophasestate:
+            with target_errors(target):
+                catalog.update_subscription(sub.subid, **values)
+            console.info(f'subscription "{name}" altered: two_phase unchanged ({new_state.value})')
+            return
+        if new_state is TwoPhaseState.DISABLED:
+            _two_phase_off(catalog, sub, target, values, force=force, console=console)
+        else:
+            with target_errors(target):
+                catalog.update_subscription(sub.subid, subtwophasestate=new_state, **values)
+        console.info(f'subscription "{name}" altered: two-phase state {new_state.value}')
+    finally:
+        lock.release()
+
+
+def _check_gid_format(catalog: Catalog, sub: Subscription, target: str, new: str) -> None:
+    """``--set gid_format``: a running worker names its prepared transactions as it started, so only on a disabled
+    subscription, and never while some are prepared under the current names (state.twophase)."""
+    if new != sub.subgidformat and sub.subenabled:
+        raise SubscriptionError(
+            f'cannot set option "gid_format" for enabled subscription "{sub.subname}"',
+            f"disable it first (applier alter {sub.subname} --disable), then run this again and re-enable it",
+        )
+    with target_errors(target):
+        pending = catalog.pending_prepared(sub.subid)
+    check_alter_gid_format(sub.subgidformat, new, prepared_xacts=len(pending), subname=sub.subname)
+
+
+def _two_phase_off(
+    catalog: Catalog, sub: Subscription, target: str, values: dict[str, Any], *, force: bool, console: Console
+) -> None:
+    """on -> off: roll back our prepared transactions if forced, turn two-phase off on the slot (PostgreSQL 18+),
+    and record ``d``. The catalog change commits only after the slot was altered."""
+    slot = sub.subslotname
+    with contextlib.ExitStack() as stack:
+        pub: ReplicationConnection | None = None
+        slot_two_phase = False
+        if slot is not None:
+            pub = stack.enter_context(
+                connect_publisher(
+                    sub.subconninfo, "alter", sub.subname, doing=f'turn two-phase off on slot "{slot}"'
+                )
+            )
+            row = _slot_row(pub, slot)
+            slot_two_phase = bool(row and row[1])
+            if slot_two_phase and pub.server_version < ALTER_SLOT_TWO_PHASE_VERSION:
+                raise SubscriptionError(
+                    f'cannot turn two-phase off: slot "{slot}" decodes prepared transactions, and the publisher '
+                    f"(PostgreSQL {pub.server_version // 10000}) cannot change that on an existing slot "
+                    "(ALTER_REPLICATION_SLOT ... TWO_PHASE needs PostgreSQL 18)",
+                    f"drop and create the subscription again without --two-phase (applier drop {sub.subname}; "
+                    "applier create ...), or upgrade the publisher",
+                )
+        if force:
+            with target_errors(target):
+                rollback_prepared(catalog, sub, console)
+        with target_errors(target), catalog.engine.begin() as c:
+            catalog.update_subscription(sub.subid, c, subtwophasestate=TwoPhaseState.DISABLED, **values)
+            if pub is not None and slot_two_phase:
+                _slot_two_phase_off(pub, slot, console)  # type: ignore[arg-type]
+
+
+def _slot_two_phase_off(pub: ReplicationConnection, slot: str, console: Console) -> None:
+    """``ALTER_REPLICATION_SLOT ... (TWO_PHASE false)`` (PostgreSQL 18+), inside the caller's catalog transaction,
+    which commits only if this succeeded."""
+    try:
+        pub.connection.execute(
+            sql.SQL("ALTER_REPLICATION_SLOT {} ( TWO_PHASE false )").format(sql.Identifier(slot))  # type: ignore[arg-type]
+        )
+    except psycopg.Error as exc:
+        raise SubscriptionError(
+            f'could not turn two-phase off on slot "{slot}" on the publisher: {str(exc).strip()}'
+        ) from None
+    console.info(f'two-phase turned off on slot "{slot}" on the publisher')
+
+
+def set_skip_lsn(target: str, name: str, value: str, console: Console = QUIET) -> None:
+    """``alter --skip-lsn LSN|NONE``: skip the remote transaction finishing at LSN (behaviours 97-100)."""
+    if value.strip().upper() == "NONE":
+        lsn = 0
+    else:
+        try:
+            lsn = parse_lsn(value)
+        except ValueError as exc:
+            raise SubscriptionError(
+                str(exc), "give the finish LSN from the worker's error message, or NONE"
+            ) from None
+    catalog = open_catalog(target)
+    with target_errors(target):
+        sub = require_subscription(catalog, name)
+        check_skip_lsn(lsn, origin_progress(catalog, sub), subname=name)
+        catalog.update_subscription(sub.subid, subskiplsn=lsn or None)
+    console.info(
+        f'subscription "{name}" will skip the transaction finishing at {format_lsn(lsn)}'
+        if lsn
+        else f'subscription "{name}": skip-LSN cleared'
+    )
+
+
+def refresh_publication(target: str, name: str, *, copy_data: bool = True, console: Console = QUIET) -> None:
+    """``alter --refresh-publication``: start replicating newly published tables, stop replicating unpublished ones."""
+    catalog = open_catalog(target)
+    with target_errors(target):
+        sub = require_subscription(catalog, name)
+    check_refresh_publication(sub.subtwophasestate, copy_data, subname=name)
+    with connect_publisher(sub.subconninfo, "refresh", sub.subname, doing="read the publications") as pub:
+        published = published_tables(pub, sub.subpublications)
+    with target_errors(target):
+        current = {t.remote_name: t for t in catalog.table_states(sub.subid)}
+        added = [t for t in published if t not in current]
+        removed = [t for name_, t in current.items() if name_ not in set(published)]
+        relids = _target_tables(catalog, added)
+        state = initial_sync_state(copy_data)
+        with catalog.engine.begin() as c:
+            for t in added:
+                catalog.add_table(sub.subid, relids[t], t, state, conn=c)
+            for t in removed:
+                catalog.remove_table(sub.subid, t.relid, conn=c)
+    console.info(
+        f'subscription "{name}" refreshed: '
+        + (f"added {', '.join(added)} (state {state.value})" if added else "no table added")
+        + (f"; removed {', '.join(t.name for t in removed)}" if removed else "; no table removed")
+    )
+    if added and copy_data:
+        holder = _holder(catalog, sub.subid)
+        # a running worker copies and catches them up live (tablesync.live); otherwise the next applier run does
+        console.info(
+            f"the new tables are being copied and caught up by the running worker ({holder})"
+            if holder
+            else "the new tables are copied when applier run next starts this subscription"
+        )
