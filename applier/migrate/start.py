@@ -360,39 +360,18 @@ class _Runner:
 
     def _copier(self, m: store.Migration, weights: dict[str, float]) -> InitialCopy:
         """The initial copy, at the migration's own snapshot when this run holds it (a resumed run takes a new
-        one), the heaviest table first (``weights``)."""
-        from tablesync.initial import InitialCopy, _SnapshotSlot
+        one), the heaviest table first (``weights``), with a driver head start as wide as ``--table-jobs``."""
+        from tablesync.initial import ExportedSnapshot, InitialCopy
         from tablesync.progress import CopyProgress
 
         held = None
         if self.slot_conn is not None and self.snapshot is not None:
-            held = _SnapshotSlot(self.slot_conn, m.slot, self.snapshot_lsn or 0, self.snapshot)
-
-        class SnapshotCopy(InitialCopy):
-            def plan(inner) -> list[Any]:  # noqa: N805
-                """The heaviest table's partitions first. The copy runs on the driver (a local Spark is not
-                started, see InitialCopy.run), whose streams take the tasks from the *end* of this list (they are
-                meant to take the smallest while a Spark job takes the biggest): so the order is reversed here. A
-                Spark job packs the tasks by size itself and ignores this order."""
-                tasks = super().plan()
-                first = sorted(tasks, key=lambda t: (-weights.get(t.relname, 0.0), t.relname, t.part))
-                inner.tasks = first[::-1]
-                return inner.tasks
-
-            def open_snapshot(inner) -> _SnapshotSlot:  # noqa: N805
-                if held is None:
-                    return super().open_snapshot()
-                inner.slot = held
-                inner.reporter.note(
-                    f"copying at the migration's snapshot {held.snapshot} ({format_lsn(held.lsn)})"
-                )
-                return held
-
-        os.environ.setdefault("APPLIER_TABLESYNC_HEAD_START", str(max(1, self.opts.table_jobs)))
+            held = ExportedSnapshot(self.slot_conn, m.slot, self.snapshot_lsn or 0, self.snapshot)
         partition = int(os.environ.get("APPLIER_MIGRATE_PARTITION_BYTES", "0") or 0)
         kwargs: dict[str, Any] = {"partition_bytes": partition} if partition else {}
-        return SnapshotCopy(self.opts.target, m.subname, stop=self.stop, reporter=CopyProgress.for_setting(None),
-                            **kwargs)  # fmt: skip
+        return InitialCopy(self.opts.target, m.subname, stop=self.stop, reporter=CopyProgress.for_setting(None),
+                           snapshot=held, weights=weights, head_start=max(1, self.opts.table_jobs),
+                           **kwargs)  # fmt: skip
 
     # --- all --------------------------------------------------------------------------------------------------
     def run(self) -> int:
