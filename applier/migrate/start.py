@@ -464,24 +464,44 @@ class _Runner:
         (as ``applier migrate cutover`` would); a failure stops start with its reason (the source is unfenced)."""
         from applier.migrate import cutover as co
 
-        while not finished.wait(1.0):
-            try:
-                doc = co.status(self.opts.target, self.opts.name)
-            except Exception:  # noqa: BLE001 - the target may be restarting: try again
-                continue
-            if doc["phase"] != "following" or not doc["tables"]:
-                continue
-            if any(t["state"] != "r" for t in doc["tables"]) or doc["lag_bytes"] is None:
-                continue
-            if doc["lag_bytes"] > CAUGHT_UP_BYTES:
-                continue
-            self.say(f"caught up (lag {doc['lag_bytes']} bytes): cutting over")
-            try:
-                co.cutover(co.CutoverOptions(self.opts.name, self.opts.target), self.say)
-            except Exception as exc:  # noqa: BLE001 - reported by follow(), start exits 1
-                self.auto_error = str(exc)
-            self.stop.set()  # done (or failed): the worker stops now, not at its next look at the catalog
+        lag = self._wait_caught_up(finished)
+        if lag is None:
             return
+        self.say(f"caught up (lag {lag} bytes): cutting over")
+        try:
+            co.cutover(co.CutoverOptions(self.opts.name, self.opts.target), self.say)
+        except Exception as exc:  # noqa: BLE001 - reported by follow(), start exits 1
+            self.auto_error = str(exc)
+        self.stop.set()  # done (or failed): the worker stops now, not at its next look at the catalog
+
+    def _wait_caught_up(self, finished: threading.Event) -> int | None:
+        """Look once a second (:func:`~applier.migrate.cutover.ready_for_cutover`) until the migration may cut
+        over: its lag then, or None when following ended first. One connection to each server serves every look
+        (one that fails, e.g. a target restarting, is opened again at the next); both are closed before the
+        cutover, whose fence ends the source's sessions."""
+        from applier.migrate.cutover import ready_for_cutover
+
+        conns: dict[str, psycopg.Connection[Any]] = {}
+        try:
+            while not finished.wait(1.0):
+                try:
+                    self._connect(conns)
+                    lag = ready_for_cutover(conns["target"], conns["source"], self.opts.name,
+                                            caught_up=CAUGHT_UP_BYTES)  # fmt: skip
+                except Exception:  # noqa: BLE001 - a server may be restarting: try again
+                    _close_all(conns)
+                    continue
+                if lag is not None:
+                    return lag
+            return None
+        finally:
+            _close_all(conns)
+
+    def _connect(self, conns: dict[str, psycopg.Connection[Any]]) -> None:
+        """(Re)open the auto-cutover's connection to the target and to the source where it is missing or lost."""
+        for side, dsn in (("target", self.opts.target), ("source", self.opts.source)):
+            if side not in conns or conns[side].closed or conns[side].broken:
+                conns[side] = psycopg.connect(dsn, autocommit=True, connect_timeout=5)
 
     def _forward_stop(self, ours: Any, finished: threading.Event) -> None:
         """Pass on a signal that reached our own handler before ``runner.run`` installed its handlers: SIGTERM to
@@ -508,6 +528,13 @@ class _Runner:
             with contextlib.suppress(Exception):
                 self.slot_conn.close()
         self.target.close()
+
+
+def _close_all(conns: dict[str, psycopg.Connection[Any]]) -> None:
+    """Close and forget ``conns`` (the next look opens them again)."""
+    for c in conns.values():
+        c.close()
+    conns.clear()
 
 
 def start(opts: StartOptions, say: Callable[[str], None]) -> int:
