@@ -76,7 +76,6 @@ class _Runner:
         self.snapshot: str | None = None
         self.snapshot_lsn: int | None = None
         self.auto_error: str | None = None
-        self.signalled = False  # SIGTERM/SIGINT reached our handler
 
     # --- bookkeeping ------------------------------------------------------------------------------------------
     def migration(self) -> store.Migration:
@@ -424,10 +423,7 @@ class _Runner:
             f'following the source (subscription "{m.subname}") until a cutover; Ctrl-C stops, start resumes'
         )
         runner.configure_logging(self.opts.target)
-        ours = signal.getsignal(signal.SIGTERM)
         finished = threading.Event()
-        forwarder = threading.Thread(target=self._forward_stop, args=(ours, finished), daemon=True)
-        forwarder.start()
         auto = None
         if self.opts.cutover:
             auto = threading.Thread(
@@ -438,7 +434,6 @@ class _Runner:
             status = runner.run(self.opts.target, [m.subname], wait_target=runner.WAIT_TARGET, stop=self.stop)
         finally:
             finished.set()
-            forwarder.join()
             if auto is not None:
                 auto.join()
         if self.auto_error is not None:
@@ -503,18 +498,6 @@ class _Runner:
             if side not in conns or conns[side].closed or conns[side].broken:
                 conns[side] = psycopg.connect(dsn, autocommit=True, connect_timeout=5)
 
-    def _forward_stop(self, ours: Any, finished: threading.Event) -> None:
-        """Pass on a signal that reached our own handler before ``runner.run`` installed its handlers: SIGTERM to
-        ourselves once runner's handler is in place.
-
-        A migration that ends (cutover done, abort) is *not* passed on as a signal: :meth:`watch` (or the
-        automatic cutover) sets ``self.stop``, which ``runner.run`` takes as its ``stop`` event and stops the
-        worker as a first signal would, with a clean exit status."""
-        while not finished.wait(0.2):
-            if self.signalled and signal.getsignal(signal.SIGTERM) is not ours:
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-
     def watch(self, finished: threading.Event) -> None:
         """Stop when the migration is done (a cutover completed) or failed (aborted), as another shell decides."""
         while not finished.wait(0.5):
@@ -541,10 +524,12 @@ def start(opts: StartOptions, say: Callable[[str], None]) -> int:
     runner = _Runner(opts, say)
 
     def on_signal(signum: int) -> None:
-        runner.signalled = True
         say(f"{signal.Signals(signum).name} received: stopping")
 
-    handler = set_once(runner.stop, on_signal)  # a second signal inside the first must not deadlock
+    # As applier run's own: the signal sets the stop event (set_once: a second signal inside the first must not
+    # deadlock). runner.run installs its handlers while it follows and takes the same event as its ``stop``, so a
+    # signal that came before stops its worker too, as a first signal would.
+    handler = set_once(runner.stop, on_signal)
     previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
     finished = threading.Event()
     watcher = threading.Thread(target=runner.watch, args=(finished,), name="migration-watch", daemon=True)
