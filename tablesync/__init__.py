@@ -14,17 +14,32 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tablesync.initial import CopyResult, InitialCopy, TableCopy, TablesyncError, describe
+    from tablesync.initial import (
+        CopyResult,
+        ExportedSnapshot,
+        InitialCopy,
+        TableCopy,
+        TablesyncError,
+        describe,
+    )
     from tablesync.progress import CopyProgress
 
-__all__ = ["CopyResult", "InitialCopy", "TableCopy", "TablesyncError", "describe", "run_initial_copy"]
+__all__ = [
+    "CopyResult",
+    "ExportedSnapshot",
+    "InitialCopy",
+    "TableCopy",
+    "TablesyncError",
+    "describe",
+    "run_initial_copy",
+]
 
 #: 32 MiB, as :data:`tablesync.planner.DEFAULT_PARTITION_BYTES` (repeated here to keep this import light).
 _DEFAULT_PARTITION_BYTES = 32 * 1024 * 1024
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("CopyResult", "InitialCopy", "TableCopy", "TablesyncError", "describe"):
+    if name in ("CopyResult", "ExportedSnapshot", "InitialCopy", "TableCopy", "TablesyncError", "describe"):
         from tablesync import initial
 
         return getattr(initial, name)

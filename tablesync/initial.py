@@ -125,7 +125,13 @@ class CopyResult:
 
 
 @dataclass
-class _SnapshotSlot:
+class ExportedSnapshot:
+    """A snapshot exported by a slot's creation, alive while ``conn`` stays open and idle.
+
+    :meth:`InitialCopy.open_snapshot` makes one with a temporary slot; a caller that already holds one (``applier
+    migrate start``, whose subscription slot's snapshot also dumped the schema) passes it to :class:`InitialCopy`
+    so the rows are read at that same point. Either way the copy closes ``conn`` when it is over."""
+
     conn: ReplicationConnection
     slot_name: str
     lsn: int
@@ -156,7 +162,14 @@ class InitialCopy:
         reporter: CopyProgress | None = None,
         partition_bytes: int = DEFAULT_PARTITION_BYTES,
         poll_interval: float = 0.5,
+        snapshot: ExportedSnapshot | None = None,
+        weights: Mapping[str, float] | None = None,
+        head_start: int | None = None,
     ) -> None:
+        """``snapshot``: copy at this exported snapshot instead of taking one (closed with the copy). ``weights``:
+        each table's share of the work behind it; the heaviest table's partitions go first. ``head_start``: the
+        driver's streams while Spark starts, unless ``APPLIER_TABLESYNC_HEAD_START`` says (None: 2 with a local
+        Spark, 0 with a cluster)."""
         self.target_conninfo = target_conninfo
         self.subname = subname
         self.stop = stop or threading.Event()
@@ -168,7 +181,8 @@ class InitialCopy:
         self.to_copy: list[RelState] = []
         self.skipped: list[str] = []
         self.resumed: dict[str, int] = {}
-        self.slot: _SnapshotSlot | None = None
+        self.slot: ExportedSnapshot | None = None
+        self.given_snapshot, self.weights, self.head_start_streams = snapshot, weights, head_start
         self.plans: dict[str, TablePlan] = {}
         self.tasks: list[PartitionTask] = []
         self._started = time.monotonic()
@@ -238,8 +252,15 @@ class InitialCopy:
         return self.sub.subconninfo
 
     # 2 ----------------------------------------------------------------------------------------------------------
-    def open_snapshot(self) -> _SnapshotSlot:
-        """Create the temporary slot with an exported snapshot; keep its connection idle until :meth:`close`."""
+    def open_snapshot(self) -> ExportedSnapshot:
+        """Create the temporary slot with an exported snapshot; keep its connection idle until :meth:`close`. A
+        snapshot given to the constructor is used instead (once: a second call takes a new one)."""
+        if self.given_snapshot is not None:
+            self.slot, self.given_snapshot = self.given_snapshot, None
+            self.reporter.note(
+                f"copying at the given snapshot {self.slot.snapshot} ({format_lsn(self.slot.lsn)})"
+            )
+            return self.slot
         name = f"applier_{self.subid}_sync_{os.getpid()}_{secrets.token_hex(3)}"
         try:
             conn = ReplicationConnection.open(
@@ -262,7 +283,7 @@ class InitialCopy:
         finally:
             done.set()
         assert info.snapshot_name is not None
-        self.slot = _SnapshotSlot(conn, info.slot_name, info.consistent_point, info.snapshot_name)
+        self.slot = ExportedSnapshot(conn, info.slot_name, info.consistent_point, info.snapshot_name)
         self.reporter.note(
             f"snapshot {info.snapshot_name} taken at {format_lsn(info.consistent_point)} "
             f"(temporary slot {info.slot_name})"
@@ -297,10 +318,10 @@ class InitialCopy:
         for p in plans.values():
             if not p.binary:
                 self.reporter.note(f"{p.relname}: text format ({p.text_reason})")
-        self.tasks = partition_tasks(
+        self.tasks = _ordered(partition_tasks(
             list(plans.values()), subid=self.subid, snapshot=self.slot.snapshot,
             run_as_owner=self.sub is not None and self.sub.subrunasowner,
-        )  # fmt: skip
+        ), self.weights)  # fmt: skip
         return self.tasks
 
     # 4 ----------------------------------------------------------------------------------------------------------
@@ -389,7 +410,7 @@ class InitialCopy:
         if not self._reporting:
             self._reporting = True
             self.reporter.start(
-                {name: {i: t.pages for i, t in enumerate(self._tasks_of(name))} for name in self.plans}
+                {name: {i: t.pages for i, t in enumerate(_tasks_of(self.tasks, name))} for name in self.plans}
             )
 
     def _job_thread(self, session: Any, tasks: list[PartitionTask], tag: str,
@@ -457,9 +478,6 @@ class InitialCopy:
                 f"initial copy finished without every partition of: {', '.join(missing)}", relation=unfinished
             )
 
-    def _tasks_of(self, relname: str) -> list[PartitionTask]:
-        return sorted((t for t in self.tasks if t.relname == relname), key=lambda t: t.part)
-
     # 6 ----------------------------------------------------------------------------------------------------------
     def complete(self) -> CopyResult:
         """Every copied table to ``s`` with LSN Y, markers removed, in one transaction."""
@@ -495,10 +513,12 @@ class InitialCopy:
         )  # fmt: skip
 
     def close(self) -> None:
-        """Close the snapshot connection: the snapshot ends and the temporary slot is dropped."""
-        if self.slot is not None:
-            with contextlib.suppress(Exception):
-                self.slot.conn.close()
+        """Close the snapshot connection: the snapshot ends and a temporary slot is dropped (a given snapshot
+        that was not used is closed too: the caller handed it over)."""
+        for held in (self.slot, self.given_snapshot):
+            if held is not None:
+                with contextlib.suppress(Exception):
+                    held.conn.close()
         self.catalog.engine.dispose()
 
     # all --------------------------------------------------------------------------------------------------------
@@ -606,6 +626,21 @@ def _empty(raw: Any, plan: TablePlan) -> None:
 # over the steps. It calls each step on the copier, so a subclass's override of a step still applies.
 
 
+def _tasks_of(tasks: list[PartitionTask], relname: str) -> list[PartitionTask]:
+    return sorted((t for t in tasks if t.relname == relname), key=lambda t: t.part)
+
+
+def _ordered(tasks: list[PartitionTask], weights: Mapping[str, float] | None) -> list[PartitionTask]:
+    """The heaviest table's partitions first when ``weights`` are given (its later work, e.g. index builds, then
+    overlaps the copy of the others). The driver's streams (:class:`~tablesync.copy.HeadStart`) take tasks from the
+    *end* of the list (meant to take the smallest while a Spark job takes the biggest), so the order is reversed
+    here; a Spark job packs the tasks by size itself and ignores it."""
+    if weights is None:
+        return tasks
+    first = sorted(tasks, key=lambda t: (-weights.get(t.relname, 0.0), t.relname, t.part))
+    return first[::-1]
+
+
 def _copy_at_snapshot(
     copier: InitialCopy, spark_master: str | None, spark_conf: dict[str, str]
 ) -> CopyResult:
@@ -613,8 +648,10 @@ def _copy_at_snapshot(
     would add nothing, on Spark for what is left."""
     # The driver copies while a local Spark starts (tablesync.copy.HeadStart): on one machine its processes
     # and Spark's local executors share the same cores anyway; a cluster does the copying.
-    default_streams = "2" if spark_job.runs_locally(spark_master) else "0"
-    streams = int(os.environ.get("APPLIER_TABLESYNC_HEAD_START", default_streams) or 0)
+    default_streams = copier.head_start_streams
+    if default_streams is None:
+        default_streams = 2 if spark_job.runs_locally(spark_master) else 0
+    streams = int(os.environ.get("APPLIER_TABLESYNC_HEAD_START", str(default_streams)) or 0)
     # A local Spark that would run no more tasks at once than the driver's streams adds nothing but its
     # start-up (several CPU-seconds of JVM on the cores the copy needs): it is started only if the driver
     # leaves partitions over (one failed), to copy those.

@@ -40,7 +40,16 @@ from applier.migrate.steps import CUTOVER_KINDS, StepKind
 #: The cutover's steps that its switch runs (the refresh runs before the verification, :mod:`.matviews`).
 _SWITCH_KINDS = (StepKind.CUTOVER_IDENTITY, StepKind.CUTOVER_EVENT_TRIGGER)
 
-__all__ = ["CutoverOptions", "abort", "cutover", "drop_slot", "dumps", "format_status", "status"]
+__all__ = [
+    "CutoverOptions",
+    "abort",
+    "cutover",
+    "drop_slot",
+    "dumps",
+    "format_status",
+    "ready_for_cutover",
+    "status",
+]
 
 
 def _require(target: psycopg.Connection[Any], name: str) -> store.Migration:
@@ -68,14 +77,7 @@ def status(target_conninfo: str, name: str) -> dict[str, Any]:
         ]
         done, total = store.post_data_progress(target, name, CUTOVER_KINDS)
         sub = _subscription(target, m)
-        origin = None
-        if sub is not None:
-            row = target.execute(
-                "SELECT pg_replication_origin_progress(roname, false)::text FROM pg_replication_origin"
-                " WHERE roname = %s",
-                (origin_name(sub[0]),),
-            ).fetchone()
-            origin = row[0] if row else None
+        origin = _applied(target, sub[0]) if sub is not None else None
         carried = carrying.prepared_on_target(target, sub[0]) if sub is not None else []
         deferred = store.steps_to_run(target, name, _SWITCH_KINDS) if m.phase == "done" else []
         pending = [s for step in deferred for s in step.statements]
@@ -104,26 +106,62 @@ def _add_lag(
     cost now, into ``doc``; a source that cannot be reached is ``source_error``, the lag staying unknown."""
     try:
         with psycopg.connect(m.source, autocommit=True, connect_timeout=5) as src:
-            current = src.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]  # type: ignore[index]
-            row = src.execute(
-                "SELECT (pg_current_wal_lsn() - coalesce(r.replay_lsn, s.confirmed_flush_lsn))::bigint,"
-                " extract(epoch FROM r.replay_lag)::float8"
-                " FROM pg_replication_slots s LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid"
-                " WHERE s.slot_name = %s",
-                (sub[1],),
-            ).fetchone()
+            doc["lag_bytes"], seconds = _source_lag(src, sub[1], origin_lsn)
     except psycopg.Error as exc:
         doc["source_error"] = str(exc).strip()
         return
-    applied = max(parse_lsn(origin_lsn) if origin_lsn else 0, 0)
-    lag = row[0] if row and row[0] is not None else parse_lsn(current) - applied
-    doc["lag_bytes"] = max(int(lag), 0)
-    if row and row[1] is not None:
-        doc["lag_seconds"] = row[1]
+    if seconds is not None:
+        doc["lag_seconds"] = seconds
     elif doc["lag_bytes"] == 0:
         doc["lag_seconds"] = 0.0
     doc["cutover_estimate"] = _cutover_estimate(target_conninfo, m, origin_name(sub[0]), doc)
     doc["cutover_estimate_seconds"] = (doc["cutover_estimate"] or {}).get("total")
+
+
+def _applied(target: psycopg.Connection[Any], subid: int) -> str | None:
+    """How far the subscription's stream has been applied (its replication origin's progress), if it has begun."""
+    row = target.execute(
+        "SELECT pg_replication_origin_progress(roname, false)::text FROM pg_replication_origin WHERE roname = %s",
+        (origin_name(subid),),
+    ).fetchone()
+    return row[0] if row else None
+
+
+def _source_lag(src: psycopg.Connection[Any], slot: str, applied: str | None) -> tuple[int, float | None]:
+    """The lag in bytes and, when the walsender reports it, in seconds: the source's position against its slot's
+    (the worker's reply), or against ``applied`` (the origin's) when the slot has no row."""
+    current = src.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]  # type: ignore[index]
+    row = src.execute(
+        "SELECT (pg_current_wal_lsn() - coalesce(r.replay_lsn, s.confirmed_flush_lsn))::bigint,"
+        " extract(epoch FROM r.replay_lag)::float8"
+        " FROM pg_replication_slots s LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid"
+        " WHERE s.slot_name = %s",
+        (slot,),
+    ).fetchone()
+    lag = (
+        row[0]
+        if row and row[0] is not None
+        else parse_lsn(current) - max(parse_lsn(applied) if applied else 0, 0)
+    )
+    return max(int(lag), 0), (row[1] if row else None)
+
+
+def ready_for_cutover(
+    target: psycopg.Connection[Any], source: psycopg.Connection[Any], name: str, *, caught_up: int
+) -> int | None:
+    """The lag in bytes when ``start --cutover`` may cut over now: the migration follows, every table is ready
+    (``r``) and the lag is at most ``caught_up``; None while not. The target is read first and the source (the
+    caller's connection, kept open between looks) only once the target is ready: :func:`status` opens a new
+    source connection and samples the apply rate for its estimate, which a look every second does not need."""
+    m = store.load(target, name)
+    if m is None or m.phase != "following":
+        return None
+    states = [r[1] for r in target.execute(catalog_sql.SUBSCRIPTION_TABLE_PROGRESS, (m.subname,))]
+    sub = _subscription(target, m)
+    if not states or any(s != "r" for s in states) or sub is None:
+        return None
+    lag, _ = _source_lag(source, sub[1], _applied(target, sub[0]))
+    return lag if lag <= caught_up else None
 
 
 #: ``status`` samples the apply rate over this long, when the lag is over :data:`SAMPLE_OVER_BYTES`.
