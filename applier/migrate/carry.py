@@ -58,12 +58,21 @@ def prepared_on_target(target: psycopg.Connection[Any], subid: int) -> list[str]
 
 
 def source_prepared(src: psycopg.Connection[Any]) -> list[str]:
-    return [r[0] for r in src.execute(
-        "SELECT gid FROM pg_prepared_xacts WHERE database = current_database() ORDER BY prepared, gid")]  # fmt: skip
+    return [
+        r[0]
+        for r in src.execute(
+            "SELECT gid FROM pg_prepared_xacts WHERE database = current_database() ORDER BY prepared, gid"
+        )
+    ]
 
 
-def settle(target: psycopg.Connection[Any], src: psycopg.Connection[Any], subid: int, left: Callable[[], float],
-           wait_applied: Callable[[str], None]) -> list[str]:  # fmt: skip
+def settle(
+    target: psycopg.Connection[Any],
+    src: psycopg.Connection[Any],
+    subid: int,
+    left: Callable[[], float],
+    wait_applied: Callable[[str], None],
+) -> list[str]:
     """The GIDs carried: prepared on the source and on the target alike, once the target has applied the end position.
 
     Fenced, the source prepares nothing new (its sessions were ended), so a GID prepared there but not on the target
@@ -110,24 +119,31 @@ def locked_by_prepared(target: psycopg.Connection[Any], relnames: list[str]) -> 
     return bool(row and row[0])
 
 
-def finish_on_source(src: psycopg.Connection[Any], carried: list[str], slot_gone: bool,
-                     say: Callable[[str], None]) -> None:  # fmt: skip
+def finish_on_source(
+    src: psycopg.Connection[Any], carried: list[str], slot_gone: bool, say: Callable[[str], None]
+) -> None:
     """Roll back the source's copies of the carried transactions (see the module's docstring), only once the slot is
     gone: while something may still decode the source, its ROLLBACK PREPARED would reach the target too."""
     commands = [sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(g)).as_string(src) for g in carried]
     if not slot_gone:
-        say("WARNING: the source's copies of the carried transactions were left prepared because its slot is still "
-            "in use; once it is dropped, run on the source: " + "; ".join(commands))  # fmt: skip
+        say(
+            "WARNING: the source's copies of the carried transactions were left prepared because its slot is still "
+            "in use; once it is dropped, run on the source: " + "; ".join(commands)
+        )
         return
     for gid, command in zip(carried, commands, strict=True):
         try:
             src.execute(command)
         except psycopg.errors.UndefinedObject:
-            say(f"WARNING: prepared transaction {gid} was decided on the source after the end position; its copy on "
-                "the target is still prepared: decide it on the target the same way")  # fmt: skip
+            say(
+                f"WARNING: prepared transaction {gid} was decided on the source after the end position; its copy on "
+                "the target is still prepared: decide it on the target the same way"
+            )
         except psycopg.Error as exc:
-            say(f"WARNING: could not roll back the source's copy of {gid} ({str(exc).strip()}); run on the source: "
-                f"{command}")  # fmt: skip
+            say(
+                f"WARNING: could not roll back the source's copy of {gid} ({str(exc).strip()}); run on the source: "
+                f"{command}"
+            )
     say(f"prepared: the source's copies of {len(carried)} carried transaction(s) rolled back there")
 
 
@@ -139,6 +155,8 @@ def after_cutover_lines(carried: list[str], deferred: list[str]) -> list[str]:
         for g in carried
     ]
     if deferred:
-        lines.append("identity columns stay BY DEFAULT on tables the carried transactions lock; once they are "
-                     "decided run on the target (applier migrate status --json lists them): " + "; ".join(deferred))  # fmt: skip
+        lines.append(
+            "identity columns stay BY DEFAULT on tables the carried transactions lock; once they are "
+            "decided run on the target (applier migrate status --json lists them): " + "; ".join(deferred)
+        )
     return lines

@@ -115,10 +115,14 @@ def _start(args: argparse.Namespace, target: str) -> int:
             "lower case letters, digits and underscores"
         )
     opts = StartOptions(
-        name=args.name, source=args.source, target=target,
+        name=args.name,
+        source=args.source,
+        target=target,
         selection=Selection.of(args.schema, args.table, args.exclude_table),
-        table_jobs=args.table_jobs, index_jobs=args.index_jobs, cutover=args.cutover,
-    )  # fmt: skip
+        table_jobs=args.table_jobs,
+        index_jobs=args.index_jobs,
+        cutover=args.cutover,
+    )
     return start(opts, _say)
 
 

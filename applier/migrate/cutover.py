@@ -82,13 +82,22 @@ def status(target_conninfo: str, name: str) -> dict[str, Any]:
         deferred = store.steps_to_run(target, name, _SWITCH_KINDS) if m.phase == "done" else []
         pending = [s for step in deferred for s in step.statements]
     doc: dict[str, Any] = {
-        "name": name, "phase": m.phase, "source": m.source, "selection": m.selection, "tables": tables,
-        "post_data": {"done": done, "total": total}, "times": m.times, "error": m.error,
-        "lag_bytes": None, "lag_seconds": None, "cutover_estimate_seconds": None,
+        "name": name,
+        "phase": m.phase,
+        "source": m.source,
+        "selection": m.selection,
+        "tables": tables,
+        "post_data": {"done": done, "total": total},
+        "times": m.times,
+        "error": m.error,
+        "lag_bytes": None,
+        "lag_seconds": None,
+        "cutover_estimate_seconds": None,
         # the subscription's transactions prepared on the target: after a cutover --prepared carry, the carried ones,
         # for the application to finish there; and the identity steps that wait for them
-        "prepared_on_target": carried, "pending_statements": pending,
-    }  # fmt: skip
+        "prepared_on_target": carried,
+        "pending_statements": pending,
+    }
     if sub is not None and m.phase not in ("done", "schema"):
         _add_lag(doc, target_conninfo, m, sub, origin_lsn=origin)
     return doc
@@ -191,8 +200,15 @@ def _cutover_estimate(
             after = target.execute(progress, (origin, origin)).fetchone()
             if before and after and before[0] is not None and after[0] is not None:
                 rate = float(after[0] - before[0]) / SAMPLE_SECONDS
-    inputs = estimate.Inputs(doc["lag_bytes"], doc["lag_seconds"], rate, int(sequences), int(tables),
-                             int(los) if largeobjects.selected(m.selection) else 0, int(matviews))  # fmt: skip
+    inputs = estimate.Inputs(
+        doc["lag_bytes"],
+        doc["lag_seconds"],
+        rate,
+        int(sequences),
+        int(tables),
+        int(los) if largeobjects.selected(m.selection) else 0,
+        int(matviews),
+    )
     return estimate.cutover_seconds(inputs)
 
 
@@ -259,8 +275,9 @@ def _check_ahead_of_column(
         )
     ).fetchone()[0]  # type: ignore[index]
     if top is not None and (following <= top if inc > 0 else following >= top):
-        raise MigrationError(f"sequence {seq} would next give {following}, but {table}.{column} "
-                             f"already holds {top}")  # fmt: skip
+        raise MigrationError(
+            f"sequence {seq} would next give {following}, but {table}.{column} already holds {top}"
+        )
 
 
 @dataclass
@@ -282,13 +299,21 @@ class _Cutover:
     def left(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
 
-    def wait_applied(self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], origin: str, slot: str,
-                     endpos: str) -> None:  # fmt: skip
+    def wait_applied(
+        self,
+        target: psycopg.Connection[Any],
+        src: psycopg.Connection[Any],
+        origin: str,
+        slot: str,
+        endpos: str,
+    ) -> None:
         """Until the target has applied the source up to ``endpos`` (:func:`applier.verify.wait_applied`), within
         the cutover's timeout."""
         if not verify.wait_applied(target, src, origin, slot, endpos, timeout=self.left()):
-            raise MigrationError(f"the target did not apply the source's changes up to {endpos} in time "
-                                 "(is applier migrate start running?)")  # fmt: skip
+            raise MigrationError(
+                f"the target did not apply the source's changes up to {endpos} in time "
+                "(is applier migrate start running?)"
+            )
 
     def sequences(
         self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], m: store.Migration
@@ -297,9 +322,13 @@ class _Cutover:
         from applier.migrate.selection import Selection
 
         sel = Selection.of(m.selection["schemas"], m.selection["tables"], m.selection["exclude_tables"])
-        seqs = [r[0] for r in src.execute(
-            "SELECT format('%I.%I', schemaname, sequencename), schemaname FROM pg_sequences ORDER BY 1")
-            if sel.covers_schema(r[1])]  # fmt: skip
+        seqs = [
+            r[0]
+            for r in src.execute(
+                "SELECT format('%I.%I', schemaname, sequencename), schemaname FROM pg_sequences ORDER BY 1"
+            )
+            if sel.covers_schema(r[1])
+        ]
         owned = {r[0]: (r[1], r[2]) for r in src.execute(_OWNED_SEQUENCES)}
         with target.transaction():
             for seq in seqs:
@@ -307,7 +336,7 @@ class _Cutover:
                     sql.SQL(
                         "SELECT last_value, is_called, (SELECT seqincrement FROM pg_sequence WHERE seqrelid = "
                         "{}::regclass) FROM {}"
-                    ).format(sql.Literal(seq), sql.SQL(seq))  # fmt: skip
+                    ).format(sql.Literal(seq), sql.SQL(seq))
                 ).fetchone()  # type: ignore[misc]
                 if target.execute("SELECT to_regclass(%s)", (seq,)).fetchone()[0] is None:  # type: ignore[index]
                     continue  # a sequence of a table not migrated
@@ -351,8 +380,15 @@ class _Cutover:
             raise MigrationError("verification failed: " + verify.format_report(report).replace("\n", "; "))
         self.say("verify: every table equal (checksums)")
 
-    def switch(self, target: psycopg.Connection[Any], m: store.Migration, subid: int, fenced_at: float,
-               carried: list[str], deferred: list[str]) -> float:  # fmt: skip
+    def switch(
+        self,
+        target: psycopg.Connection[Any],
+        m: store.Migration,
+        subid: int,
+        fenced_at: float,
+        carried: list[str],
+        deferred: list[str],
+    ) -> float:
         """One target transaction: identity columns back to ``ALWAYS`` (those on tables a carried prepared
         transaction locks are left for later, into ``deferred``: the ``ACCESS EXCLUSIVE`` lock would wait for it),
         then the event triggers (last: they would fire on the DDL before them; after a deferred statement, deferred
@@ -403,8 +439,10 @@ class _Cutover:
         succeed: not following yet, GIDs that cannot be carried, a new server that cannot be reversed."""
         m = _require(target, self.opts.name)
         if m.phase != "following":
-            raise MigrationError(f'migration "{m.name}" is in phase {m.phase}: a cutover needs phase following '
-                                 "(post-data complete, the apply loop running)")  # fmt: skip
+            raise MigrationError(
+                f'migration "{m.name}" is in phase {m.phase}: a cutover needs phase following '
+                "(post-data complete, the apply loop running)"
+            )
         sub = _subscription(target, m)
         assert sub is not None
         if self.opts.prepared == "carry":
@@ -413,8 +451,14 @@ class _Cutover:
             reversing.check_new_server(target, m.name)
         return m, sub
 
-    def _fence_and_switch(self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], m: store.Migration,
-                          sub: tuple[int, str], progress: _Progress) -> float:  # fmt: skip
+    def _fence_and_switch(
+        self,
+        target: psycopg.Connection[Any],
+        src: psycopg.Connection[Any],
+        m: store.Migration,
+        sub: tuple[int, str],
+        progress: _Progress,
+    ) -> float:
         """Everything between the fence and ``done``, in order; any exception leaves it to :meth:`_back_out`
         (``progress`` tells it how far this got). Returns the write downtime."""
         fenced_at = self._fence(src)
@@ -449,12 +493,19 @@ class _Cutover:
         if opts.prepared == "wait":
             open_gids = fencing.wait_prepared(src, self.deadline, self.say)
             if open_gids:
-                raise MigrationError(f"{len(open_gids)} prepared transaction(s) on the source were not "
-                                     f"decided within the timeout: {', '.join(open_gids[:5])}")  # fmt: skip
+                raise MigrationError(
+                    f"{len(open_gids)} prepared transaction(s) on the source were not "
+                    f"decided within the timeout: {', '.join(open_gids[:5])}"
+                )
         return fenced_at
 
-    def _catch_up(self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], sub: tuple[int, str],
-                  progress: _Progress) -> None:  # fmt: skip
+    def _catch_up(
+        self,
+        target: psycopg.Connection[Any],
+        src: psycopg.Connection[Any],
+        sub: tuple[int, str],
+        progress: _Progress,
+    ) -> None:
         """Wait until the target has applied the fenced source's last position (``--prepared carry``: and its
         prepared transactions are prepared on the target, into ``progress.carried``)."""
         origin = origin_name(sub[0])
@@ -462,13 +513,24 @@ class _Cutover:
         self.say(f"end position {endpos}: waiting for the target to apply it")
         self.wait_applied(target, src, origin, sub[1], endpos)
         if self.opts.prepared == "carry":
-            progress.carried = carrying.settle(target, src, sub[0], self.left,
-                                               lambda pos: self.wait_applied(target, src, origin, sub[1], pos))  # fmt: skip
+            progress.carried = carrying.settle(
+                target,
+                src,
+                sub[0],
+                self.left,
+                lambda pos: self.wait_applied(target, src, origin, sub[1], pos),
+            )
             self.say(carrying.carried_message(progress.carried))
 
     @staticmethod
-    def _back_out(target: psycopg.Connection[Any], src: psycopg.Connection[Any], m: store.Migration, error: str,
-                  *, reversed_: bool) -> None:  # fmt: skip
+    def _back_out(
+        target: psycopg.Connection[Any],
+        src: psycopg.Connection[Any],
+        m: store.Migration,
+        error: str,
+        *,
+        reversed_: bool,
+    ) -> None:
         """After a failure before ``done``: undo the reverse subscription if one was made, unfence the source, and
         put the migration back to ``following`` with the error; each step is tried even if one before failed."""
         if reversed_:
@@ -512,8 +574,10 @@ def drop_slot(
 
     done = slots.drop_when_idle(look, drop, patience=patience, poll=0.1)
     if done.holder is not None:
-        say(f"WARNING: slot {slot} is still in use on the source; drop it once start has stopped: "
-            f"SELECT pg_drop_replication_slot('{slot}')")  # fmt: skip
+        say(
+            f"WARNING: slot {slot} is still in use on the source; drop it once start has stopped: "
+            f"SELECT pg_drop_replication_slot('{slot}')"
+        )
     return done.holder is None
 
 

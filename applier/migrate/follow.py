@@ -105,8 +105,9 @@ class Follower:
             while not finished.wait(1.0):
                 try:
                     self._connect(conns)
-                    lag = ready_for_cutover(conns["target"], conns["source"], self.opts.name,
-                                            caught_up=CAUGHT_UP_BYTES)  # fmt: skip
+                    lag = ready_for_cutover(
+                        conns["target"], conns["source"], self.opts.name, caught_up=CAUGHT_UP_BYTES
+                    )
                 except Exception:  # noqa: BLE001 - a server may be restarting: try again
                     _close_all(conns)
                     continue

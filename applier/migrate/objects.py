@@ -118,10 +118,15 @@ ORDER BY 1, 2, 3
 #: the steps (of postdata and partitions) that may make a commented object, in the order tried
 _MAKERS = {
     "INDEX": (StepKind.INDEX, StepKind.PARTITIONED_INDEX),
-    "CONSTRAINT": (StepKind.ATTACH, StepKind.CONSTRAINT, StepKind.FK, StepKind.PARTITIONED_CONSTRAINT,
-                   StepKind.PARTITIONED_FK),
+    "CONSTRAINT": (
+        StepKind.ATTACH,
+        StepKind.CONSTRAINT,
+        StepKind.FK,
+        StepKind.PARTITIONED_CONSTRAINT,
+        StepKind.PARTITIONED_FK,
+    ),
     "TRIGGER": (StepKind.TRIGGER, StepKind.PARTITIONED_TRIGGER),
-}  # fmt: skip
+}
 
 #: what :func:`_rules`, :func:`_policies` and :func:`_statistics` make: a step's kind, subject and statements
 _Made = tuple[StepKind, str, tuple[str, ...]]
@@ -150,8 +155,11 @@ def _rules(src: psycopg.Connection[Any], rels: list[int]) -> list[_Made]:
     for table, name, ruledef, enabled, comment in src.execute(_RULES, (rels,)):
         statements = [ruledef]
         if enabled in _RULE_STATE:
-            statements.append(sql.SQL("ALTER TABLE {} {} {}").format(sql.SQL(table), sql.SQL(_RULE_STATE[enabled]),
-                                                                     sql.Identifier(name)).as_string(src))  # fmt: skip
+            statements.append(
+                sql.SQL("ALTER TABLE {} {} {}")
+                .format(sql.SQL(table), sql.SQL(_RULE_STATE[enabled]), sql.Identifier(name))
+                .as_string(src)
+            )
         rule = sql.SQL("RULE {} ON {}").format(sql.Identifier(name), sql.SQL(table))
         out.append((StepKind.RULE, f"{table}.{name}", (*statements, *_comment(src, rule, comment))))
     return out
@@ -194,14 +202,16 @@ def _statistics(src: psycopg.Connection[Any], rels: list[int]) -> list[_Made]:
                     sql.SQL("ALTER ") + stat + sql.SQL(" SET STATISTICS {}").format(sql.Literal(target))
                 ).as_string(src)
             )
-        statements.append((sql.SQL("ALTER ") + stat + sql.SQL(" OWNER TO {}").format(sql.Identifier(owner))
-                           ).as_string(src))  # fmt: skip
+        statements.append(
+            (sql.SQL("ALTER ") + stat + sql.SQL(" OWNER TO {}").format(sql.Identifier(owner))).as_string(src)
+        )
         out.append((StepKind.STATISTICS, name, (*statements, *_comment(src, stat, comment))))
     return out
 
 
-def _cluster(src: psycopg.Connection[Any], rels: list[int], tables: Sequence[str], built: dict[str, Step]
-             ) -> list[Step]:  # fmt: skip
+def _cluster(
+    src: psycopg.Connection[Any], rels: list[int], tables: Sequence[str], built: dict[str, Step]
+) -> list[Step]:
     """``ALTER TABLE … CLUSTER ON`` of each migrated table's clustered index, after the step that builds the index;
     ``ALTER MATERIALIZED VIEW … CLUSTER ON`` (as pg_dump writes it) of a view's, after the step that builds the
     views' indexes (:mod:`applier.migrate.matviews`), waiting for the tables that step waits for."""
@@ -222,8 +232,15 @@ def _cluster(src: psycopg.Connection[Any], rels: list[int], tables: Sequence[str
         statement = sql.SQL("ALTER {} {} CLUSTER ON {}").format(
             sql.SQL(what), sql.SQL(table), sql.Identifier(index_name)
         )
-        out.append(Step.of(StepKind.CLUSTER, table, relnames or built[after[0]].relnames, after,
-                           (statement.as_string(src),)))  # fmt: skip
+        out.append(
+            Step.of(
+                StepKind.CLUSTER,
+                table,
+                relnames or built[after[0]].relnames,
+                after,
+                (statement.as_string(src),),
+            )
+        )
     return out
 
 
@@ -244,8 +261,15 @@ def _comments(src: psycopg.Connection[Any], rels: list[int], built: dict[str, St
             else sql.SQL("{} ON {}").format(sql.Identifier(name), sql.SQL(table))
         )
         statement = sql.SQL("COMMENT ON {} {} IS {}").format(sql.SQL(what), target, sql.Literal(text))
-        out.append(Step.of(StepKind.COMMENT, f"{what.lower()} {table}.{name}", built[after[0]].relnames,
-                           tuple(after), (statement.as_string(src),)))  # fmt: skip
+        out.append(
+            Step.of(
+                StepKind.COMMENT,
+                f"{what.lower()} {table}.{name}",
+                built[after[0]].relnames,
+                tuple(after),
+                (statement.as_string(src),),
+            )
+        )
     return out
 
 
@@ -290,9 +314,15 @@ def event_triggers(src: psycopg.Connection[Any]) -> list[Step]:
             statements.append(
                 (sql.SQL("ALTER ") + trigger + sql.SQL(" " + _EVENT_STATE[enabled])).as_string(src)
             )
-        statements.append((sql.SQL("ALTER ") + trigger + sql.SQL(" OWNER TO {}").format(sql.Identifier(owner))
-                           ).as_string(src))  # fmt: skip
+        statements.append(
+            (sql.SQL("ALTER ") + trigger + sql.SQL(" OWNER TO {}").format(sql.Identifier(owner))).as_string(
+                src
+            )
+        )
         statements += _comment(src, trigger, comment)
-        out.append(Step.of(StepKind.CUTOVER_EVENT_TRIGGER, name, (), (), tuple(statements),
-                           EVENT_TRIGGER_ORD + len(out)))  # fmt: skip
+        out.append(
+            Step.of(
+                StepKind.CUTOVER_EVENT_TRIGGER, name, (), (), tuple(statements), EVENT_TRIGGER_ORD + len(out)
+            )
+        )
     return out

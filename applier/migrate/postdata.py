@@ -238,8 +238,13 @@ def _index_steps(
     return replident
 
 
-def _constraint_steps(conn: psycopg.Connection[Any], tables: Sequence[str], steps: list[Step], notes: list[LeftOut],
-                      keys: dict[str, list[str]]) -> None:  # fmt: skip
+def _constraint_steps(
+    conn: psycopg.Connection[Any],
+    tables: Sequence[str],
+    steps: list[Step],
+    notes: list[LeftOut],
+    keys: dict[str, list[str]],
+) -> None:
     """The other constraints' steps, into ``steps``: a foreign key added ``NOT VALID`` once the key it references
     is attached, then validated if it was valid on the source; one to a table not migrated is left out, into
     ``notes``."""
@@ -247,22 +252,37 @@ def _constraint_steps(conn: psycopg.Connection[Any], tables: Sequence[str], step
     for table, reftable, conname, contype, validated, condef in conn.execute(_CONSTRAINTS, (list(tables),)):
         add = (_alter(table) + sql.SQL("ADD CONSTRAINT {} ").format(sql.Identifier(conname))).as_string(conn)
         if contype != "f":
-            steps.append(Step.of(StepKind.CONSTRAINT, f"{table}.{conname}", (table,), (), (add + condef,),
-                                 len(steps)))  # fmt: skip
+            steps.append(
+                Step.of(StepKind.CONSTRAINT, f"{table}.{conname}", (table,), (), (add + condef,), len(steps))
+            )
             continue
         if reftable not in selected:
             notes.append(LeftOut(conname, table, reftable))
             continue
         not_valid = condef if condef.endswith("NOT VALID") else condef + " NOT VALID"
-        fk = Step.of(StepKind.FK, f"{table}.{conname}", (table, reftable), tuple(keys.get(reftable, ())),
-                     (add + not_valid,), len(steps))  # fmt: skip
+        fk = Step.of(
+            StepKind.FK,
+            f"{table}.{conname}",
+            (table, reftable),
+            tuple(keys.get(reftable, ())),
+            (add + not_valid,),
+            len(steps),
+        )
         steps.append(fk)
         if validated:
             validate = (
                 _alter(table) + sql.SQL("VALIDATE CONSTRAINT {}").format(sql.Identifier(conname))
             ).as_string(conn)
-            steps.append(Step.of(StepKind.VALIDATE, f"{table}.{conname}", (table, reftable), (fk.step,), (validate,),
-                                 len(steps)))  # fmt: skip
+            steps.append(
+                Step.of(
+                    StepKind.VALIDATE,
+                    f"{table}.{conname}",
+                    (table, reftable),
+                    (fk.step,),
+                    (validate,),
+                    len(steps),
+                )
+            )
 
 
 #: A step cancelled by PostgreSQL's deadlock detector is run again (after the other transaction went on).

@@ -51,8 +51,10 @@ def check_new_server(target: psycopg.Connection[Any], migration: str) -> None:
         " - (SELECT count(*) FROM pg_replication_slots)"
     ).fetchone()  # type: ignore[misc]
     if wal_level != "logical":
-        raise MigrationError(f"--reverse needs wal_level = logical on the new server (the target), not {wal_level}: "
-                             "set it and restart the target, or cut over without --reverse")  # fmt: skip
+        raise MigrationError(
+            f"--reverse needs wal_level = logical on the new server (the target), not {wal_level}: "
+            "set it and restart the target, or cut over without --reverse"
+        )
     if free < 1:
         raise MigrationError(
             "--reverse needs a free replication slot on the new server (max_replication_slots)"
@@ -93,25 +95,41 @@ def new_server_conninfo(target: psycopg.Connection[Any]) -> str:
     return make_conninfo("", **params)
 
 
-def create(target: psycopg.Connection[Any], src: psycopg.Connection[Any], migration: str, tables: list[str],
-           say: Callable[[str], None]) -> None:  # fmt: skip
+def create(
+    target: psycopg.Connection[Any],
+    src: psycopg.Connection[Any],
+    migration: str,
+    tables: list[str],
+    say: Callable[[str], None],
+) -> None:
     """Publication and slot on the new server, then the old server's subscription on that slot (see the module's
     docstring for why here and why so). ``tables`` are schema-qualified and quoted (``format('%I.%I')``)."""
     name = names(migration)
     ident = sql.Identifier(name)
-    target.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
-        ident, sql.SQL(", ").join(sql.SQL(t) for t in tables)))  # fmt: skip
+    target.execute(
+        sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
+            ident, sql.SQL(", ").join(sql.SQL(t) for t in tables)
+        )
+    )
     (lsn,) = target.execute(
         "SELECT lsn::text FROM pg_create_logical_replication_slot(%s, 'pgoutput')", (name,)
     ).fetchone()  # type: ignore[misc]
-    options = [sql.SQL("create_slot = false"), sql.SQL("copy_data = false"),
-               sql.SQL("slot_name = {}").format(sql.Literal(name))]  # fmt: skip
+    options = [
+        sql.SQL("create_slot = false"),
+        sql.SQL("copy_data = false"),
+        sql.SQL("slot_name = {}").format(sql.Literal(name)),
+    ]
     if src.info.server_version >= 160000:
         options.append(sql.SQL("origin = none"))
-    src.execute(sql.SQL("CREATE SUBSCRIPTION {} CONNECTION {} PUBLICATION {} WITH ({})").format(
-        ident, sql.Literal(new_server_conninfo(target)), ident, sql.SQL(", ").join(options)))  # fmt: skip
-    say(f"reverse: the old server follows the new one from {lsn} (subscription {name} on the old server; "
-        f"publication and slot {name} on the new one)")  # fmt: skip
+    src.execute(
+        sql.SQL("CREATE SUBSCRIPTION {} CONNECTION {} PUBLICATION {} WITH ({})").format(
+            ident, sql.Literal(new_server_conninfo(target)), ident, sql.SQL(", ").join(options)
+        )
+    )
+    say(
+        f"reverse: the old server follows the new one from {lsn} (subscription {name} on the old server; "
+        f"publication and slot {name} on the new one)"
+    )
 
 
 def undo(target: psycopg.Connection[Any], src: psycopg.Connection[Any], migration: str) -> None:

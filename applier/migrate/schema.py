@@ -58,8 +58,15 @@ def dump_pre_data(
     env = dict(os.environ)
     if password:
         env["PGPASSWORD"] = password
-    argv = [tools.pg_dump, "--section=pre-data", "--no-publications", "--no-subscriptions", "--extension=*",
-            "--dbname", make_conninfo("", **params)]  # fmt: skip
+    argv = [
+        tools.pg_dump,
+        "--section=pre-data",
+        "--no-publications",
+        "--no-subscriptions",
+        "--extension=*",
+        "--dbname",
+        make_conninfo("", **params),
+    ]
     if snapshot:
         argv.append(f"--snapshot={snapshot}")
     for s in schemas:

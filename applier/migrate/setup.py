@@ -169,15 +169,20 @@ class SetUp:
         for note in [*tables.skipped, *notes]:
             self.say(f"note: {note}")
         self.times["schema"] = time.monotonic() - started
-        self.say(f"pre-data restored with {tools.pg_dump} ({tools.major}); {len(steps)} post-data step(s) planned, "
-                 f"{los} large object(s) copied ({self.times['schema']:.1f}s)")  # fmt: skip
+        self.say(
+            f"pre-data restored with {tools.pg_dump} ({tools.major}); {len(steps)} post-data step(s) planned, "
+            f"{los} large object(s) copied ({self.times['schema']:.1f}s)"
+        )
 
     @staticmethod
     def _quoted(src: psycopg.Connection[Any], names: list[tuple[str, str]]) -> list[str]:
-        return [r[0] for r in src.execute(
-            "SELECT format('%%I.%%I', s, t) FROM unnest(%s::text[], %s::text[]) AS x(s, t)",
-            ([s for s, _ in names], [t for _, t in names]),
-        )]  # fmt: skip
+        return [
+            r[0]
+            for r in src.execute(
+                "SELECT format('%%I.%%I', s, t) FROM unnest(%s::text[], %s::text[]) AS x(s, t)",
+                ([s for s, _ in names], [t for _, t in names]),
+            )
+        ]
 
     def object_steps(
         self,
@@ -216,8 +221,16 @@ class SetUp:
             )
             self.target.execute(alter + sql.SQL("BY DEFAULT"))
             always = (alter + sql.SQL("ALWAYS")).as_string(self.target)
-            steps.append(Step.of(StepKind.CUTOVER_IDENTITY, f"{table}.{column}", (table,), (), (always,),
-                                 10_000 + len(steps)))  # fmt: skip
+            steps.append(
+                Step.of(
+                    StepKind.CUTOVER_IDENTITY,
+                    f"{table}.{column}",
+                    (table,),
+                    (),
+                    (always,),
+                    10_000 + len(steps),
+                )
+            )
         return steps
 
     def _source_major(self) -> int:
@@ -251,10 +264,19 @@ class SetUp:
                 catalog.delete_subscription(old.subid)
             two_phase, _ = initial_two_phase(True, True, False, has_tables=bool(tables))
             sub = catalog.create_subscription(
-                subname=m.subname, conninfo=m.source, publications=[m.publication], two_phase_state=two_phase.value,
-                streaming="on", binary=False, disable_on_error=False, origin="any", slot_name=m.slot, enabled=True,
-                copy_data=True, gid_format=self._gid_format(),
-            )  # fmt: skip
+                subname=m.subname,
+                conninfo=m.source,
+                publications=[m.publication],
+                two_phase_state=two_phase.value,
+                streaming="on",
+                binary=False,
+                disable_on_error=False,
+                origin="any",
+                slot_name=m.slot,
+                enabled=True,
+                copy_data=True,
+                gid_format=self._gid_format(),
+            )
             with catalog.engine.begin() as c:
                 for name in tables:
                     relid = c.exec_driver_sql("SELECT %(n)s::regclass::oid::int8", {"n": name}).scalar_one()
@@ -312,8 +334,14 @@ class SetUp:
             raise MigrationError("post-data could not finish: a step waits for a table that was not copied")
         return True
 
-    def _post_data_thread(self, m: store.Migration, steps: list[Step], cost: dict[str, float],
-                          copying: threading.Event, outcome: dict[str, Any]) -> threading.Thread:  # fmt: skip
+    def _post_data_thread(
+        self,
+        m: store.Migration,
+        steps: list[Step],
+        cost: dict[str, float],
+        copying: threading.Event,
+        outcome: dict[str, Any],
+    ) -> threading.Thread:
         """The post-data thread (not started): it runs the steps as their tables land while ``copying`` is set,
         and leaves in ``outcome`` whether all ran (``ok``), its error (which stops the copy too) and its time."""
 
@@ -322,9 +350,16 @@ class SetUp:
             try:
                 with psycopg.connect(self.opts.target, autocommit=True) as conn:
                     outcome["ok"] = postdata.run_steps(
-                        self.opts.target, m.name, steps, lambda: self.copied(conn), jobs=self.opts.index_jobs,
-                        copy_running=copying.is_set, stop=self.stop, say=self.say, cost=cost,
-                    )  # fmt: skip
+                        self.opts.target,
+                        m.name,
+                        steps,
+                        lambda: self.copied(conn),
+                        jobs=self.opts.index_jobs,
+                        copy_running=copying.is_set,
+                        stop=self.stop,
+                        say=self.say,
+                        cost=cost,
+                    )
             except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
                 outcome["error"] = exc
                 self.stop.set()
@@ -343,9 +378,16 @@ class SetUp:
             held = ExportedSnapshot(self.slot_conn, m.slot, self.snapshot_lsn or 0, self.snapshot)
         partition = int(os.environ.get("APPLIER_MIGRATE_PARTITION_BYTES", "0") or 0)
         kwargs: dict[str, Any] = {"partition_bytes": partition} if partition else {}
-        return InitialCopy(self.opts.target, m.subname, stop=self.stop, reporter=CopyProgress.for_setting(None),
-                           snapshot=held, weights=weights, head_start=max(1, self.opts.table_jobs),
-                           **kwargs)  # fmt: skip
+        return InitialCopy(
+            self.opts.target,
+            m.subname,
+            stop=self.stop,
+            reporter=CopyProgress.for_setting(None),
+            snapshot=held,
+            weights=weights,
+            head_start=max(1, self.opts.table_jobs),
+            **kwargs,
+        )
 
     # --- all --------------------------------------------------------------------------------------------------
     def run(self) -> store.Migration | int:
@@ -370,10 +412,13 @@ class SetUp:
                 self.pre_data(m, tables)
             else:
                 self.say("pre-data restored by an interrupted start; copying at a new snapshot")
-            quoted = [r[0] for r in self.target.execute(
-                "SELECT format('%%I.%%I', s, t) FROM unnest(%s::text[], %s::text[]) AS x(s, t)",
-                ([s for s, _ in tables.tables], [t for _, t in tables.tables]),
-            )]  # fmt: skip
+            quoted = [
+                r[0]
+                for r in self.target.execute(
+                    "SELECT format('%%I.%%I', s, t) FROM unnest(%s::text[], %s::text[]) AS x(s, t)",
+                    ([s for s, _ in tables.tables], [t for _, t in tables.tables]),
+                )
+            ]
             self.subscription(m, quoted)
             self.phase("copy", schema=time.monotonic() - started)
             m = self.migration()

@@ -94,8 +94,15 @@ class Step:
         object.__setattr__(self, "kind", StepKind(self.kind))
 
     @classmethod
-    def of(cls, kind: StepKind, subject: str, relnames: tuple[str, ...], after: tuple[str, ...],
-           statements: tuple[str, ...], ord: int = 0) -> Step:  # fmt: skip
+    def of(
+        cls,
+        kind: StepKind,
+        subject: str,
+        relnames: tuple[str, ...],
+        after: tuple[str, ...],
+        statements: tuple[str, ...],
+        ord: int = 0,
+    ) -> Step:
         """A new step, named by :func:`step_name`."""
         return cls(step_name(kind, subject), kind, relnames, after, statements, ord)
 

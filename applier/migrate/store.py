@@ -97,8 +97,14 @@ def register(conn: psycopg.Connection[Any], name: str, source: str, selection: d
     )
 
 
-def set_phase(conn: psycopg.Connection[Any], name: str, phase: str, *, seconds: dict[str, float] | None = None,
-              error: str | None = None) -> None:  # fmt: skip
+def set_phase(
+    conn: psycopg.Connection[Any],
+    name: str,
+    phase: str,
+    *,
+    seconds: dict[str, float] | None = None,
+    error: str | None = None,
+) -> None:
     """Move to ``phase`` (checked by :func:`applier.migrate.state.advance`) with ``error`` (None clears it);
     ``seconds`` are merged into the phases' times. The one way a phase changes."""
     with conn.transaction():

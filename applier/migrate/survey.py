@@ -99,8 +99,9 @@ _KINDS = {"p": "primary_key", "u": "unique", "f": "foreign_key", "c": "check", "
 
 
 def _read_only(conninfo: str, what: str) -> psycopg.Connection[Any]:
-    conn = psycopg.connect(conninfo, autocommit=False, connect_timeout=int(parse(conninfo, what).get(
-        "connect_timeout", "10")))  # fmt: skip
+    conn = psycopg.connect(
+        conninfo, autocommit=False, connect_timeout=int(parse(conninfo, what).get("connect_timeout", "10"))
+    )
     conn.execute("SET TRANSACTION READ ONLY")
     return conn
 
@@ -121,10 +122,16 @@ def gather_source(conninfo: str, selection: Selection) -> SourceFacts:
         for nsp, rel, kind in q(_CONSTRAINTS):
             if (nsp, rel) in covered:
                 constraints[_KINDS[kind]] += 1
-        sequences = [f"{r[0]}.{r[1]}" for r in q("SELECT schemaname, sequencename FROM pg_sequences ORDER BY 1, 2")
-                     if selection.covers_schema(r[0])]  # fmt: skip
-        matviews = [f"{r[0]}.{r[1]}" for r in q("SELECT schemaname, matviewname FROM pg_matviews ORDER BY 1, 2")
-                    if selection.covers_schema(r[0])]  # fmt: skip
+        sequences = [
+            f"{r[0]}.{r[1]}"
+            for r in q("SELECT schemaname, sequencename FROM pg_sequences ORDER BY 1, 2")
+            if selection.covers_schema(r[0])
+        ]
+        matviews = [
+            f"{r[0]}.{r[1]}"
+            for r in q("SELECT schemaname, matviewname FROM pg_matviews ORDER BY 1, 2")
+            if selection.covers_schema(r[0])
+        ]
         roles = _source_roles(conn, selection, covered)
         facts = SourceFacts(
             version_num=int(_setting(conn, "server_version_num")),
@@ -134,7 +141,7 @@ def gather_source(conninfo: str, selection: Selection) -> SourceFacts:
             max_wal_senders=int(_setting(conn, "max_wal_senders")),
             wal_senders_used=int(
                 q("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'walsender'").fetchone()[0]
-            ),  # type: ignore[index]  # fmt: skip
+            ),  # type: ignore[index]
             schemas=chosen.schemas,
             tables=tables,
             indexes=indexes,
@@ -169,7 +176,7 @@ def _source_tables(conn: psycopg.Connection[Any], covered: set[tuple[str, str]])
             int(r[11]),
             int(r[12]),
             r[13],
-        )  # fmt: skip
+        )
         for r in conn.execute(_TABLES)
         if (r[0], r[1]) in covered
     ]
@@ -186,7 +193,7 @@ def _source_indexes(conn: psycopg.Connection[Any], covered: set[tuple[str, str]]
             "unique": r[5],
             "bytes": int(r[6]),
             "constraint": r[7],
-        }  # fmt: skip
+        }
         for r in conn.execute(_INDEXES)
         if (r[0], r[1]) in covered
     ]
@@ -260,9 +267,13 @@ def gather_target(conninfo: str, tables: Sequence[TableFacts]) -> TargetFacts:
         avail: dict[str, list[str]] = {}
         for name, version in q("SELECT name, version FROM pg_available_extension_versions"):
             avail.setdefault(name, []).append(version)
-        existing = {f"{r[0]}.{r[1]}" for r in q(
-            "SELECT n.nspname, c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
-            " WHERE c.relkind IN ('r', 'p')")}  # fmt: skip
+        existing = {
+            f"{r[0]}.{r[1]}"
+            for r in q(
+                "SELECT n.nspname, c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+                " WHERE c.relkind IN ('r', 'p')"
+            )
+        }
         facts = TargetFacts(
             version_num=int(_setting(conn, "server_version_num")),
             max_prepared_transactions=int(_setting(conn, "max_prepared_transactions")),
