@@ -5,7 +5,7 @@ message while the reader keeps up (ReplicationConnection's receive buffer). So a
 middle of a remote transaction (the walsender is still sending it: it only sends committed ones, or a streamed
 chunk), or after a read of at least ``after`` messages (a backlog), is followed by a ``pause`` before reading on: the
 walsender's output queues up again, and the worker reads large batches. The cost is at most that much latency, and
-only while a transaction is arriving or traffic is heavy (bench/RESULTS.md, "The fix has three parts").
+only while a transaction is arriving or traffic is heavy (bench/history/apply_bench.md, "The fix has three parts").
 
 The pause adapts to what the reads show: mid-transaction it is taken only after a read of at least ``in_txn_after``
 messages (a large transaction arriving). A small transaction that a steady load's read caught half-sent (a few

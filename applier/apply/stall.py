@@ -110,6 +110,7 @@ class StallWatchdog(threading.Thread):
         self.watch = StallWatch(after)
         self.probe, self.report, self.tick, self.interval = probe, report, tick, interval
         self._stop_event = threading.Event()
+        self.on_close: Callable[[], None] | None = None
 
     def run(self) -> None:
         last = time.monotonic()
@@ -126,13 +127,29 @@ class StallWatchdog(threading.Thread):
     def close(self) -> None:
         self._stop_event.set()
         self.join(5)
+        if self.on_close is not None:  # a session that ends stalled leaves no stall behind
+            self.on_close()
 
 
 def start_watchdog(name: str, tracker: Any, pipeline: Any, metrics: Any, log: logging.Logger | logging.LoggerAdapter[Any],
-                   *, after: float) -> StallWatchdog:  # fmt: skip
+                   *, after: float, record: Callable[[dict[str, Any] | None], None] | None = None) -> StallWatchdog:  # fmt: skip
     """Start the watchdog of apply worker ``name``'s session: it reads the feedback ``tracker``'s positions and the
     target ``pipeline``'s queue, which the loop keeps anyway; a stall is a WARNING once, with what the worker waits
-    on, and the metrics' counters (``metrics.stalled``, ``metrics.stalled_for``); a line when it moves again."""
+    on, and the metrics' counters (``metrics.stalled``, ``metrics.stalled_for``); a line when it moves again.
+    ``record`` (for ``applier status``) gets the stall's figures when it begins and at each look while it lasts,
+    and None when it ends; a failure there is only logged."""
+
+    def keep(stall: Stall | None, now: float) -> None:
+        if record is None:
+            return
+        p = None if stall is None else stall.progress
+        try:
+            record(None if stall is None or p is None else {
+                "since": now - stall.since, "waiting_on": p.waiting_on, "received_lsn": p.received,
+                "applied_lsn": p.applied, "unanswered": p.unanswered,
+            })  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - status loses the figure, the watchdog goes on
+            log.debug("could not record the stall for status: %s", exc)
 
     def probe() -> Progress:
         return Progress(
@@ -143,6 +160,7 @@ def start_watchdog(name: str, tracker: Any, pipeline: Any, metrics: Any, log: lo
         p = stall.progress
         if event == "stalled":
             metrics.stalled(p.waiting_on)
+            keep(stall, now)
             log.warning(
                 'logical replication apply worker for subscription "%s" has made no progress for %.0f s while '
                 "behind (received %s, applied %s): waiting on the %s (%d statements unanswered%s)",
@@ -150,9 +168,15 @@ def start_watchdog(name: str, tracker: Any, pipeline: Any, metrics: Any, log: lo
                 ", output unsent" if p.unsent else "",
             )  # fmt: skip
         else:
+            keep(None, now)
             log.info('logical replication apply worker for subscription "%s" is making progress again after a '
                      "stall of %.0f s", name, now - stall.since)  # fmt: skip
 
-    dog = StallWatchdog(name, probe, report, metrics.stalled_for, after=after)
+    def tick(seconds: float) -> None:
+        metrics.stalled_for(seconds)
+        keep(dog.watch.stall, time.monotonic())  # refreshed while it lasts: status shows fresh rows only
+
+    dog = StallWatchdog(name, probe, report, tick, after=after)
+    dog.on_close = lambda: keep(None, 0.0) if dog.watch.stall is not None else None
     dog.start()
     return dog

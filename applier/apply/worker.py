@@ -248,8 +248,9 @@ class ApplyWorker:
 
     def _stall_watchdog(self, session: Session) -> StallWatchdog:
         """The session's stall watchdog (applier.apply.stall), started."""
+        subid, catalog = session.sub.subid, self.catalog
         return start_watchdog(self.subname, session.tracker, session.target.pipeline, self.metrics, self.log,
-                              after=self.stall_after)  # fmt: skip
+                              after=self.stall_after, record=lambda figures: catalog.record_stall(subid, figures))  # fmt: skip
 
     def _session_subscription(self) -> Subscription | Outcome:
         """The subscription, when a session may start; else why not (or :class:`ApplyWorkerError`)."""

@@ -25,7 +25,7 @@ from applier.lsn import format_lsn, parse_lsn
 
 SCHEMA = "applier"
 #: Bump with a migration in :data:`MIGRATIONS` whenever a table or column changes.
-CATALOG_VERSION = 6
+CATALOG_VERSION = 7
 
 
 # --- PostgreSQL types SQLAlchemy does not know -----------------------------------------------------------------
@@ -179,6 +179,25 @@ tablesync_partition = sa.Table(
 #: apply_error's columns added by catalog version 2
 ERROR_COLUMNS_V2 = ("sqlstate", "gid", "retry_count", "next_retry_at")
 
+#: A stall the worker's watchdog sees (applier.apply.stall): behind, and no progress for a while; one row per
+#: subscription, written when it begins and refreshed while it lasts (every second), removed when it ends; read by
+#: ``status``, which shows it only while fresh (a killed worker leaves its row). UNLOGGED, as apply_lag. Since
+#: catalog version 7.
+apply_stall = sa.Table(
+    "apply_stall",
+    metadata,
+    sa.Column(
+        "subid", sa.BigInteger, sa.ForeignKey(subscription.c.subid, ondelete="CASCADE"), primary_key=True
+    ),
+    sa.Column("since", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("updated_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
+    sa.Column("waiting_on", sa.Text, nullable=False),
+    sa.Column("received_lsn", PgLsn, nullable=False),
+    sa.Column("applied_lsn", PgLsn, nullable=False),
+    sa.Column("unanswered", sa.Integer, nullable=False),
+    prefixes=["UNLOGGED"],
+)
+
 #: The apply lag the worker measured recently (applier.apply.lag), one row per subscription, rewritten about every
 #: two seconds while transactions are applied; read by ``status``. UNLOGGED: a live figure, not worth WAL or fsyncs
 #: (after a crash the table is empty until the worker applies again).
@@ -256,4 +275,10 @@ MIGRATIONS: dict[int, list[str]] = {
         *TRUST_FUNCTIONS,
     ],
     6: MIGRATION_TABLES,
+    7: [
+        f"CREATE UNLOGGED TABLE IF NOT EXISTS {SCHEMA}.apply_stall (subid bigint PRIMARY KEY REFERENCES"
+        f" {SCHEMA}.subscription (subid) ON DELETE CASCADE, since timestamptz NOT NULL, updated_at timestamptz NOT NULL"
+        " DEFAULT now(), waiting_on text NOT NULL, received_lsn pg_lsn NOT NULL, applied_lsn pg_lsn NOT NULL,"
+        " unanswered integer NOT NULL)"
+    ],
 }

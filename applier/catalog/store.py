@@ -25,6 +25,7 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg
 
+from applier.catalog.figures import LiveFigures
 from applier.catalog.schema import (
     CATALOG_VERSION,
     ERROR_COLUMNS_V2,
@@ -33,7 +34,6 @@ from applier.catalog.schema import (
     SCHEMA,
     TRUST_FUNCTIONS,
     apply_error,
-    apply_lag,
     catalog_version,
     metadata,
     prepared_xact,
@@ -41,6 +41,7 @@ from applier.catalog.schema import (
     subscription_rel,
     tablesync_partition,
 )
+from applier.catalog.trust import UNTRUSTED_TABLES
 from applier.errors import ApplierError
 from applier.lsn import parse_lsn
 from state.tables import SyncState
@@ -149,7 +150,7 @@ def make_engine(conninfo: str) -> sa.Engine:
     )
 
 
-class Catalog:
+class Catalog(LiveFigures):
     """Reads and writes the catalog. Methods take an optional SQLAlchemy connection so the worker can run them
     inside its own local transaction; without one they run in a short transaction of their own."""
 
@@ -204,6 +205,13 @@ class Catalog:
                     c.execute(sa.text(stmt))
                 c.execute(catalog_version.insert().values(version=v))
             return CATALOG_VERSION
+
+    def untrusted_code(self, relids: Sequence[int]) -> list[tuple[str, str, str, str, str]]:
+        """(table, kind, object, owner, why) of the code the trust check would refuse on these tables
+        (applier.catalog.trust.UNTRUSTED_TABLES), for ``create`` to warn of before a change is refused."""
+        with self.engine.connect() as c:
+            rows = c.execute(sa.text(UNTRUSTED_TABLES), {"relids": list(relids)}).all()
+        return [tuple(r) for r in rows]  # type: ignore[misc]
 
     # subscriptions -----------------------------------------------------------------------------------------
     def create_subscription(self, *, subname: str, conninfo: str, publications: Sequence[str], two_phase_state: TwoPhaseState,
@@ -487,28 +495,6 @@ class Catalog:
             )
 
     # apply lag -------------------------------------------------------------------------------------------------
-    def record_lag(self, subid: int, figures: dict[str, Any], conn: sa.Connection | None = None) -> None:
-        """Upsert the subscription's recent apply lag (``last_s``, ``last_kind``, ``p50_s``, ``p99_s``, ``max_s``,
-        ``samples``, ``window_s``): its own short transaction, not waited for on disk (an unlogged table)."""
-        stmt = pg.insert(apply_lag).values(subid=subid, updated_at=sa.func.now(), **figures)
-        stmt = stmt.on_conflict_do_update(
-            index_elements=[apply_lag.c.subid], set_={"updated_at": sa.func.now(), **figures}
-        )
-        with self._conn(conn) as c:
-            c.execute(stmt)
-
-    def lag(self, subid: int, conn: sa.Connection | None = None) -> dict[str, Any] | None:
-        """What :meth:`record_lag` stored last, with ``updated_at``; None when nothing was recorded."""
-        with self._conn(conn) as c:
-            if not self.has_lag_table(c):  # a catalog of version 1, not upgraded yet
-                return None
-            row = c.execute(sa.select(apply_lag).where(apply_lag.c.subid == subid)).mappings().first()
-            return dict(row) if row is not None else None
-
-    def has_lag_table(self, conn: sa.Connection | None = None) -> bool:
-        with self._conn(conn) as c:
-            return bool(c.execute(sa.text("SELECT to_regclass('applier.apply_lag') IS NOT NULL")).scalar())
-
     def last_error(self, subid: int, conn: sa.Connection | None = None) -> dict[str, Any] | None:
         """The newest error record of ``subid``. A catalog of version 1 (not upgraded yet: ``applier run`` and
         ``create`` upgrade it) has no sqlstate/gid/retry columns: they read as None."""

@@ -183,5 +183,21 @@ UNTRUSTED_CODE = UNTRUSTED_CODE.replace(
     "@TYPES@", TYPE_WALK.replace("{rels}", "SELECT relid FROM rels) AND event IN ('I', 'U'")
 ).replace("@DENIED@", _DENIED)
 
+#: What ``applier create`` warns of before any change arrives: for each table (``:relids``), the code that an
+#: INSERT of every column, an UPDATE or a DELETE would be refused for, and whether row-level security applies.
+UNTRUSTED_TABLES = """
+SELECT u.tbl, u.kind, u.object, u.owner, u.detail
+FROM unnest(CAST(:relids AS pg_catalog.oid[])) AS r(oid)
+CROSS JOIN LATERAL (
+  SELECT * FROM applier.untrusted_code(r.oid::pg_catalog.regclass, 'I', ARRAY(SELECT a.attname::text
+    FROM pg_catalog.pg_attribute a WHERE a.attrelid = r.oid AND a.attnum > 0 AND NOT a.attisdropped))
+  UNION SELECT * FROM applier.untrusted_code(r.oid::pg_catalog.regclass, 'U', '{}')
+  UNION SELECT * FROM applier.untrusted_code(r.oid::pg_catalog.regclass, 'D', '{}')
+  UNION SELECT r.oid::pg_catalog.regclass::text, 'row-level security', '', '', 'applies to the apply role'
+    WHERE pg_catalog.row_security_active(r.oid::pg_catalog.regclass)
+) u
+ORDER BY 1, 2, 3
+"""
+
 #: The statements that create (or replace) the functions, in order: the catalog's migrations run them.
 FUNCTIONS = (UNTRUSTED_CODE, TRUST_CHECK, TRUST_OK)

@@ -65,7 +65,6 @@ def create(target: str, opts: CreateOptions, console: Console = QUIET) -> Subscr
     if not opts.publications:
         raise SubscriptionError("at least one --publication is needed")
     _check_slot_name(opts.slot, default=opts.slot_name is None)
-    stored_conninfo = without_password(opts.publisher)
 
     catalog = open_catalog(target)
     with target_errors(target):
@@ -88,7 +87,7 @@ def create(target: str, opts: CreateOptions, console: Console = QUIET) -> Subscr
         with target_errors(target):
             sub = catalog.create_subscription(
                 subname=opts.name,
-                conninfo=stored_conninfo,
+                conninfo=without_password(opts.publisher),
                 publications=list(opts.publications),
                 two_phase_state=two_phase,
                 streaming=opts.streaming,
@@ -100,6 +99,7 @@ def create(target: str, opts: CreateOptions, console: Console = QUIET) -> Subscr
                 copy_data=opts.copy_data,
                 run_as_owner=opts.run_as_owner,
             )
+            _warn_untrusted(catalog, relids, opts, console)
         state = _add_tables_and_slot(catalog, target, pub, sub, opts, tables, relids, slot_two_phase, console)
 
     if has_password(opts.publisher):
@@ -118,6 +118,31 @@ def create(target: str, opts: CreateOptions, console: Console = QUIET) -> Subscr
         )
     )
     return created
+
+
+def _warn_untrusted(catalog: Catalog, relids: dict[str, int], opts: CreateOptions, console: Console) -> None:
+    """Say now which tables have code the trust check will refuse (docs/security.md), rather than at their first
+    change; a failure to look only loses the warning."""
+    if opts.run_as_owner or not relids:
+        return
+    try:
+        found = catalog.untrusted_code(list(relids.values()))
+    except (
+        sa.exc.SQLAlchemyError
+    ) as exc:  # e.g. a catalog function missing: the check itself still runs later
+        console.warn(
+            f"could not look for code the apply role does not trust: {' '.join(str(exc).split())[:200]}"
+        )
+        return
+    for tbl, kind, obj, _owner, why in found:
+        console.warn(
+            f"table {tbl}: {kind} {obj} {why}".replace("  ", " ") + ": changes to it will be refused"
+        )
+    if found:
+        console.warn(
+            "the apply role runs no code that a role other than itself or a superuser controls: make it own that "
+            "code, drop or disable it, or trust the tables' owners with --run-as-owner (docs/security.md)"
+        )
 
 
 def _add_tables_and_slot(

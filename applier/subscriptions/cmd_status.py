@@ -133,6 +133,7 @@ def _status_of(catalog: Catalog, sub: Subscription, publisher_timeout: int) -> d
         lag.pop("subid", None)
         lag["updated_at"] = _when(lag["updated_at"])
     result["apply_lag"] = lag
+    result["stalled"] = _stall_of(catalog, sub.subid)
     result["replication"] = _publisher_view(sub, origin, publisher_timeout)
     return result
 
@@ -217,6 +218,29 @@ def _secs(value: float) -> str:
     return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
 
 
+#: a stall row not refreshed for this long is a dead worker's (the watchdog refreshes it every second)
+STALL_FRESH_S = 10.0
+
+
+def _stall_of(catalog: Catalog, subid: int) -> dict[str, Any] | None:
+    """The worker's current stall (applier.apply.stall: behind, no progress for a while), as status shows it."""
+    row = catalog.stall(subid, STALL_FRESH_S)
+    if row is None:
+        return None
+    return {
+        "since": _when(row["since"]), "waiting_on": row["waiting_on"], "received_lsn": _lsn(row["received_lsn"]),
+        "applied_lsn": _lsn(row["applied_lsn"]), "unanswered": row["unanswered"],
+    }  # fmt: skip
+
+
+def _stall_line(st: dict[str, Any]) -> str:
+    answered = f", {st['unanswered']} statements unanswered" if st["waiting_on"] == "target" else ""
+    return (
+        f"  STALLED since {st['since']}: behind with no progress (received {st['received_lsn']}, applied "
+        f'{st["applied_lsn"]}), waiting on the {st["waiting_on"]}{answered} (docs/operations.md, "Stalls")'
+    )
+
+
 def format_status(entries: list[dict[str, Any]]) -> str:
     """The human-readable form of :func:`status`."""
     if not entries:
@@ -261,6 +285,8 @@ def format_status(entries: list[dict[str, Any]]) -> str:
                 f"p50 {_secs(a['p50_s'])}, p99 {_secs(a['p99_s'])}, max {_secs(a['max_s'])} over {a['samples']} "
                 f"local commits in the {a['window_s']:.0f} s before {a['updated_at']}"
             )
+        if s.get("stalled"):
+            lines.append(_stall_line(s["stalled"]))
         lines.append(f"  tables ({len(s['tables'])}):")
         for t in s["tables"]:
             lsn = f" at {t['lsn']}" if t["lsn"] else ""

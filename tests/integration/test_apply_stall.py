@@ -15,6 +15,7 @@ import time
 import pytest
 from prometheus_client import REGISTRY
 
+from applier import subscriptions
 from applier.apply.testing import setup_subscription
 from applier.testing import wait_for_catchup, wait_until
 
@@ -93,6 +94,13 @@ def test_a_stall_is_reported_with_what_the_worker_waits_on(pair, caplog) -> None
             assert record.levelno == logging.WARNING
             assert "waiting on the target (" in record.getMessage()
             assert (REGISTRY.get_sample_value("applier_apply_stalls_total", labels) or 0) >= 1
+            # applier status shows it too, with what the worker waits on
+            shown = wait_until(lambda: subscriptions.status(pair.target.dsn, pair.name)[0]["stalled"], timeout=10,
+                               what="the stall in status")  # fmt: skip
+            assert shown["waiting_on"] == "target" and shown["unanswered"] >= 1 and shown["since"]
+            assert "STALLED since" in subscriptions.format_status(
+                subscriptions.status(pair.target.dsn, pair.name)
+            )
             time.sleep(1.5)
             assert sum("no progress" in r.getMessage() for r in caplog.records) == 1  # once per stall
         wait_for_catchup(pair.publisher, pair.name, timeout=30)
@@ -101,5 +109,6 @@ def test_a_stall_is_reported_with_what_the_worker_waits_on(pair, caplog) -> None
             "applier_apply_stalled_seconds_total", {"subscription": pair.name}
         )
         assert stalled is not None and stalled >= 1.0
+        assert subscriptions.status(pair.target.dsn, pair.name)[0]["stalled"] is None  # gone with the stall
     finally:
         w.stop()

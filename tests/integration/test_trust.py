@@ -18,7 +18,7 @@ from psycopg import sql
 
 from applier.apply.testing import ApplySetup, setup_subscription
 from applier.testing import wait_for_catchup, wait_until
-from tests.support.cli import APPLIER, create, ok, status
+from tests.support.cli import APPLIER, applier, ok, status
 
 pytestmark = pytest.mark.core
 
@@ -258,7 +258,11 @@ def _copy_refused(pair: Any, mallory: str, tmp_path: Any, env: dict[str, str]) -
     pair.publisher.execute("INSERT INTO t SELECT g, 'row ' || g FROM generate_series(1, 100) g")
     pair.publisher.execute("CREATE PUBLICATION p FOR TABLE t")
     _evil_trigger(pair, mallory, "BEFORE INSERT")
-    create(pair, "s", publication="p")
+    res = applier(pair.target, "create", "s", "--publisher", pair.publisher.dsn, "--publication", "p")
+    assert res.returncode == 0, res.stderr
+    # create says at once what will be refused, and how to trust the owner instead
+    assert "table public.t: trigger evil runs function public.evil()" in res.stderr, res.stderr
+    assert "changes to it will be refused" in res.stderr and "--run-as-owner" in res.stderr
     log = open(tmp_path / "run.log", "w+")
     proc = subprocess.Popen([*APPLIER, "--target", pair.target.dsn, "run", "--max-retry-interval", "2"],
                             stdout=log, stderr=subprocess.STDOUT, text=True, env={**os.environ, **env})  # fmt: skip
