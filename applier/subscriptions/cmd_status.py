@@ -9,6 +9,7 @@ from typing import Any
 import psycopg
 
 from applier.catalog.store import Catalog, RelState, Subscription
+from applier.humanize import human_bytes
 from applier.lsn import format_lsn, parse_lsn
 from applier.subscriptions.common import open_catalog, origin_progress, require_subscription, target_errors
 from applier.subscriptions.lock import _holder
@@ -202,14 +203,6 @@ def _publisher_view(sub: Subscription, origin: int, timeout: int) -> dict[str, A
     return view
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n} B"
-
-
 _TWO_PHASE_WORDS = {s.value: s.name.lower() for s in TwoPhaseState}
 _STATE_WORDS = {s.value: s.name.lower() for s in SyncState}
 
@@ -290,7 +283,9 @@ def format_status(entries: list[dict[str, Any]]) -> str:
         lines.append(f"  tables ({len(s['tables'])}):")
         for t in s["tables"]:
             lsn = f" at {t['lsn']}" if t["lsn"] else ""
-            copied = f", copied {t['rows']} rows / {_size(t['bytes'])}" if t["rows"] or t["bytes"] else ""
+            copied = (
+                f", copied {t['rows']} rows / {human_bytes(t['bytes'])}" if t["rows"] or t["bytes"] else ""
+            )
             lines.append(f"    {t['state']} ({_STATE_WORDS.get(t['state'], '?')}{lsn}{copied})  {t['name']}")
         if s["prepared"]:
             lines.append("  prepared on the target: " + ", ".join(p["gid"] for p in s["prepared"]))
