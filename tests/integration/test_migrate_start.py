@@ -287,7 +287,7 @@ def test_the_migration_tables_are_the_catalogs_and_an_older_target_that_has_them
     tgt = pair.target
     catalog = Catalog.connect(tgt.dsn)
     try:
-        assert catalog.ensure() == CATALOG_VERSION == 6
+        assert catalog.ensure() == CATALOG_VERSION >= 6
         assert tgt.scalar("SELECT to_regclass('applier.migration_step') IS NOT NULL")
         with tgt.connect() as conn:
             store.register(conn, "old", "host=src", {"schemas": [], "tables": [], "exclude_tables": []})
