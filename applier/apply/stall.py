@@ -111,12 +111,15 @@ class StallWatchdog(threading.Thread):
         self.probe, self.report, self.tick, self.interval = probe, report, tick, interval
         self._stop_event = threading.Event()
         self.on_close: Callable[[], None] | None = None
+        #: how many looks it has taken (tests wait on it instead of on the clock)
+        self.looks = 0
 
     def run(self) -> None:
         last = time.monotonic()
         while not self._stop_event.wait(self.interval):
             now = time.monotonic()
             event = self.watch.observe(now, self.probe())
+            self.looks += 1
             if event is not None:
                 self.report(event[0], event[1], now)
             stall = self.watch.stall

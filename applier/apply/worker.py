@@ -186,6 +186,7 @@ class ApplyWorker:
         self.fold_prepares = fold_prepares if fold_prepares is not None else fold_prepares_default()
         #: behind without progress this long is reported as a stall (applier.apply.stall; ``APPLIER_STALL_AFTER``)
         self.stall_after = stall_after if stall_after is not None else stall_after_default()
+        self.watchdog: StallWatchdog | None = None  # the current session's (applier.apply.stall)
 
     # --- the outer loop ----------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -233,7 +234,7 @@ class ApplyWorker:
             watch = CatalogWatch(self.catalog, sub.subname, self.bulk_tables)
             watch.start()
             self._watch = session.watch = tables.watch = watch
-            watchdog = self._stall_watchdog(session)
+            watchdog = self.watchdog = self._stall_watchdog(session)
             try:
                 with _long_lived_frozen():
                     outcome = self._stream(session)

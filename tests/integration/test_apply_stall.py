@@ -10,7 +10,6 @@ publisher goes quiet right after the load, so the target must catch up within a 
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 from prometheus_client import REGISTRY
@@ -71,6 +70,12 @@ def _said(caplog: pytest.LogCaptureFixture, text: str) -> logging.LogRecord | No
     return next((r for r in caplog.records if text in r.getMessage()), None)
 
 
+def _looks(w, n: int) -> None:  # type: ignore[no-untyped-def]
+    """Wait until the worker's stall watchdog has looked ``n`` more times (a condition, not a sleep)."""
+    start = w.worker.watchdog.looks
+    wait_until(lambda: w.worker.watchdog.looks >= start + n, timeout=30, what=f"{n} looks of the watchdog")
+
+
 def test_a_stall_is_reported_with_what_the_worker_waits_on(pair, caplog) -> None:  # type: ignore[no-untyped-def]
     """What is left for the watchdog (applier.apply.stall): a lock on the target holds the worker's INSERT, so it is
     behind with no progress; after ``stall_after`` a WARNING names the target, once, the stall counter counts it,
@@ -85,7 +90,7 @@ def test_a_stall_is_reported_with_what_the_worker_waits_on(pair, caplog) -> None
     try:
         pair.publisher.execute("INSERT INTO held VALUES (0)")
         wait_for_catchup(pair.publisher, pair.name, timeout=30)  # the table's first use is behind us
-        time.sleep(2.5)
+        _looks(w, 3)  # three of the watchdog's looks at an idle worker
         assert _said(caplog, "no progress") is None  # idle is not stalled
         with pair.target.connect(autocommit=False) as lock:
             lock.execute("LOCK TABLE held IN SHARE MODE")  # INSERT waits; the worker's lookups do not
@@ -101,7 +106,7 @@ def test_a_stall_is_reported_with_what_the_worker_waits_on(pair, caplog) -> None
             assert "STALLED since" in subscriptions.format_status(
                 subscriptions.status(pair.target.dsn, pair.name)
             )
-            time.sleep(1.5)
+            _looks(w, 2)  # two more looks while still stalled
             assert sum("no progress" in r.getMessage() for r in caplog.records) == 1  # once per stall
         wait_for_catchup(pair.publisher, pair.name, timeout=30)
         wait_until(lambda: _said(caplog, "making progress again"), timeout=30, what="the end of the stall")
