@@ -458,12 +458,12 @@ class LiveSync:
         options = StreamOptions(
             publications=list(sub.subpublications), streaming="off", two_phase=False,
             origin=sub.suborigin if sub.suborigin in ("any", "none") else None,  # type: ignore[arg-type]
-            binary=sub.subbinary, run_as_owner=sub.subrunasowner,
+            binary=sub.subbinary,
         )  # fmt: skip
         repl.start_replication(copier.slot.slot_name, c_lsn, options)
         target = Target.connect(
             self.target_conninfo, origin=origin, application_name=f"applier {sub.subname} tablesync",
-            binary=sub.subbinary,
+            binary=sub.subbinary, run_as_owner=sub.subrunasowner,
         )  # fmt: skip
         target.before_commit = _moving_sync_lsn(target, sub.subid, self.tables.values())
         repl.peer = target.pipeline  # read while the loop waits on the publisher, as the apply worker's is

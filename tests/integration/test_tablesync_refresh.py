@@ -26,16 +26,7 @@ from state.tables import SyncState, TableState, join_apply_stream
 from tests.support.cli import catalog_tables, create, make_tables, ok, status
 from tests.support.tap import CliApplier, set_decoding_work_mem, stream_txns
 
-#: Quarantined at the end of session 14: since d0dd918 (the trust check, issue 26; bisected against 05b3c21, which
-#: passes) a table added while streaming under a workload is not copied: the live sync reaches state d, its Spark
-#: task starts, and no COPY ever runs on either server (nothing waits on a lock); leaving the trust check out of the
-#: live copy and its catch-up did not help. Five tests of this module failed in the session's CI run. Known
-#: regression, first thing for the next session (the closing note says what was tried).
-pytestmark = [
-    pytest.mark.spark,
-    # skipped rather than xfail: failing, each waits out its timeouts (up to 4 minutes), past CI's time budget
-    pytest.mark.skip(reason="quarantined: live sync regression since d0dd918, under investigation"),
-]
+pytestmark = pytest.mark.spark
 
 TIMEOUT = 60.0
 
