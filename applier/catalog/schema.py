@@ -25,7 +25,7 @@ from applier.lsn import format_lsn, parse_lsn
 
 SCHEMA = "applier"
 #: Bump with a migration in :data:`MIGRATIONS` whenever a table or column changes.
-CATALOG_VERSION = 7
+CATALOG_VERSION = 8
 
 
 # --- PostgreSQL types SQLAlchemy does not know -----------------------------------------------------------------
@@ -281,4 +281,7 @@ MIGRATIONS: dict[int, list[str]] = {
         " DEFAULT now(), waiting_on text NOT NULL, received_lsn pg_lsn NOT NULL, applied_lsn pg_lsn NOT NULL,"
         " unanswered integer NOT NULL)"
     ],
+    # the trust functions again, rewritten to look their catalogs up by index: 4 ms a call instead of 240 ms in a
+    # database of 200 tables (the copy checks every partition, the apply every plan of its guard statements)
+    8: [*TRUST_FUNCTIONS],
 }

@@ -59,16 +59,22 @@ _DENIED = "(p.proname IN (@NAMES@) OR p.proname LIKE ANY (ARRAY[@PATTERNS@]))".r
 #: ``types(typ)``: every type a column of the relations ``{rels}`` (an oid list or subquery) holds, through domains,
 #: arrays, ranges and composites: whose domains' constraints run when a row is written. A recursive CTE's text,
 #: also used by applier.apply.target to list the domains a guard statement must depend on.
+#:
+#: Only types made after initdb are walked (oid >= FirstNormalObjectId, 16384): a built-in type holds only built-in
+#: types, and the built-in domains (information_schema's) belong to the bootstrap superuser, so nothing below one
+#: can be untrusted. Each step looks its type up by oid (``OFFSET 0`` keeps the planner from turning the lookups
+#: into a hash join over all of pg_type, which cost some 40 ms a call in a database of 200 tables).
 TYPE_WALK = """types(typ) AS (
   SELECT a.atttypid FROM pg_catalog.pg_attribute a WHERE a.attrelid IN ({rels}) AND a.attnum > 0
-    AND NOT a.attisdropped
+    AND NOT a.attisdropped AND a.atttypid >= 16384
   UNION
-  SELECT x.sub FROM types JOIN pg_catalog.pg_type t ON t.oid = types.typ
-    CROSS JOIN LATERAL (SELECT t.typbasetype UNION ALL SELECT t.typelem
+  SELECT x.sub FROM types CROSS JOIN LATERAL (
+    SELECT s.sub FROM pg_catalog.pg_type t CROSS JOIN LATERAL (SELECT t.typbasetype UNION ALL SELECT t.typelem
       UNION ALL SELECT g.rngsubtype FROM pg_catalog.pg_range g WHERE g.rngtypid = t.oid
       UNION ALL SELECT a.atttypid FROM pg_catalog.pg_attribute a
-        WHERE t.typtype = 'c' AND a.attrelid = t.typrelid AND a.attnum > 0 AND NOT a.attisdropped) x(sub)
-    WHERE x.sub <> 0
+        WHERE t.typtype = 'c' AND a.attrelid = t.typrelid AND a.attnum > 0 AND NOT a.attisdropped) s(sub)
+    WHERE t.oid = types.typ OFFSET 0) x
+  WHERE x.sub >= 16384
 )"""
 UNTRUSTED_CODE = """
 CREATE OR REPLACE FUNCTION applier.untrusted_code(rel pg_catalog.regclass, event "char", cols text[])
@@ -76,7 +82,7 @@ RETURNS TABLE (tbl text, kind text, object text, owner text, detail text)
 LANGUAGE sql STABLE SET search_path = pg_catalog, pg_temp AS $fn$
 WITH RECURSIVE
 trusted AS (SELECT r.oid FROM pg_roles r WHERE r.rolsuper OR r.rolname = current_user),
-rels AS (SELECT rel::oid AS relid UNION SELECT t.relid::oid FROM pg_partition_tree(rel) t),
+rels AS (SELECT ARRAY(SELECT rel::oid UNION SELECT t.relid::oid FROM pg_partition_tree(rel) t) AS ids),
 ev AS (SELECT CASE event WHEN 'I' THEN 4 WHEN 'D' THEN 8 WHEN 'T' THEN 32
   WHEN 'U' THEN CASE WHEN (SELECT relkind FROM pg_class WHERE oid = rel) = 'p' THEN 28 ELSE 16 END END AS mask),
 @TYPES@,
@@ -84,7 +90,7 @@ items AS (
   SELECT g.tgrelid AS relid, 'trigger' AS kind, quote_ident(g.tgname) AS object, c.relowner AS author,
     'pg_trigger'::regclass AS cls, g.oid AS objid, g.tgfoid AS fn, g.tgnargs > 0 AS args, false AS whole
   FROM pg_trigger g JOIN pg_class c ON c.oid = g.tgrelid
-  WHERE g.tgrelid IN (SELECT relid FROM rels) AND g.tgenabled IN ('A', 'R') AND g.tgtype & (SELECT mask FROM ev) <> 0
+  WHERE g.tgrelid = ANY ((SELECT ids FROM rels)::oid[]) AND g.tgenabled IN ('A', 'R') AND g.tgtype & (SELECT mask FROM ev) <> 0
   UNION ALL
   SELECT r.ev_class, 'rule', quote_ident(r.rulename), c.relowner, 'pg_rewrite'::regclass, r.oid, NULL, false, true
   FROM pg_rewrite r JOIN pg_class c ON c.oid = r.ev_class
@@ -95,18 +101,18 @@ items AS (
     quote_ident(a.attname), c.relowner, 'pg_attrdef'::regclass, d.oid, NULL, false, false
   FROM pg_attrdef d JOIN pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
     JOIN pg_class c ON c.oid = d.adrelid
-  WHERE d.adrelid IN (SELECT relid FROM rels) AND NOT a.attisdropped AND event IN ('I', 'U')
+  WHERE d.adrelid = ANY ((SELECT ids FROM rels)::oid[]) AND NOT a.attisdropped AND event IN ('I', 'U')
     AND (a.attgenerated <> '' OR (event = 'I' AND d.adrelid = rel AND NOT a.attname = ANY (cols)))
   UNION ALL
   SELECT k.conrelid, 'check constraint', quote_ident(k.conname), c.relowner, 'pg_constraint'::regclass, k.oid,
     NULL, false, false
   FROM pg_constraint k JOIN pg_class c ON c.oid = k.conrelid
-  WHERE k.conrelid IN (SELECT relid FROM rels) AND k.contype = 'c' AND event IN ('I', 'U')
+  WHERE k.conrelid = ANY ((SELECT ids FROM rels)::oid[]) AND k.contype = 'c' AND event IN ('I', 'U')
   UNION ALL
   SELECT i.indrelid, 'index', i.indexrelid::regclass::text, c.relowner, 'pg_class'::regclass, i.indexrelid, NULL,
     false, false
   FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid
-  WHERE i.indrelid IN (SELECT relid FROM rels) AND (i.indexprs IS NOT NULL OR i.indpred IS NOT NULL)
+  WHERE i.indrelid = ANY ((SELECT ids FROM rels)::oid[]) AND (i.indexprs IS NOT NULL OR i.indpred IS NOT NULL)
     AND event IN ('I', 'U')
   UNION ALL
   SELECT rel, 'constraint', quote_ident(k.conname) || ' of domain ' || k.contypid::regtype::text, t.typowner,
@@ -180,7 +186,7 @@ $fn$
 """
 
 UNTRUSTED_CODE = UNTRUSTED_CODE.replace(
-    "@TYPES@", TYPE_WALK.replace("{rels}", "SELECT relid FROM rels) AND event IN ('I', 'U'")
+    "@TYPES@", TYPE_WALK.replace("{rels}", "SELECT unnest(ids) FROM rels) AND event IN ('I', 'U'")
 ).replace("@DENIED@", _DENIED)
 
 #: What ``applier create`` warns of before any change arrives: for each table (``:relids``), the code that an

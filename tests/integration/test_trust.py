@@ -359,3 +359,29 @@ def test_native_subscriber_also_keeps_the_owner_unprivileged(pair, mallory) -> N
     finally:
         pair.target.execute(sql.SQL("ALTER SUBSCRIPTION {} DISABLE").format(sql.Identifier(name)))
         pair.target.execute(sql.SQL("DROP SUBSCRIPTION {}").format(sql.Identifier(name)))
+
+
+def test_domain_constraints_are_found_through_arrays_composites_ranges_and_domains(pair, mallory) -> None:
+    """The type walk (applier.catalog.trust.TYPE_WALK) reaches a domain's constraint however deep a column holds
+    the domain: in an array, a composite, a range, an array of a composite, a domain over the domain. Each table's
+    INSERT check names the constraint; a table of built-in types only has nothing to report."""
+    from applier.catalog.store import Catalog
+
+    Catalog.connect(pair.target.dsn).ensure()
+    _function(pair, mallory, "ok(int)", "boolean", "true")
+    with pair.target.connect() as c:
+        c.execute("CREATE DOMAIN public.pos AS int CHECK (public.ok(VALUE))")
+        c.execute(sql.SQL("ALTER DOMAIN public.pos OWNER TO {}").format(sql.Identifier(mallory)))
+        c.execute("CREATE DOMAIN public.pos2 AS public.pos")
+        c.execute("CREATE TYPE public.pair AS (a int, b public.pos)")
+        c.execute("CREATE TYPE public.posrange AS RANGE (subtype = public.pos)")
+        columns = {"t_array": "public.pos[]", "t_comp": "public.pair", "t_range": "public.posrange",
+                   "t_comparr": "public.pair[]", "t_dom": "public.pos2", "t_plain": "int[]"}  # fmt: skip
+        for table, type_ in columns.items():
+            c.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, x {type_})")
+        for table in columns:
+            found = c.execute(
+                "SELECT kind, object FROM applier.untrusted_code(%s::regclass, 'I', '{id,x}')", (table,)
+            ).fetchall()
+            want = [] if table == "t_plain" else [("constraint", "pos_check of domain public.pos")]
+            assert found == want, (table, found)
