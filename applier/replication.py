@@ -211,6 +211,28 @@ def start_replication_command(slot: str, start_lsn: int, options: StreamOptions,
     return f"START_REPLICATION SLOT {_quote_ident(slot)} LOGICAL {format_lsn(start_lsn)} ({', '.join(parts)})"
 
 
+#: CREATE_REPLICATION_SLOT's snapshot action in the syntax before PostgreSQL 15 (still accepted since)
+_OLD_SNAPSHOT_WORDS = {"nothing": "NOEXPORT_SNAPSHOT", "export": "EXPORT_SNAPSHOT", "use": "USE_SNAPSHOT"}
+
+
+def create_slot_command(
+    name: str, temporary: bool, two_phase: bool, snapshot: str, server_version: int
+) -> sql.Composed:
+    """CREATE_REPLICATION_SLOT for pgoutput: the parenthesized options of PostgreSQL 15+, or the keywords a 14
+    walsender knows (``TWO_PHASE`` there is refused by callers: pgoutput decodes prepares only from 15 on), as
+    libpqwalreceiver's ``libpqrcv_create_slot`` chooses by the server's version."""
+    head = sql.SQL("CREATE_REPLICATION_SLOT {name} {temp}LOGICAL pgoutput").format(
+        name=sql.Identifier(name), temp=sql.SQL("TEMPORARY " if temporary else "")
+    )
+    if server_version < 150000:
+        words = (["TWO_PHASE"] if two_phase else []) + [_OLD_SNAPSHOT_WORDS[snapshot]]
+        return sql.Composed([head, sql.SQL(" " + " ".join(words))])
+    options = [sql.SQL("SNAPSHOT {}").format(sql.Literal(snapshot))]
+    if two_phase:
+        options.insert(0, sql.SQL("TWO_PHASE true"))
+    return sql.Composed([head, sql.SQL(" ({})").format(sql.SQL(", ").join(options))])
+
+
 # --- password scrubbing ----------------------------------------------------------------------------------------
 
 _URI_USERINFO = re.compile(r"(://[^:/@\s]*:)([^@\s]*)(@)")
@@ -476,7 +498,7 @@ class ReplicationConnection:
         two_phase: bool = False,
         snapshot: Literal["nothing", "export", "use"] = "nothing",
     ) -> SlotInfo:
-        """CREATE_REPLICATION_SLOT with pgoutput, in the PG15+ option syntax.
+        """CREATE_REPLICATION_SLOT with pgoutput (:func:`create_slot_command`).
 
         ``snapshot="export"`` returns a snapshot name that other sessions can import (``SET TRANSACTION SNAPSHOT``)
         for as long as this connection stays open and runs no further command (behaviour 117). ``snapshot="use"``
@@ -490,14 +512,7 @@ class ReplicationConnection:
         conn = self._require_conn()
         if snapshot == "use" and conn.info.transaction_status == pq.TransactionStatus.IDLE:
             self._command("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-        options = [sql.SQL("SNAPSHOT {}").format(sql.Literal(snapshot))]
-        if two_phase:
-            options.insert(0, sql.SQL("TWO_PHASE true"))
-        command = sql.SQL("CREATE_REPLICATION_SLOT {name} {temp}LOGICAL pgoutput ({options})").format(
-            name=sql.Identifier(name),
-            temp=sql.SQL("TEMPORARY " if temporary else ""),
-            options=sql.SQL(", ").join(options),
-        )
+        command = create_slot_command(name, temporary, two_phase, snapshot, conn.info.server_version)
         ((slot_name, consistent_point, snapshot_name, plugin),) = self._command(command)
         return SlotInfo(slot_name, parse_lsn(consistent_point), snapshot_name, plugin)
 

