@@ -220,6 +220,11 @@ def _add_alter(sub: _Subcommands, common: argparse.ArgumentParser) -> None:
         help="two_phase, streaming, binary, disable_on_error, origin, slot_name, gid_format or run_as_owner",
     )
     action.add_argument(
+        "--connection",
+        metavar="CONNINFO",
+        help="the publisher's new connection (checked first: publications and slot must be there)",
+    )
+    action.add_argument(
         "--refresh-publication",
         action="store_true",
         help="add newly published tables and remove unpublished ones",
@@ -383,6 +388,8 @@ def _alter(args: argparse.Namespace, target: str, console: Console, parser: argp
         subs.set_skip_lsn(target, args.name, args.skip_lsn, console)
     elif args.set_options:
         subs.alter_options(target, args.name, args.set_options, force=args.force, console=console)
+    elif args.connection is not None:
+        subs.set_connection(target, args.name, args.connection, console)
     else:
         subs.refresh_publication(target, args.name, copy_data=args.copy_data, console=console)
 

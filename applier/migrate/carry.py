@@ -39,6 +39,27 @@ __all__ = [
 ]
 
 
+def check_two_phase(target: psycopg.Connection[Any], subid: int, source: str) -> None:
+    """Refuse a carry when the subscription does not decode prepared transactions: from a PostgreSQL 14 source
+    (pgoutput decodes them from 15 on) they arrive only at COMMIT PREPARED, so there is nothing prepared on the
+    target to carry. Checked before the fence, so the source stays writable and the migration goes on."""
+    row = target.execute(catalog_sql.SUBSCRIPTION_TWO_PHASE_STATE, (subid,)).fetchone()
+    if row is not None and row[0] != "d":
+        return
+    with psycopg.connect(source, autocommit=True, connect_timeout=10) as src:
+        version = int(src.execute("SHOW server_version_num").fetchone()[0])  # type: ignore[index]
+    why = (
+        f"the source runs PostgreSQL {version // 10000}, whose pgoutput cannot decode prepared transactions (two-phase "
+        "decoding needs 15 or later)"
+        if version < 150000
+        else "the migration's subscription does not decode prepared transactions (two-phase is off)"
+    )
+    raise MigrationError(
+        f"--prepared carry cannot be done: {why}, so none is prepared on the target to carry; use --prepared wait "
+        "(the cutover waits, after the fence, for the source's prepared transactions to be committed or rolled back)"
+    )
+
+
 def check_gid_format(target: psycopg.Connection[Any], subid: int) -> None:
     """Refuse a carry for a subscription that names its prepared transactions ``pg_gid_<subid>_<xid>``: the cutover
     cannot rename a prepared transaction."""

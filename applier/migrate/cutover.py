@@ -446,6 +446,7 @@ class _Cutover:
         sub = _subscription(target, m)
         assert sub is not None
         if self.opts.prepared == "carry":
+            carrying.check_two_phase(target, sub[0], m.source)
             carrying.check_gid_format(target, sub[0])
         if self.opts.reverse:
             reversing.check_new_server(target, m.name)

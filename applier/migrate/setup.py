@@ -31,6 +31,9 @@ from applier.migrate.survey import source_tables
 from applier.migrate.tools import find_dump_tools
 from applier.replication import ReplicationConnection, ReplicationConnectionError
 
+#: the oldest source whose pgoutput decodes prepared transactions (two-phase, what --prepared carry needs)
+TWO_PHASE_SOURCE_MAJOR = 15
+
 if TYPE_CHECKING:
     from applier.migrate.start import StartOptions
     from tablesync.initial import InitialCopy
@@ -251,8 +254,8 @@ class SetUp:
         return "original"
 
     def subscription(self, m: store.Migration, tables: list[str]) -> None:
-        """The subscription's catalog rows (every table ``i``, two-phase pending until all are ready), using the
-        slot made above; one left by an interrupted start is replaced."""
+        """The subscription's catalog rows (every table ``i``, two-phase pending until all are ready, or off from a
+        PostgreSQL 14 source), using the slot made above; one left by an interrupted start is replaced."""
         from applier.catalog.store import Catalog
         from state.tables import initial_sync_state
         from state.twophase import initial_two_phase
@@ -262,7 +265,10 @@ class SetUp:
             old = catalog.get(m.subname)
             if old is not None:
                 catalog.delete_subscription(old.subid)
-            two_phase, _ = initial_two_phase(True, True, False, has_tables=bool(tables))
+            # two-phase decoding needs a source of 15 or later; from 14, prepared transactions arrive at COMMIT
+            # PREPARED as ordinary ones, and the cutover cannot carry them (applier.migrate.cutover)
+            decodes_prepared = self._source_major() >= TWO_PHASE_SOURCE_MAJOR
+            two_phase, _ = initial_two_phase(decodes_prepared, True, False, has_tables=bool(tables))
             sub = catalog.create_subscription(
                 subname=m.subname,
                 conninfo=m.source,

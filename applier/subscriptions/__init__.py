@@ -26,6 +26,7 @@ from applier.subscriptions.cmd_alter import (
     alter_options,
     parse_set_options,
     refresh_publication,
+    set_connection,
     set_enabled,
     set_skip_lsn,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "refresh_publication",
     "require_subscription",
     "rollback_prepared",
+    "set_connection",
     "set_enabled",
     "set_skip_lsn",
     "status",

@@ -1,4 +1,4 @@
-"""``applier alter``: ``--enable``/``--disable``, ``--set OPTION=VALUE``, ``--skip-lsn`` and
+"""``applier alter``: ``--enable``/``--disable``, ``--set OPTION=VALUE``, ``--skip-lsn``, ``--connection`` and
 ``--refresh-publication``. Every option is validated before any is changed; the transitions the state machines
 decide (:mod:`state.twophase`) are asked before the catalog or the slot is touched."""
 
@@ -12,6 +12,7 @@ import psycopg
 from psycopg import sql
 
 from applier.catalog.store import Catalog, Subscription
+from applier.conninfo import describe, has_password, without_password
 from applier.lsn import format_lsn, parse_lsn
 from applier.replication import ReplicationConnection
 from applier.subscriptions.common import (
@@ -21,6 +22,7 @@ from applier.subscriptions.common import (
     SubscriptionBusy,
     SubscriptionError,
     _check_slot_name,
+    _pub_query,
     _slot_row,
     _target_tables,
     check_publisher_version,
@@ -328,4 +330,60 @@ def refresh_publication(target: str, name: str, *, copy_data: bool = True, conso
             f"the new tables are being copied and caught up by the running worker ({holder})"
             if holder
             else "the new tables are copied when applier run next starts this subscription"
+        )
+
+
+def set_connection(target: str, name: str, conninfo: str, console: Console = QUIET) -> None:
+    """``ALTER SUBSCRIPTION ... CONNECTION``: the publisher's new address (a moved server, a promoted standby),
+    checked before it is stored: it answers, its version allows the subscription's options, its publications exist
+    and the subscription's slot is there, a pgoutput slot of its database (on a promoted standby: a failover slot
+    it had synchronized). A running worker sees the change and reconnects (the conninfo is a stream option)."""
+    catalog = open_catalog(target)
+    with target_errors(target):
+        sub = require_subscription(catalog, name)
+    with connect_publisher(conninfo, "alter", name, doing="check the new connection") as pub:
+        two_phase = sub.subtwophasestate is not TwoPhaseState.DISABLED
+        check_publisher_version(pub.server_version, two_phase=two_phase, origin=sub.suborigin)
+        _check_new_publisher(pub, sub)
+    with target_errors(target):
+        catalog.update_subscription(sub.subid, subconninfo=without_password(conninfo))
+    if has_password(conninfo):
+        console.warn(
+            "the publisher's password is not stored: applier run takes it from ~/.pgpass, PGPASSFILE or "
+            "PGPASSWORD, as psql does"
+        )
+    console.info(
+        f'subscription "{name}" altered: connection {describe(without_password(conninfo))}'
+        + ("; its running worker reconnects" if sub.subenabled else "")
+    )
+
+
+def _check_new_publisher(pub: ReplicationConnection, sub: Subscription) -> None:
+    ((dbname,),) = _pub_query(pub, "SELECT current_database()")
+    found = {r[0] for r in _pub_query(pub, "SELECT pubname FROM pg_publication WHERE pubname = ANY(%s)",
+                                      (list(sub.subpublications),))}  # fmt: skip
+    missing = [p for p in sub.subpublications if p not in found]
+    if missing:
+        raise SubscriptionError(
+            f"the publisher at the new connection (database {dbname}) has no publication "
+            + ", ".join(f'"{p}"' for p in missing),
+            "check the conninfo's host and dbname; the connection is unchanged",
+        )
+    slot = sub.subslotname
+    if slot is None:
+        return
+    row = _slot_row(pub, slot)
+    if row is None:
+        raise SubscriptionError(
+            f'replication slot "{slot}" does not exist on the publisher at the new connection (database {dbname}): '
+            "the subscription could not resume there",
+            "point it at the server that has the slot; after a failover, the slot is on the promoted standby only "
+            "if it was a failover slot that the standby synchronized (PostgreSQL 17+); the connection is "
+            "unchanged",
+        )
+    if (row[2], row[3]) != (dbname, "pgoutput"):
+        raise SubscriptionError(
+            f'replication slot "{slot}" at the new connection is a {row[3] or "physical"} slot of database '
+            f"{row[2] or '(none)'}, not a pgoutput slot of {dbname}",
+            "check the conninfo's dbname; the connection is unchanged",
         )

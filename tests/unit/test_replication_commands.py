@@ -24,16 +24,22 @@ def test_create_slot_command_by_version(snapshot: str, version: int, tail: str) 
 
 
 def test_create_slot_two_phase_by_version() -> None:
-    assert create_slot_command("s", False, True, "nothing", 150000).as_string(None).endswith(
-        "(TWO_PHASE true, SNAPSHOT 'nothing')"
+    assert (
+        create_slot_command("s", False, True, "nothing", 150000)
+        .as_string(None)
+        .endswith("(TWO_PHASE true, SNAPSHOT 'nothing')")
     )
-    assert create_slot_command("s", False, True, "nothing", 140000).as_string(None).endswith(
-        "pgoutput TWO_PHASE NOEXPORT_SNAPSHOT"
+    assert (
+        create_slot_command("s", False, True, "nothing", 140000)
+        .as_string(None)
+        .endswith("pgoutput TWO_PHASE NOEXPORT_SNAPSHOT")
     )
 
 
 def test_start_replication_on_14_asks_protocol_2_without_two_phase_or_origin() -> None:
-    options = StreamOptions(publications=["p"], streaming="parallel", two_phase=True, origin="none", binary=True)
+    options = StreamOptions(
+        publications=["p"], streaming="parallel", two_phase=True, origin="none", binary=True
+    )
     command = start_replication_command("s", 0, options, 140023)
     assert command == (
         "START_REPLICATION SLOT \"s\" LOGICAL 0/0 (proto_version '2', streaming 'on', "
