@@ -35,10 +35,17 @@ def test_alter_connection_checks_the_new_publisher_then_the_worker_reconnects(
         err = fails(pair.target, "alter", "s", "--connection", other.dsn)
         assert f'has no publication "{pair.name}"' in err and "the connection is unchanged" in err, err
         other.execute(f"CREATE PUBLICATION {pair.name} FOR ALL TABLES")
-        err = fails(pair.target, "alter", "s", "--connection", other.dsn)
-        assert 'replication slot "s" does not exist on the publisher at the new connection' in err, err
+        err = fails(pair.target, "alter", "s", "--connection", other.dsn)  # slots are the cluster's
+        assert f'is a pgoutput slot of database {pair.name}, not a pgoutput slot of {other.name}' in err, err
     finally:
         pair.publisher.cluster.drop_database(other.name)
+    elsewhere = pair.target.cluster.create_database(pair.name + "_e")  # another server: no slot "s" there
+    try:
+        elsewhere.execute(f"CREATE PUBLICATION {pair.name} FOR ALL TABLES")
+        err = fails(pair.target, "alter", "s", "--connection", elsewhere.dsn)
+        assert 'replication slot "s" does not exist on the publisher at the new connection' in err, err
+    finally:
+        pair.target.cluster.drop_database(elsewhere.name)
     err = fails(
         pair.target, "alter", "s", "--connection", "host=127.0.0.1 port=1 user=x dbname=x password=hunter2"
     )
