@@ -137,6 +137,12 @@ def _add_create_options(p: argparse.ArgumentParser) -> None:
         help="trust the target tables' owners: run their triggers, defaults and other code with the apply role's "
         "rights (by default such code is refused; docs/security.md)",
     )
+    p.add_argument(
+        "--failover",
+        action="store_true",
+        help="make the slot a failover slot (publisher PostgreSQL 17+): a standby with sync_replication_slots "
+        "keeps a copy, so the subscription goes on after the publisher fails over (docs/operations.md)",
+    )
 
 
 def _add_run(sub: _Subcommands, common: argparse.ArgumentParser) -> None:
@@ -217,7 +223,8 @@ def _add_alter(sub: _Subcommands, common: argparse.ArgumentParser) -> None:
         action="extend",
         metavar="OPTION=VALUE",
         dest="set_options",
-        help="two_phase, streaming, binary, disable_on_error, origin, slot_name, gid_format or run_as_owner",
+        help="two_phase, streaming, binary, disable_on_error, origin, slot_name, gid_format, run_as_owner or "
+        "failover",
     )
     action.add_argument(
         "--connection",
@@ -346,6 +353,7 @@ def _create(args: argparse.Namespace, target: str, console: Console) -> None:
             create_slot=args.create_slot,
             enabled=not args.disabled,
             run_as_owner=args.run_as_owner,
+            failover=args.failover,
         ),
         console,
     )

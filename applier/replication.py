@@ -216,11 +216,12 @@ _OLD_SNAPSHOT_WORDS = {"nothing": "NOEXPORT_SNAPSHOT", "export": "EXPORT_SNAPSHO
 
 
 def create_slot_command(
-    name: str, temporary: bool, two_phase: bool, snapshot: str, server_version: int
+    name: str, temporary: bool, two_phase: bool, snapshot: str, server_version: int, *, failover: bool = False
 ) -> sql.Composed:
     """CREATE_REPLICATION_SLOT for pgoutput: the parenthesized options of PostgreSQL 15+, or the keywords a 14
     walsender knows (``TWO_PHASE`` there is refused by callers: pgoutput decodes prepares only from 15 on), as
-    libpqwalreceiver's ``libpqrcv_create_slot`` chooses by the server's version."""
+    libpqwalreceiver's ``libpqrcv_create_slot`` chooses by the server's version. ``failover`` (PostgreSQL 17+,
+    refused by callers before) lets a standby with ``sync_replication_slots`` keep a copy of the slot."""
     head = sql.SQL("CREATE_REPLICATION_SLOT {name} {temp}LOGICAL pgoutput").format(
         name=sql.Identifier(name), temp=sql.SQL("TEMPORARY " if temporary else "")
     )
@@ -230,6 +231,8 @@ def create_slot_command(
     options = [sql.SQL("SNAPSHOT {}").format(sql.Literal(snapshot))]
     if two_phase:
         options.insert(0, sql.SQL("TWO_PHASE true"))
+    if failover:
+        options.insert(0, sql.SQL("FAILOVER true"))
     return sql.Composed([head, sql.SQL(" ({})").format(sql.SQL(", ").join(options))])
 
 
@@ -497,6 +500,7 @@ class ReplicationConnection:
         temporary: bool = False,
         two_phase: bool = False,
         snapshot: Literal["nothing", "export", "use"] = "nothing",
+        failover: bool = False,
     ) -> SlotInfo:
         """CREATE_REPLICATION_SLOT with pgoutput (:func:`create_slot_command`).
 
@@ -512,7 +516,9 @@ class ReplicationConnection:
         conn = self._require_conn()
         if snapshot == "use" and conn.info.transaction_status == pq.TransactionStatus.IDLE:
             self._command("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-        command = create_slot_command(name, temporary, two_phase, snapshot, conn.info.server_version)
+        command = create_slot_command(
+            name, temporary, two_phase, snapshot, conn.info.server_version, failover=failover
+        )
         ((slot_name, consistent_point, snapshot_name, plugin),) = self._command(command)
         return SlotInfo(slot_name, parse_lsn(consistent_point), snapshot_name, plugin)
 

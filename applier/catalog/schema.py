@@ -25,7 +25,7 @@ from applier.lsn import format_lsn, parse_lsn
 
 SCHEMA = "applier"
 #: Bump with a migration in :data:`MIGRATIONS` whenever a table or column changes.
-CATALOG_VERSION = 8
+CATALOG_VERSION = 9
 
 
 # --- PostgreSQL types SQLAlchemy does not know -----------------------------------------------------------------
@@ -102,6 +102,7 @@ subscription = sa.Table(
     sa.Column("subgidformat", sa.Text, nullable=False, server_default="subscription"),
     # since catalog version 5: PostgreSQL 16's run_as_owner; false: run no code the apply role does not trust
     sa.Column("subrunasowner", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("subfailover", sa.Boolean, nullable=False, server_default=sa.false()),
 )
 
 subscription_rel = sa.Table(
@@ -284,4 +285,8 @@ MIGRATIONS: dict[int, list[str]] = {
     # the trust functions again, rewritten to look their catalogs up by index: 4 ms a call instead of 240 ms in a
     # database of 200 tables (the copy checks every partition, the apply every plan of its guard statements)
     8: [*TRUST_FUNCTIONS],
+    # failover slots (PostgreSQL 17+): create --failover, alter --set failover (pg_subscription.subfailover)
+    9: [
+        f"ALTER TABLE {SCHEMA}.subscription ADD COLUMN IF NOT EXISTS subfailover boolean NOT NULL DEFAULT false"
+    ],
 }

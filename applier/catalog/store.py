@@ -88,6 +88,7 @@ class Subscription:
     subslotconsistentlsn: int | None
     subgidformat: str = "subscription"  # a catalog of version < 4 has no such column: the default
     subrunasowner: bool = False  # version < 5 has none: table owners not trusted (PostgreSQL 16's default)
+    subfailover: bool = False  # version < 9 has none: the slot is not a failover slot
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "subtwophasestate", TwoPhaseState(self.subtwophasestate))
@@ -217,7 +218,7 @@ class Catalog(LiveFigures):
     def create_subscription(self, *, subname: str, conninfo: str, publications: Sequence[str], two_phase_state: TwoPhaseState,
                             streaming: str, binary: bool, disable_on_error: bool, origin: str, slot_name: str | None,
                             enabled: bool, copy_data: bool, gid_format: str = "subscription",
-                            run_as_owner: bool = False) -> Subscription:  # fmt: skip
+                            run_as_owner: bool = False, failover: bool = False) -> Subscription:  # fmt: skip
         """Insert the subscription row with a cluster-wide unique subid and create its replication origin."""
         with self.engine.begin() as c:
             c.execute(sa.text("SELECT pg_advisory_xact_lock(hashtext('applier.subid'))"))
@@ -241,6 +242,7 @@ class Catalog(LiveFigures):
                     substream=streaming, subbinary=binary, subdisableonerr=disable_on_error, subskiplsn=None,
                     suborigin=origin, subslotname=slot_name, subpublications=list(publications),
                     subconninfo=conninfo, subcopydata=copy_data, subgidformat=gid_format, subrunasowner=run_as_owner,
+                    subfailover=failover,
                 )
             )  # fmt: skip
             # Creating the origin claims the id cluster-wide; a concurrent creator in another database fails here
@@ -252,7 +254,7 @@ class Catalog(LiveFigures):
         """The subscription table's columns this catalog has: one of version < 4 (not upgraded yet: ``run`` and
         ``create`` upgrade it) has no ``subgidformat``, which then reads as its default."""
         version = c.execute(sa.select(sa.func.max(catalog_version.c.version))).scalar() or 0
-        since = {"subgidformat": 4, "subrunasowner": 5}
+        since = {"subgidformat": 4, "subrunasowner": 5, "subfailover": 9}
         return [col for col in subscription.c if version >= since.get(col.name, 0)]
 
     def _get(self, c: sa.Connection, where: Any) -> Subscription | None:

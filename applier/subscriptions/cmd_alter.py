@@ -12,7 +12,7 @@ import psycopg
 from psycopg import sql
 
 from applier.catalog.store import Catalog, Subscription
-from applier.conninfo import describe, has_password, without_password
+from applier.conninfo import describe, without_password
 from applier.lsn import format_lsn, parse_lsn
 from applier.replication import ReplicationConnection
 from applier.subscriptions.common import (
@@ -32,7 +32,9 @@ from applier.subscriptions.common import (
     published_tables,
     require_subscription,
     rollback_prepared,
+    set_slot_failover,
     target_errors,
+    warn_password_not_stored,
 )
 from applier.subscriptions.lock import SubscriptionLock, _holder
 from state.tables import initial_sync_state
@@ -56,6 +58,7 @@ SETTABLE = (
     "slot_name",
     "gid_format",
     "run_as_owner",
+    "failover",
 )
 
 
@@ -85,7 +88,7 @@ def parse_set_options(items: Sequence[str]) -> dict[str, Any]:
         if option in result:
             raise SubscriptionError(f'option "{option}" given twice')
         v = value.strip()
-        if option in ("two_phase", "binary", "disable_on_error", "run_as_owner"):
+        if option in ("two_phase", "binary", "disable_on_error", "run_as_owner", "failover"):
             result[option] = _bool(option, v)
         elif option == "streaming":
             if v.lower() == "parallel":
@@ -124,6 +127,7 @@ _COLUMNS = {
     "slot_name": "subslotname",
     "gid_format": "subgidformat",
     "run_as_owner": "subrunasowner",
+    "failover": "subfailover",
 }
 
 
@@ -153,20 +157,9 @@ def alter_options(
     catalog = open_catalog(target)
     with target_errors(target):
         sub = require_subscription(catalog, name)
-    if "slot_name" in options and options["slot_name"] is None and sub.subenabled:
-        raise SubscriptionError(
-            f'cannot set slot_name = NONE for enabled subscription "{name}"',
-            f"disable it first: applier alter {name} --disable",
-        )
-    if force and options.get("two_phase") is not False:
-        raise SubscriptionError(
-            "--force only applies to --set two_phase=off (it rolls back prepared transactions)"
-        )
-    if "gid_format" in options:
-        _check_gid_format(catalog, sub, target, options["gid_format"])
-    turning_on = options.get("two_phase") is True and sub.subtwophasestate is TwoPhaseState.DISABLED
-    if turning_on or options.get("origin") == "none":
-        _check_publisher_can(sub, two_phase=turning_on, origin=options.get("origin", "any"))
+    _check_options(catalog, sub, target, options, force=force)
+    if "failover" in options and options["failover"] != sub.subfailover:
+        _set_failover(sub, options["failover"], console)  # the slot first; the catalog below
     values = {_COLUMNS[k]: v for k, v in options.items() if k != "two_phase"}
     if "two_phase" not in options:
         with target_errors(target):
@@ -205,6 +198,45 @@ def alter_options(
         console.info(f'subscription "{name}" altered: two-phase state {new_state.value}')
     finally:
         lock.release()
+
+
+def _check_options(
+    catalog: Catalog, sub: Subscription, target: str, options: dict[str, Any], *, force: bool
+) -> None:
+    """The refusals that need the subscription (and, for some options, the publisher), before anything changes."""
+    name = sub.subname
+    if "slot_name" in options and options["slot_name"] is None and sub.subenabled:
+        raise SubscriptionError(
+            f'cannot set slot_name = NONE for enabled subscription "{name}"',
+            f"disable it first: applier alter {name} --disable",
+        )
+    if force and options.get("two_phase") is not False:
+        raise SubscriptionError(
+            "--force only applies to --set two_phase=off (it rolls back prepared transactions)"
+        )
+    if "gid_format" in options:
+        _check_gid_format(catalog, sub, target, options["gid_format"])
+    turning_on = options.get("two_phase") is True and sub.subtwophasestate is TwoPhaseState.DISABLED
+    if turning_on or options.get("origin") == "none":
+        _check_publisher_can(sub, two_phase=turning_on, origin=options.get("origin", "any"))
+
+
+def _set_failover(sub: Subscription, failover: bool, console: Console) -> None:
+    """``--set failover``: on the slot first (as native, only while the subscription is disabled: the worker's
+    walsender holds the slot), then in the catalog with the other options."""
+    if sub.subenabled:
+        raise SubscriptionError(
+            f'cannot set failover for enabled subscription "{sub.subname}"',
+            f"disable it first: applier alter {sub.subname} --disable",
+        )
+    if sub.subslotname is None:
+        raise SubscriptionError(
+            f'cannot set failover for subscription "{sub.subname}": it has no slot (slot_name = NONE)',
+            "set a slot first: applier alter NAME --set slot_name=SLOT",
+        )
+    with connect_publisher(sub.subconninfo, "alter", sub.subname, doing="set failover on the slot") as pub:
+        check_publisher_version(pub.server_version, failover=failover)
+        set_slot_failover(pub, sub.subslotname, failover, console)
 
 
 def _check_publisher_can(sub: Subscription, *, two_phase: bool, origin: str) -> None:
@@ -347,11 +379,7 @@ def set_connection(target: str, name: str, conninfo: str, console: Console = QUI
         _check_new_publisher(pub, sub)
     with target_errors(target):
         catalog.update_subscription(sub.subid, subconninfo=without_password(conninfo))
-    if has_password(conninfo):
-        console.warn(
-            "the publisher's password is not stored: applier run takes it from ~/.pgpass, PGPASSFILE or "
-            "PGPASSWORD, as psql does"
-        )
+    warn_password_not_stored(conninfo, console)
     console.info(
         f'subscription "{name}" altered: connection {describe(without_password(conninfo))}'
         + ("; its running worker reconnects" if sub.subenabled else "")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 
 from applier.catalog.store import Catalog, Subscription
-from applier.conninfo import has_password, without_password
+from applier.conninfo import without_password
 from applier.lsn import format_lsn
 from applier.privileges import TargetFacts
 from applier.replication import ReplicationConnection, ReplicationConnectionError
@@ -28,7 +28,9 @@ from applier.subscriptions.common import (
     connect_publisher,
     open_catalog,
     published_tables,
+    set_slot_failover,
     target_errors,
+    warn_password_not_stored,
 )
 from applier.subscriptions.grants import _require_grants, read_target_facts, warn_superuser_once
 from state.tables import SyncState, initial_sync_state
@@ -52,6 +54,7 @@ class CreateOptions:
     create_slot: bool = True
     enabled: bool = True
     run_as_owner: bool = False  # PostgreSQL 16's: trust the tables' owners (docs/security.md)
+    failover: bool = False  # PostgreSQL 17's: a slot that standbys synchronize (docs/operations.md)
 
     @property
     def slot(self) -> str:
@@ -98,15 +101,12 @@ def create(target: str, opts: CreateOptions, console: Console = QUIET) -> Subscr
                 enabled=opts.enabled,
                 copy_data=opts.copy_data,
                 run_as_owner=opts.run_as_owner,
+                failover=opts.failover,
             )
             _warn_untrusted(catalog, relids, opts, console)
         state = _add_tables_and_slot(catalog, target, pub, sub, opts, tables, relids, slot_two_phase, console)
 
-    if has_password(opts.publisher):
-        console.warn(
-            "the publisher's password is not stored: applier run takes it from ~/.pgpass, PGPASSFILE or "
-            "PGPASSWORD, as psql does"
-        )
+    warn_password_not_stored(opts.publisher, console)
     created = catalog.require(opts.name)
     console.info(
         f'created subscription "{created.subname}" (subid {created.subid}): {len(tables)} table(s) in state '
@@ -165,10 +165,12 @@ def _add_tables_and_slot(
             for name in tables:
                 catalog.add_table(sub.subid, relids[name], name, state, conn=c)
         if opts.create_slot:
-            lsn = _create_slot(pub, opts.slot, slot_two_phase, console)
+            lsn = _create_slot(pub, opts.slot, slot_two_phase, console, failover=opts.failover)
             slot_created = True
             with target_errors(target):
                 catalog.update_subscription(sub.subid, subslotconsistentlsn=lsn)
+        elif opts.failover:  # an existing slot becomes a failover slot, as native's CREATE SUBSCRIPTION does
+            set_slot_failover(pub, opts.slot, True, console)
     except BaseException:
         with contextlib.suppress(Exception):
             if slot_created:
@@ -198,7 +200,9 @@ def _check_target(catalog: Catalog, opts: CreateOptions, console: Console) -> Ta
 
 def _check_publisher(pub: ReplicationConnection, opts: CreateOptions) -> list[str]:
     """Version, wal_level, publications and slot; returns the published tables."""
-    check_publisher_version(pub.server_version, two_phase=opts.two_phase, origin=opts.origin)
+    check_publisher_version(
+        pub.server_version, two_phase=opts.two_phase, origin=opts.origin, failover=opts.failover
+    )
     ((wal_level, dbname),) = _pub_query(pub, "SELECT current_setting('wal_level'), current_database()")
     if wal_level != "logical":
         raise SubscriptionError(
@@ -250,7 +254,9 @@ def _slot_exists(slot: str) -> SubscriptionError:
     )
 
 
-def _create_slot(pub: ReplicationConnection, slot: str, two_phase: bool, console: Console) -> int:
+def _create_slot(
+    pub: ReplicationConnection, slot: str, two_phase: bool, console: Console, *, failover: bool = False
+) -> int:
     """Create the subscription's slot and return its consistent point. Creating a slot waits for every
     transaction open on the publisher, prepared ones included, so say so if it takes a while."""
     notice = threading.Timer(
@@ -264,7 +270,7 @@ def _create_slot(pub: ReplicationConnection, slot: str, two_phase: bool, console
     notice.daemon = True
     notice.start()
     try:
-        info = pub.create_slot(slot, two_phase=two_phase)
+        info = pub.create_slot(slot, two_phase=two_phase, failover=failover)
     except ReplicationConnectionError as exc:
         if exc.sqlstate == "42710":  # duplicate_object: created by someone else since we looked
             raise _slot_exists(slot) from None

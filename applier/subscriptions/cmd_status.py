@@ -98,6 +98,7 @@ def _status_of(catalog: Catalog, sub: Subscription, publisher_timeout: int) -> d
         "binary": sub.subbinary,
         "disable_on_error": sub.subdisableonerr,
         "run_as_owner": sub.subrunasowner,
+        "failover": sub.subfailover,
         "origin": sub.suborigin,
         "gid_format": sub.subgidformat,
         "slot_name": sub.subslotname,
@@ -247,7 +248,8 @@ def format_status(entries: list[dict[str, Any]]) -> str:
             f"binary {str(s['binary']).lower()}, origin {s['origin']}, disable_on_error "
             f"{str(s['disable_on_error']).lower()}, run_as_owner {str(s['run_as_owner']).lower()}"
             + (f", skip-LSN {s['skip_lsn']}" if s["skip_lsn"] else ""),
-            f"  publisher: {s['publisher']}; publications {', '.join(s['publications'])}; slot {s['slot_name']}",
+            f"  publisher: {s['publisher']}; publications {', '.join(s['publications'])}; slot {s['slot_name']}"
+            + (" (failover)" if s["failover"] else ""),
             f"  worker: {s['worker'] or 'not running'}",
         ]
         if r["publisher_reachable"]:

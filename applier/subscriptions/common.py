@@ -17,7 +17,7 @@ from psycopg import sql
 
 from applier import slots
 from applier.catalog.store import Catalog, CatalogError, Subscription
-from applier.conninfo import describe, scrub
+from applier.conninfo import describe, has_password, scrub
 from applier.errors import ApplierError
 from applier.lsn import parse_lsn
 from applier.replication import ReplicationConnection, ReplicationConnectionError
@@ -34,6 +34,8 @@ MIN_PUBLISHER_VERSION = 140000
 TWO_PHASE_PUBLISHER_VERSION = 150000
 #: pgoutput filters by origin (``origin = none``) from PostgreSQL 16 on.
 ORIGIN_PUBLISHER_VERSION = 160000
+#: failover slots (``FAILOVER``, synchronized to standbys) from PostgreSQL 17 on.
+FAILOVER_PUBLISHER_VERSION = 170000
 #: ``ALTER_REPLICATION_SLOT ... (TWO_PHASE false)`` arrived in PostgreSQL 18 (17 only knows FAILOVER).
 ALTER_SLOT_TWO_PHASE_VERSION = 180000
 
@@ -272,7 +274,9 @@ def _target_tables(catalog: Catalog, tables: Sequence[str]) -> dict[str, int]:
     return {r.n: r.oid for r in rows}
 
 
-def check_publisher_version(version: int, *, two_phase: bool = False, origin: str = "any") -> None:
+def check_publisher_version(
+    version: int, *, two_phase: bool = False, origin: str = "any", failover: bool = False
+) -> None:
     """Refuse a publisher too old for applier, or for an option it cannot honour. PostgreSQL's subscriber accepts
     both options there and quietly does without (it asks a 14 publisher for no two-phase decoding, a 15 one for no
     origin filter); we refuse, because a user who asked for them relies on them (docs/reference.md)."""
@@ -294,4 +298,38 @@ def check_publisher_version(version: int, *, two_phase: bool = False, origin: st
             f"origin = none needs a publisher of PostgreSQL 16 or later, and this one runs {major}: its pgoutput "
             "cannot leave out changes that came from elsewhere",
             "use origin = any (the default), or upgrade the publisher",
+        )
+    if failover and version < FAILOVER_PUBLISHER_VERSION:
+        raise SubscriptionError(
+            f"failover needs a publisher of PostgreSQL 17 or later, and this one runs {major}: its slots cannot be "
+            "synchronized to a standby",
+            "leave failover off (after a failover of the publisher the subscription then starts again with a new "
+            "slot and a full copy), or upgrade the publisher",
+        )
+
+
+def set_slot_failover(pub: ReplicationConnection, slot: str, failover: bool, console: Console) -> None:
+    """``ALTER_REPLICATION_SLOT slot (FAILOVER ...)`` (PostgreSQL 17+, checked by the caller): whether standbys with
+    ``sync_replication_slots`` keep a copy of the slot. Fails while a walsender uses the slot."""
+    try:
+        pub.connection.execute(
+            sql.SQL("ALTER_REPLICATION_SLOT {} ( FAILOVER {} )").format(  # type: ignore[arg-type]
+                sql.Identifier(slot), sql.SQL("true" if failover else "false")
+            )
+        )
+    except psycopg.Error as exc:
+        raise SubscriptionError(
+            f'could not turn failover {"on" if failover else "off"} on slot "{slot}" on the publisher: '
+            f"{str(exc).strip()}",
+            "stop the subscription's worker first (applier alter NAME --disable)",
+        ) from None
+    console.info(f'failover turned {"on" if failover else "off"} on slot "{slot}" on the publisher')
+
+
+def warn_password_not_stored(conninfo: str, console: Console) -> None:
+    """A password given in a publisher conninfo is used for the command, never stored: say where ``run`` finds it."""
+    if has_password(conninfo):
+        console.warn(
+            "the publisher's password is not stored: applier run takes it from ~/.pgpass, PGPASSFILE or "
+            "PGPASSWORD, as psql does"
         )

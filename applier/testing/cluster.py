@@ -392,6 +392,41 @@ class PostgresCluster:
         owns the data directory; text output captured, the return code left to the caller."""
         return _run_as(self._user, [self.binaries.path(program), *args])
 
+    def standby(self, name: str, *, slot: str, settings: Mapping[str, str] | None = None) -> PostgresCluster:
+        """A streaming standby of this cluster, started: ``pg_basebackup -R`` through the physical slot ``slot``
+        (made here), ``hot_standby_feedback`` on, and ``settings`` on top (``sync_replication_slots = on`` makes
+        it keep copies of this cluster's failover slots, PostgreSQL 17+). ``promote`` makes it a primary."""
+        assert self.datadir is not None
+        self.execute(
+            "SELECT pg_catalog.pg_create_physical_replication_slot(%s) WHERE NOT EXISTS"
+            " (SELECT 1 FROM pg_catalog.pg_replication_slots WHERE slot_name = %s)",
+            (slot, slot),
+        )
+        datadir = Path(tempfile.mkdtemp(prefix=f"applier-{name}-"))
+        if self._user is not None:
+            os.chown(datadir, self._user.pw_uid, self._user.pw_gid)
+        res = _run_as(self._user, [self.binaries.path("pg_basebackup"), "-D", str(datadir), "-d", self.dsn(),
+                                   "-R", "-X", "stream", "-S", slot, "--no-sync"])  # fmt: skip
+        if res.returncode != 0:
+            shutil.rmtree(datadir, ignore_errors=True)
+            raise ClusterError(f"pg_basebackup for {name} failed:\n{res.stdout}\n{res.stderr}")
+        standby = PostgresCluster(
+            self.binaries, name=name, durable=self.durable, datadir=datadir, port=free_port()
+        )
+        standby._user, standby._owns_datadir = self._user, True
+        conf = {"port": str(standby.port), "unix_socket_directories": f"'{datadir}'", "primary_slot_name": f"'{slot}'",
+                "hot_standby_feedback": "on", **(settings or {})}  # fmt: skip
+        with open(datadir / "postgresql.conf", "a") as f:
+            f.write("\n# applier.testing: standby\n" + "".join(f"{k} = {v}\n" for k, v in conf.items()))
+        return standby.start()
+
+    def promote(self) -> None:
+        """End recovery: this standby becomes a primary (``pg_ctl promote -w``)."""
+        res = _run_as(self._user, [self.binaries.path("pg_ctl"), "-D", str(self.datadir), "-w", "-t", "60",
+                                   "promote"])  # fmt: skip
+        if res.returncode != 0:
+            raise ClusterError(f"could not promote {self.name}: {res.stderr.strip()}\n{self.log_tail()}")
+
     def destroy(self) -> None:
         with contextlib.suppress(ClusterError):
             self.stop("immediate")

@@ -36,7 +36,7 @@ def test_alter_connection_checks_the_new_publisher_then_the_worker_reconnects(
         assert f'has no publication "{pair.name}"' in err and "the connection is unchanged" in err, err
         other.execute(f"CREATE PUBLICATION {pair.name} FOR ALL TABLES")
         err = fails(pair.target, "alter", "s", "--connection", other.dsn)  # slots are the cluster's
-        assert f'is a pgoutput slot of database {pair.name}, not a pgoutput slot of {other.name}' in err, err
+        assert f"is a pgoutput slot of database {pair.name}, not a pgoutput slot of {other.name}" in err, err
     finally:
         pair.publisher.cluster.drop_database(other.name)
     elsewhere = pair.target.cluster.create_database(pair.name + "_e")  # another server: no slot "s" there

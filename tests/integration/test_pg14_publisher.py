@@ -90,6 +90,8 @@ def test_create_refuses_what_pg14_cannot_do(pair14: ReplicationPair) -> None:
     assert "two-phase needs a publisher of PostgreSQL 15 or later, and this one runs 14" in err, err
     err = fails(pair14.target, *base, "--origin", "none")
     assert "origin = none needs a publisher of PostgreSQL 16 or later, and this one runs 14" in err, err
+    err = fails(pair14.target, *base, "--failover")
+    assert "failover needs a publisher of PostgreSQL 17 or later, and this one runs 14" in err, err
     # nothing was left behind by the refusals: the slot name is free for the create that works
     assert pair14.publisher.scalar("SELECT count(*) FROM pg_replication_slots") == 0
     out = ok(pair14.target, *base, "--no-copy-data")

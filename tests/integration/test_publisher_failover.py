@@ -1,0 +1,134 @@
+"""The publisher fails over and the subscription goes on (issue 30): a failover slot (``create --failover``,
+PostgreSQL 17+) is kept on a standby with ``sync_replication_slots``; the primary crashes, the standby is promoted,
+``alter --connection`` points the subscription at it, and the running worker resumes there from the synchronized
+slot: every row the old primary sent and every row the new one takes arrives exactly once, with no new copy.
+
+The primary holds the subscriber back until the standby has the WAL (``synchronized_standby_slots``), which is what
+makes the synchronized slot a safe place to resume from."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from applier.testing import Database, PostgresBinaries, PostgresCluster, wait_until
+from applier.testing.pytest_plugin import drop_our_origins
+from tests.support.cli import StartRun, fails, ok, run_log, status, stop
+
+pytestmark = pytest.mark.core
+
+TIMEOUT = 90.0
+
+
+@pytest.fixture
+def primary_and_standby(pg_binaries: PostgresBinaries) -> Iterator[tuple[PostgresCluster, PostgresCluster]]:
+    if pg_binaries.major < 17:
+        pytest.skip(f"failover slots need PostgreSQL 17 (this run's is {pg_binaries.major})")
+    primary = PostgresCluster(pg_binaries, name="primary").start()
+    standby = None
+    try:
+        standby = primary.standby("standby", slot="standby1", settings={"sync_replication_slots": "on"})
+        primary.execute("ALTER SYSTEM SET synchronized_standby_slots = 'standby1'")
+        primary.reload()
+        yield primary, standby
+    finally:
+        if standby is not None:
+            standby.destroy()
+        primary.destroy()
+
+
+def _synced(standby: PostgresCluster, primary: PostgresCluster) -> bool:
+    """The standby's copy of slot "s" is persistent and as far as the primary's."""
+    want = primary.scalar("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = 's'")
+    return bool(
+        want
+        and standby.scalar(
+            "SELECT synced AND NOT temporary AND confirmed_flush_lsn >= %s::pg_lsn FROM pg_replication_slots"
+            " WHERE slot_name = 's'",
+            (want,),
+        )
+    )
+
+
+def test_the_subscription_follows_a_promoted_standby(
+    primary_and_standby, target_cluster, start_run: StartRun
+) -> None:
+    primary, standby = primary_and_standby
+    pub = primary.create_database("app")
+    pub.execute("CREATE TABLE t (id int PRIMARY KEY, v text); CREATE PUBLICATION p FOR TABLE t")
+    pub.execute("INSERT INTO t SELECT g, 'before' FROM generate_series(1, 100) g")
+    tgt = target_cluster.create_database("failover_target")
+    proc = None
+    try:
+        tgt.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
+        ok(tgt, "create", "s", "--publisher", pub.dsn, "--publication", "p", "--failover")
+        assert status(tgt, "s")["failover"] is True
+        assert primary.scalar("SELECT failover FROM pg_replication_slots WHERE slot_name = 's'") is True
+        proc = start_run(tgt, "s", "--max-retry-interval", "2")
+        pub.execute("INSERT INTO t SELECT g, 'streamed' FROM generate_series(101, 200) g")
+        wait_until(lambda: tgt.scalar("SELECT count(*) FROM t") == 200, timeout=TIMEOUT, what="200 rows")
+        wait_until(
+            lambda: _synced(standby, primary), timeout=TIMEOUT, what="the slot synchronized to the standby"
+        )
+
+        # the failover: rows committed just before the crash, then the old primary is gone
+        pub.execute("INSERT INTO t SELECT g, 'last on the old primary' FROM generate_series(201, 250) g")
+        wait_until(
+            lambda: standby.scalar("SELECT count(*) FROM t", dbname="app") == 250,
+            timeout=TIMEOUT,
+            what="replayed",
+        )
+        primary.crash()
+        standby.promote()
+        new_pub = Database(standby, "app")
+        err = fails(tgt, "alter", "s", "--connection", primary.dsn("app"))
+        assert "needed to check the new connection" in err, err
+        ok(tgt, "alter", "s", "--connection", new_pub.dsn)
+        new_pub.execute("INSERT INTO t SELECT g, 'on the new primary' FROM generate_series(251, 300) g")
+        new_pub.execute("UPDATE t SET v = 'updated after the failover' WHERE id <= 10")
+        expected = new_pub.query("SELECT * FROM t ORDER BY id")
+        wait_until(lambda: tgt.query("SELECT * FROM t ORDER BY id") == expected, timeout=TIMEOUT,
+                   what=f"the target equal to the new primary; log:\n{run_log(proc)[-3000:]}")  # fmt: skip
+        assert proc.poll() is None
+        assert "initial copy" not in run_log(proc).split("has started streaming", 1)[1]  # no second copy
+    finally:
+        if proc is not None:
+            stop(proc)
+        drop_our_origins(tgt)
+        target_cluster.drop_database(tgt.name)
+
+
+def test_alter_sets_failover_on_the_slot_of_a_disabled_subscription(
+    pair, pg_binaries: PostgresBinaries
+) -> None:
+    if pg_binaries.major < 17:
+        pytest.skip(f"failover slots need PostgreSQL 17 (this run's is {pg_binaries.major})")
+    pair.publisher.execute(f"CREATE TABLE t (id int PRIMARY KEY); CREATE PUBLICATION {pair.name} FOR TABLE t")
+    pair.target.execute("CREATE TABLE t (id int PRIMARY KEY)")
+    ok(
+        pair.target,
+        "create",
+        "s",
+        "--publisher",
+        pair.publisher.dsn,
+        "--publication",
+        pair.name,
+        "--disabled",
+    )
+
+    def slot_failover() -> bool:
+        return bool(pair.publisher.scalar("SELECT failover FROM pg_replication_slots WHERE slot_name = 's'"))
+
+    assert not slot_failover() and status(pair.target, "s")["failover"] is False
+    out = ok(pair.target, "alter", "s", "--set", "failover=true")
+    assert 'failover turned on on slot "s"' in out, out
+    assert slot_failover() and status(pair.target, "s")["failover"] is True
+    assert "(failover)" in ok(pair.target, "status", "s")
+    ok(pair.target, "alter", "s", "--enable")
+    err = fails(pair.target, "alter", "s", "--set", "failover=false")
+    assert 'cannot set failover for enabled subscription "s"' in err, err
+    ok(pair.target, "alter", "s", "--disable")
+    ok(pair.target, "alter", "s", "--set", "failover=false")
+    assert not slot_failover() and status(pair.target, "s")["failover"] is False
+    ok(pair.target, "drop", "s")
