@@ -375,7 +375,9 @@ def set_connection(target: str, name: str, conninfo: str, console: Console = QUI
         sub = require_subscription(catalog, name)
     with connect_publisher(conninfo, "alter", name, doing="check the new connection") as pub:
         two_phase = sub.subtwophasestate is not TwoPhaseState.DISABLED
-        check_publisher_version(pub.server_version, two_phase=two_phase, origin=sub.suborigin)
+        check_publisher_version(
+            pub.server_version, two_phase=two_phase, origin=sub.suborigin, failover=sub.subfailover
+        )
         _check_new_publisher(pub, sub)
     with target_errors(target):
         catalog.update_subscription(sub.subid, subconninfo=without_password(conninfo))
