@@ -235,16 +235,19 @@ def _set_failover(sub: Subscription, failover: bool, console: Console) -> None:
             "set a slot first: applier alter NAME --set slot_name=SLOT",
         )
     with connect_publisher(sub.subconninfo, "alter", sub.subname, doing="set failover on the slot") as pub:
-        check_publisher_version(pub.server_version, failover=failover)
+        two_phase = sub.subtwophasestate is not TwoPhaseState.DISABLED
+        check_publisher_version(pub.server_version, failover=failover, two_phase=two_phase)
         set_slot_failover(pub, sub.subslotname, failover, console)
 
 
 def _check_publisher_can(sub: Subscription, *, two_phase: bool, origin: str) -> None:
-    """Options the publisher's version must support (two-phase from 15, origin = none from 16), checked before
-    anything changes."""
+    """Options the publisher's version must support (two-phase from 15, with failover from 18; origin = none from
+    16), checked before anything changes."""
     doing = "check that the publisher supports " + ("two-phase" if two_phase else "origin = none")
     with connect_publisher(sub.subconninfo, "alter", sub.subname, doing=doing) as pub:
-        check_publisher_version(pub.server_version, two_phase=two_phase, origin=origin)
+        check_publisher_version(
+            pub.server_version, two_phase=two_phase, origin=origin, failover=sub.subfailover
+        )
 
 
 def _check_gid_format(catalog: Catalog, sub: Subscription, target: str, new: str) -> None:
@@ -379,6 +382,9 @@ def set_connection(target: str, name: str, conninfo: str, console: Console = QUI
             pub.server_version, two_phase=two_phase, origin=sub.suborigin, failover=sub.subfailover
         )
         _check_new_publisher(pub, sub)
+        with target_errors(target):
+            applied = origin_progress(catalog, sub)
+        _check_nothing_lost(pub, sub, applied)
     with target_errors(target):
         catalog.update_subscription(sub.subid, subconninfo=without_password(conninfo))
     warn_password_not_stored(conninfo, console)
@@ -386,6 +392,26 @@ def set_connection(target: str, name: str, conninfo: str, console: Console = QUI
         f'subscription "{name}" altered: connection {describe(without_password(conninfo))}'
         + ("; its running worker reconnects" if sub.subenabled else "")
     )
+
+
+def _check_nothing_lost(pub: ReplicationConnection, sub: Subscription, applied: int) -> None:
+    """A promoted standby whose WAL ends before what the target has applied lacks transactions the target holds (a
+    failover without ``synchronized_standby_slots`` can lose them): following it would leave the two apart, so
+    refuse and say so. (Same LSN space: a promoted standby's WAL continues the old primary's.)"""
+    ((in_recovery, wal_end),) = _pub_query(
+        pub,
+        "SELECT pg_is_in_recovery(), CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()"
+        " ELSE pg_current_wal_lsn() END::text",
+    )
+    if wal_end is not None and parse_lsn(wal_end) < applied:
+        raise SubscriptionError(
+            f"the server at the new connection{' (still a standby)' if in_recovery else ''} has WAL up to "
+            f'{wal_end}, but the target has applied subscription "{sub.subname}"\'s changes up to '
+            f"{format_lsn(applied)}: it lacks transactions that the target holds (a failover that lost them: set "
+            "synchronized_standby_slots on the primary to prevent it)",
+            "the target and that server have diverged; re-create the subscription against it (applier drop, then "
+            "applier create, which copies again); the connection is unchanged",
+        )
 
 
 def _check_new_publisher(pub: ReplicationConnection, sub: Subscription) -> None:

@@ -34,8 +34,10 @@ MIN_PUBLISHER_VERSION = 140000
 TWO_PHASE_PUBLISHER_VERSION = 150000
 #: pgoutput filters by origin (``origin = none``) from PostgreSQL 16 on.
 ORIGIN_PUBLISHER_VERSION = 160000
-#: failover slots (``FAILOVER``, synchronized to standbys) from PostgreSQL 17 on.
+#: failover slots (``FAILOVER``, synchronized to standbys) from PostgreSQL 17 on; with two-phase from 18 on (17
+#: does not synchronize a slot's ``two_phase_at``, and refuses the pair, as we do).
 FAILOVER_PUBLISHER_VERSION = 170000
+FAILOVER_TWO_PHASE_PUBLISHER_VERSION = 180000
 #: ``ALTER_REPLICATION_SLOT ... (TWO_PHASE false)`` arrived in PostgreSQL 18 (17 only knows FAILOVER).
 ALTER_SLOT_TWO_PHASE_VERSION = 180000
 
@@ -305,6 +307,12 @@ def check_publisher_version(
             "synchronized to a standby",
             "leave failover off (after a failover of the publisher the subscription then starts again with a new "
             "slot and a full copy), or upgrade the publisher",
+        )
+    if failover and two_phase and version < FAILOVER_TWO_PHASE_PUBLISHER_VERSION:
+        raise SubscriptionError(
+            f"failover and two-phase together need a publisher of PostgreSQL 18 or later, and this one runs {major}: "
+            "a standby of 17 does not synchronize when the slot began decoding prepared transactions",
+            "choose one of the two, or upgrade the publisher",
         )
 
 

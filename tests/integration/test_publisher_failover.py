@@ -21,16 +21,21 @@ pytestmark = pytest.mark.core
 TIMEOUT = 90.0
 
 
-@pytest.fixture
-def primary_and_standby(pg_binaries: PostgresBinaries) -> Iterator[tuple[PostgresCluster, PostgresCluster]]:
+@pytest.fixture(params=["synchronized"])
+def primary_and_standby(
+    request: pytest.FixtureRequest, pg_binaries: PostgresBinaries
+) -> Iterator[tuple[PostgresCluster, PostgresCluster]]:
+    """A primary and its standby with ``sync_replication_slots``; the primary holds logical walsenders back for
+    the standby (``synchronized_standby_slots``) unless the parameter is ``"unsynchronized"``."""
     if pg_binaries.major < 17:
         pytest.skip(f"failover slots need PostgreSQL 17 (this run's is {pg_binaries.major})")
     primary = PostgresCluster(pg_binaries, name="primary").start()
     standby = None
     try:
         standby = primary.standby("standby", slot="standby1", settings={"sync_replication_slots": "on"})
-        primary.execute("ALTER SYSTEM SET synchronized_standby_slots = 'standby1'")
-        primary.reload()
+        if request.param == "synchronized":
+            primary.execute("ALTER SYSTEM SET synchronized_standby_slots = 'standby1'")
+            primary.reload()
         yield primary, standby
     finally:
         if standby is not None:
@@ -132,3 +137,39 @@ def test_alter_sets_failover_on_the_slot_of_a_disabled_subscription(
     ok(pair.target, "alter", "s", "--set", "failover=false")
     assert not slot_failover() and status(pair.target, "s")["failover"] is False
     ok(pair.target, "drop", "s")
+
+
+@pytest.mark.parametrize("primary_and_standby", ["unsynchronized"], indirect=True)
+def test_a_promoted_standby_that_lacks_applied_transactions_is_refused(
+    primary_and_standby, target_cluster, start_run: StartRun
+) -> None:
+    """Without ``synchronized_standby_slots`` the target can apply what the standby never received: after the
+    failover, ``alter --connection`` sees the new primary's WAL end before the target's progress and refuses."""
+    primary, standby = primary_and_standby
+    pub = primary.create_database("app")
+    pub.execute("CREATE TABLE t (id int PRIMARY KEY, v text); CREATE PUBLICATION p FOR TABLE t")
+    tgt = target_cluster.create_database("lost_target")
+    proc = None
+    try:
+        tgt.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
+        ok(tgt, "create", "s", "--publisher", pub.dsn, "--publication", "p", "--failover")
+        proc = start_run(tgt, "s", "--max-retry-interval", "2")
+        pub.execute("INSERT INTO t SELECT g, 'both have it' FROM generate_series(1, 100) g")
+        wait_until(lambda: tgt.scalar("SELECT count(*) FROM t") == 100, timeout=TIMEOUT, what="100 rows")
+        wait_until(lambda: _synced(standby, primary), timeout=TIMEOUT, what="the slot synchronized")
+        standby.stop()  # the standby falls behind; the target does not
+        pub.execute("INSERT INTO t SELECT g, 'only the target has it' FROM generate_series(101, 150) g")
+        wait_until(lambda: tgt.scalar("SELECT count(*) FROM t") == 150, timeout=TIMEOUT, what="150 rows")
+        primary.crash()
+        standby.start()
+        standby.promote()
+        err = fails(tgt, "alter", "s", "--connection", Database(standby, "app").dsn)
+        assert "it lacks transactions that the target holds" in err and "synchronized_standby_slots" in err, (
+            err
+        )
+        assert "the connection is unchanged" in err
+    finally:
+        if proc is not None:
+            stop(proc)
+        drop_our_origins(tgt)
+        target_cluster.drop_database(tgt.name)
