@@ -153,15 +153,22 @@ class StreamOptions:
 
 # --- pure command building -------------------------------------------------------------------------------------
 
+#: What a publisher's pgoutput and walsender offer, by ``server_version_num``: the one place these versions live
+#: (applier.subscriptions refuses options by them, applier.migrate decides two-phase by them).
+STREAMING_VERSION = 140000  # protocol 2: streamed transactions; binary values
+TWO_PHASE_VERSION = 150000  # protocol 3: prepared transactions decoded; CREATE_REPLICATION_SLOT's option list
+ORIGIN_VERSION = 160000  # protocol 4: the origin filter; parallel streaming
+FAILOVER_VERSION = 170000  # failover slots, synchronized to standbys
+
 
 def protocol_version_for(server_version: int) -> int:
     """The pgoutput protocol version the native worker asks a publisher of ``server_version`` for: 4 (PG16+:
     parallel-apply abort info), 3 (PG15: two-phase), 2 (PG14: streaming), else 1. — ``set_stream_options``."""
-    if server_version >= 160000:
+    if server_version >= ORIGIN_VERSION:
         return 4
-    if server_version >= 150000:
+    if server_version >= TWO_PHASE_VERSION:
         return 3
-    if server_version >= 140000:
+    if server_version >= STREAMING_VERSION:
         return 2
     return 1
 
@@ -196,17 +203,17 @@ def start_replication_command(slot: str, start_lsn: int, options: StreamOptions,
         options.proto_version if options.proto_version is not None else protocol_version_for(server_version)
     )
     parts = [f"proto_version '{proto}'"]
-    if server_version >= 160000 and options.streaming == "parallel":
+    if server_version >= ORIGIN_VERSION and options.streaming == "parallel":
         parts.append("streaming 'parallel'")
-    elif server_version >= 140000 and options.streaming != "off":
+    elif server_version >= STREAMING_VERSION and options.streaming != "off":
         parts.append("streaming 'on'")
-    if options.two_phase and server_version >= 150000:
+    if options.two_phase and server_version >= TWO_PHASE_VERSION:
         parts.append("two_phase 'on'")
-    if options.origin is not None and server_version >= 160000:
+    if options.origin is not None and server_version >= ORIGIN_VERSION:
         parts.append(f"origin '{options.origin}'")
     pubnames = ",".join(_quote_ident(p) for p in options.publications)
     parts.append(f"publication_names {_quote_repl_literal(pubnames)}")
-    if options.binary and server_version >= 140000:
+    if options.binary and server_version >= STREAMING_VERSION:
         parts.append("binary 'true'")
     return f"START_REPLICATION SLOT {_quote_ident(slot)} LOGICAL {format_lsn(start_lsn)} ({', '.join(parts)})"
 
@@ -225,7 +232,7 @@ def create_slot_command(
     head = sql.SQL("CREATE_REPLICATION_SLOT {name} {temp}LOGICAL pgoutput").format(
         name=sql.Identifier(name), temp=sql.SQL("TEMPORARY " if temporary else "")
     )
-    if server_version < 150000:
+    if server_version < TWO_PHASE_VERSION:
         words = (["TWO_PHASE"] if two_phase else []) + [_OLD_SNAPSHOT_WORDS[snapshot]]
         return sql.Composed([head, sql.SQL(" " + " ".join(words))])
     options = [sql.SQL("SNAPSHOT {}").format(sql.Literal(snapshot))]

@@ -26,6 +26,7 @@ from psycopg import sql
 
 from applier.catalog import sql as catalog_sql
 from applier.migrate.state import MigrationError
+from applier.replication import TWO_PHASE_VERSION
 
 __all__ = [
     "after_cutover_lines",
@@ -51,7 +52,7 @@ def check_two_phase(target: psycopg.Connection[Any], subid: int, source: str) ->
     why = (
         f"the source runs PostgreSQL {version // 10000}, whose pgoutput cannot decode prepared transactions (two-phase "
         "decoding needs 15 or later)"
-        if version < 150000
+        if version < TWO_PHASE_VERSION
         else "the migration's subscription does not decode prepared transactions (two-phase is off)"
     )
     raise MigrationError(

@@ -29,10 +29,7 @@ from applier.migrate.state import MigrationError
 from applier.migrate.steps import Step, StepKind
 from applier.migrate.survey import source_tables
 from applier.migrate.tools import find_dump_tools
-from applier.replication import ReplicationConnection, ReplicationConnectionError
-
-#: the oldest source whose pgoutput decodes prepared transactions (two-phase, what --prepared carry needs)
-TWO_PHASE_SOURCE_MAJOR = 15
+from applier.replication import TWO_PHASE_VERSION, ReplicationConnection, ReplicationConnectionError
 
 if TYPE_CHECKING:
     from applier.migrate.start import StartOptions
@@ -267,7 +264,7 @@ class SetUp:
                 catalog.delete_subscription(old.subid)
             # two-phase decoding needs a source of 15 or later; from 14, prepared transactions arrive at COMMIT
             # PREPARED as ordinary ones, and the cutover cannot carry them (applier.migrate.cutover)
-            decodes_prepared = self._source_major() >= TWO_PHASE_SOURCE_MAJOR
+            decodes_prepared = self._source_major() >= TWO_PHASE_VERSION // 10000
             two_phase, _ = initial_two_phase(decodes_prepared, True, False, has_tables=bool(tables))
             sub = catalog.create_subscription(
                 subname=m.subname,

@@ -27,12 +27,14 @@ from applier.subscriptions.common import (
     _target_tables,
     check_publisher_version,
     connect_publisher,
+    missing_publications,
     open_catalog,
     origin_progress,
     published_tables,
     require_subscription,
     rollback_prepared,
     set_slot_failover,
+    slot_mismatch,
     target_errors,
     warn_password_not_stored,
 )
@@ -416,9 +418,7 @@ def _check_nothing_lost(pub: ReplicationConnection, sub: Subscription, applied: 
 
 def _check_new_publisher(pub: ReplicationConnection, sub: Subscription) -> None:
     ((dbname,),) = _pub_query(pub, "SELECT current_database()")
-    found = {r[0] for r in _pub_query(pub, "SELECT pubname FROM pg_publication WHERE pubname = ANY(%s)",
-                                      (list(sub.subpublications),))}  # fmt: skip
-    missing = [p for p in sub.subpublications if p not in found]
+    missing = missing_publications(pub, sub.subpublications)
     if missing:
         raise SubscriptionError(
             f"the publisher at the new connection (database {dbname}) has no publication "
@@ -437,9 +437,9 @@ def _check_new_publisher(pub: ReplicationConnection, sub: Subscription) -> None:
             "if it was a failover slot that the standby synchronized (PostgreSQL 17+); the connection is "
             "unchanged",
         )
-    if (row[2], row[3]) != (dbname, "pgoutput"):
+    mismatch = slot_mismatch(row, dbname)
+    if mismatch:
         raise SubscriptionError(
-            f'replication slot "{slot}" at the new connection is a {row[3] or "physical"} slot of database '
-            f"{row[2] or '(none)'}, not a pgoutput slot of {dbname}",
+            f'replication slot "{slot}" at the new connection is {mismatch}',
             "check the conninfo's dbname; the connection is unchanged",
         )

@@ -26,9 +26,11 @@ from applier.subscriptions.common import (
     _target_tables,
     check_publisher_version,
     connect_publisher,
+    missing_publications,
     open_catalog,
     published_tables,
     set_slot_failover,
+    slot_mismatch,
     target_errors,
     warn_password_not_stored,
 )
@@ -209,13 +211,7 @@ def _check_publisher(pub: ReplicationConnection, opts: CreateOptions) -> list[st
             f'wal_level on the publisher is "{wal_level}"; logical replication needs "logical"',
             "on the publisher run ALTER SYSTEM SET wal_level = logical, then restart it",
         )
-    found = {
-        r[0]
-        for r in _pub_query(
-            pub, "SELECT pubname FROM pg_publication WHERE pubname = ANY(%s)", (list(opts.publications),)
-        )
-    }
-    missing = [p for p in opts.publications if p not in found]
+    missing = missing_publications(pub, opts.publications)
     if missing:
         names = ", ".join(f'"{p}"' for p in missing)
         raise SubscriptionError(
@@ -237,10 +233,10 @@ def _check_publisher(pub: ReplicationConnection, opts: CreateOptions) -> list[st
                 "create it there first (SELECT pg_create_logical_replication_slot('"
                 f"{opts.slot}', 'pgoutput')), or leave out --no-create-slot",
             )
-        if (row[2], row[3]) != (dbname, "pgoutput"):
+        mismatch = slot_mismatch(row, dbname)
+        if mismatch:
             raise SubscriptionError(
-                f'replication slot "{opts.slot}" cannot serve this subscription: it is a '
-                f"{row[3] or 'physical'} slot of database {row[2] or '(none)'}, not a pgoutput slot of {dbname}",
+                f'replication slot "{opts.slot}" cannot serve this subscription: it is {mismatch}',
                 "name a logical pgoutput slot of the publisher's database with --slot-name, or let create make one",
             )
     return published_tables(pub, opts.publications)

@@ -20,7 +20,14 @@ from applier.catalog.store import Catalog, CatalogError, Subscription
 from applier.conninfo import describe, has_password, scrub
 from applier.errors import ApplierError
 from applier.lsn import parse_lsn
-from applier.replication import ReplicationConnection, ReplicationConnectionError
+from applier.replication import (
+    FAILOVER_VERSION,
+    ORIGIN_VERSION,
+    STREAMING_VERSION,
+    TWO_PHASE_VERSION,
+    ReplicationConnection,
+    ReplicationConnectionError,
+)
 
 #: First key of the two-key advisory lock ``(LOCK_NAMESPACE, subid)`` that marks a subscription as in use ("appl").
 LOCK_NAMESPACE = 0x6170706C
@@ -29,14 +36,9 @@ LOCK_NAMESPACE = 0x6170706C
 SYNC_SLOT_PATTERN = "applier\\_{subid}\\_sync%"
 
 #: The oldest publisher applier subscribes to (and is tested against: issue 31); older ones are refused.
-MIN_PUBLISHER_VERSION = 140000
-#: pgoutput decodes prepared transactions (``two_phase``) from PostgreSQL 15 on.
-TWO_PHASE_PUBLISHER_VERSION = 150000
-#: pgoutput filters by origin (``origin = none``) from PostgreSQL 16 on.
-ORIGIN_PUBLISHER_VERSION = 160000
-#: failover slots (``FAILOVER``, synchronized to standbys) from PostgreSQL 17 on; with two-phase from 18 on (17
-#: does not synchronize a slot's ``two_phase_at``, and refuses the pair, as we do).
-FAILOVER_PUBLISHER_VERSION = 170000
+MIN_PUBLISHER_VERSION = STREAMING_VERSION
+#: failover slots with two-phase from PostgreSQL 18 on (17 does not synchronize a slot's ``two_phase_at``, and
+#: refuses the pair, as we do).
 FAILOVER_TWO_PHASE_PUBLISHER_VERSION = 180000
 #: ``ALTER_REPLICATION_SLOT ... (TWO_PHASE false)`` arrived in PostgreSQL 18 (17 only knows FAILOVER).
 ALTER_SLOT_TWO_PHASE_VERSION = 180000
@@ -199,6 +201,20 @@ def published_tables(pub: ReplicationConnection, publications: Sequence[str]) ->
     return [r[0] for r in rows]
 
 
+def missing_publications(pub: ReplicationConnection, publications: Sequence[str]) -> list[str]:
+    """Those of ``publications`` that the publisher's database does not have, in their order."""
+    query = "SELECT pubname FROM pg_publication WHERE pubname = ANY(%s)"
+    found = {r[0] for r in _pub_query(pub, query, (list(publications),))}
+    return [p for p in publications if p not in found]
+
+
+def slot_mismatch(row: tuple[Any, ...], dbname: str) -> str | None:
+    """Why a slot (a :func:`_slot_row`) cannot serve a subscription of database ``dbname``, or None."""
+    if (row[2], row[3]) == (dbname, "pgoutput"):
+        return None
+    return f"a {row[3] or 'physical'} slot of database {row[2] or '(none)'}, not a pgoutput slot of {dbname}"
+
+
 def _slot_row(pub: ReplicationConnection, slot: str) -> tuple[Any, ...] | None:
     rows = _pub_query(
         pub,
@@ -288,20 +304,20 @@ def check_publisher_version(
             f"the publisher runs PostgreSQL {major}, applier needs 14 or later",
             "upgrade the publisher (applier is tested against publishers 14 to 18)",
         )
-    if two_phase and version < TWO_PHASE_PUBLISHER_VERSION:
+    if two_phase and version < TWO_PHASE_VERSION:
         raise SubscriptionError(
             f"two-phase needs a publisher of PostgreSQL 15 or later, and this one runs {major}: its pgoutput "
             "cannot decode prepared transactions",
             "leave two-phase off: a transaction prepared on the publisher then arrives as an ordinary one when "
             "COMMIT PREPARED runs there (one that is rolled back never arrives)",
         )
-    if origin == "none" and version < ORIGIN_PUBLISHER_VERSION:
+    if origin == "none" and version < ORIGIN_VERSION:
         raise SubscriptionError(
             f"origin = none needs a publisher of PostgreSQL 16 or later, and this one runs {major}: its pgoutput "
             "cannot leave out changes that came from elsewhere",
             "use origin = any (the default), or upgrade the publisher",
         )
-    if failover and version < FAILOVER_PUBLISHER_VERSION:
+    if failover and version < FAILOVER_VERSION:
         raise SubscriptionError(
             f"failover needs a publisher of PostgreSQL 17 or later, and this one runs {major}: its slots cannot be "
             "synchronized to a standby",

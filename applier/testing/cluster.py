@@ -218,6 +218,12 @@ def _runnable_binaries(binaries: PostgresBinaries, user: pwd.struct_passwd | Non
     return PostgresBinaries(dest_bindir, binaries.major)
 
 
+def _append_conf(datadir: Path, header: str, conf: Mapping[str, str]) -> None:
+    """Settings appended to ``postgresql.conf`` (the last value of a setting wins)."""
+    with open(datadir / "postgresql.conf", "a") as f:
+        f.write(f"\n# {header}\n" + "".join(f"{key} = {value}\n" for key, value in conf.items()))
+
+
 def _ensure_dir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     path.chmod(0o755)
@@ -337,10 +343,7 @@ class PostgresCluster:
         conf.update(self.settings)
         conf["port"] = str(self.port)
         conf["unix_socket_directories"] = f"'{self.datadir}'"
-        with open(self.datadir / "postgresql.conf", "a") as f:
-            f.write("\n# applier.testing\n")
-            for key, value in conf.items():
-                f.write(f"{key} = {value}\n")
+        _append_conf(self.datadir, "applier.testing", conf)
         return self
 
     @property
@@ -416,8 +419,7 @@ class PostgresCluster:
         standby._user, standby._owns_datadir = self._user, True
         conf = {"port": str(standby.port), "unix_socket_directories": f"'{datadir}'", "primary_slot_name": f"'{slot}'",
                 "hot_standby_feedback": "on", **(settings or {})}  # fmt: skip
-        with open(datadir / "postgresql.conf", "a") as f:
-            f.write("\n# applier.testing: standby\n" + "".join(f"{k} = {v}\n" for k, v in conf.items()))
+        _append_conf(datadir, "applier.testing: standby", conf)
         return standby.start()
 
     def promote(self) -> None:

@@ -126,12 +126,8 @@ def _workload(publisher: Database) -> None:
         c.execute("BEGIN")  # streamed, then rolled back: none of it may arrive
         c.execute("INSERT INTO plain SELECT g, 'aborted' FROM generate_series(20001, 24000) g")
         c.execute("ROLLBACK")
-        c.execute("BEGIN")
-        c.execute("INSERT INTO plain VALUES (30001, 'prepared, then committed')")
-        c.execute("PREPARE TRANSACTION 'p14_commit'")
-        c.execute("BEGIN")
-        c.execute("INSERT INTO plain VALUES (30002, 'prepared, then rolled back')")
-        c.execute("PREPARE TRANSACTION 'p14_rollback'")
+        _prepare(c, "p14_commit", "INSERT INTO plain VALUES (30001, 'prepared, then committed')")
+        _prepare(c, "p14_rollback", "INSERT INTO plain VALUES (30002, 'prepared, then rolled back')")
         c.execute("COMMIT PREPARED 'p14_commit'")
         c.execute("ROLLBACK PREPARED 'p14_rollback'")
         c.execute("TRUNCATE nokey")
@@ -189,7 +185,12 @@ def test_pg14_publisher_equals_native(pair14: ReplicationPair, target_cluster: P
 def _workload_after_restart(publisher: Database) -> None:
     with publisher.connect(autocommit=True) as c:
         c.execute("UPDATE plain SET v = 'after restart' WHERE id BETWEEN 40001 AND 40100")
-        c.execute("BEGIN")
-        c.execute("DELETE FROM kinds WHERE id > 450")
-        c.execute("PREPARE TRANSACTION 'p14_late'")
+        _prepare(c, "p14_late", "DELETE FROM kinds WHERE id > 450")
         c.execute("COMMIT PREPARED 'p14_late'")
+
+
+def _prepare(c: Any, gid: str, statement: str) -> None:
+    """``statement`` in a transaction prepared as ``gid`` (a 14 publisher sends it only at COMMIT PREPARED)."""
+    c.execute("BEGIN")
+    c.execute(statement)
+    c.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))

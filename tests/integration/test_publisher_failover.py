@@ -8,6 +8,8 @@ makes the synchronized slot a safe place to resume from."""
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
 from collections.abc import Iterator
 
 import pytest
@@ -56,21 +58,37 @@ def _synced(standby: PostgresCluster, primary: PostgresCluster) -> bool:
     )
 
 
-def test_the_subscription_follows_a_promoted_standby(
-    primary_and_standby, target_cluster, start_run: StartRun
-) -> None:
-    primary, standby = primary_and_standby
+@contextlib.contextmanager
+def failover_subscription(
+    primary: PostgresCluster, target_cluster: PostgresCluster, start_run: StartRun, *, rows_before: int = 0
+) -> Iterator[tuple[Database, Database, subprocess.Popen[str]]]:
+    """Database ``app`` on the primary with table t (``rows_before`` rows, for the initial copy) published as p, a
+    target database with t, subscription "s" with ``--failover`` and its ``applier run`` (quick retries); stopped
+    and dropped afterwards."""
     pub = primary.create_database("app")
     pub.execute("CREATE TABLE t (id int PRIMARY KEY, v text); CREATE PUBLICATION p FOR TABLE t")
-    pub.execute("INSERT INTO t SELECT g, 'before' FROM generate_series(1, 100) g")
+    pub.execute("INSERT INTO t SELECT g, 'before' FROM generate_series(1, %s) g", (rows_before,))
     tgt = target_cluster.create_database("failover_target")
     proc = None
     try:
         tgt.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
         ok(tgt, "create", "s", "--publisher", pub.dsn, "--publication", "p", "--failover")
+        proc = start_run(tgt, "s", "--max-retry-interval", "2")
+        yield pub, tgt, proc
+    finally:
+        if proc is not None:
+            stop(proc)
+        drop_our_origins(tgt)
+        target_cluster.drop_database(tgt.name)
+
+
+def test_the_subscription_follows_a_promoted_standby(
+    primary_and_standby, target_cluster, start_run: StartRun
+) -> None:
+    primary, standby = primary_and_standby
+    with failover_subscription(primary, target_cluster, start_run, rows_before=100) as (pub, tgt, proc):
         assert status(tgt, "s")["failover"] is True
         assert primary.scalar("SELECT failover FROM pg_replication_slots WHERE slot_name = 's'") is True
-        proc = start_run(tgt, "s", "--max-retry-interval", "2")
         pub.execute("INSERT INTO t SELECT g, 'streamed' FROM generate_series(101, 200) g")
         wait_until(lambda: tgt.scalar("SELECT count(*) FROM t") == 200, timeout=TIMEOUT, what="200 rows")
         wait_until(
@@ -97,11 +115,6 @@ def test_the_subscription_follows_a_promoted_standby(
                    what=f"the target equal to the new primary; log:\n{run_log(proc)[-3000:]}")  # fmt: skip
         assert proc.poll() is None
         assert "initial copy" not in run_log(proc).split("has started streaming", 1)[1]  # no second copy
-    finally:
-        if proc is not None:
-            stop(proc)
-        drop_our_origins(tgt)
-        target_cluster.drop_database(tgt.name)
 
 
 def test_alter_sets_failover_on_the_slot_of_a_disabled_subscription(
@@ -146,14 +159,7 @@ def test_a_promoted_standby_that_lacks_applied_transactions_is_refused(
     """Without ``synchronized_standby_slots`` the target can apply what the standby never received: after the
     failover, ``alter --connection`` sees the new primary's WAL end before the target's progress and refuses."""
     primary, standby = primary_and_standby
-    pub = primary.create_database("app")
-    pub.execute("CREATE TABLE t (id int PRIMARY KEY, v text); CREATE PUBLICATION p FOR TABLE t")
-    tgt = target_cluster.create_database("lost_target")
-    proc = None
-    try:
-        tgt.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
-        ok(tgt, "create", "s", "--publisher", pub.dsn, "--publication", "p", "--failover")
-        proc = start_run(tgt, "s", "--max-retry-interval", "2")
+    with failover_subscription(primary, target_cluster, start_run) as (pub, tgt, _proc):
         pub.execute("INSERT INTO t SELECT g, 'both have it' FROM generate_series(1, 100) g")
         wait_until(lambda: tgt.scalar("SELECT count(*) FROM t") == 100, timeout=TIMEOUT, what="100 rows")
         wait_until(lambda: _synced(standby, primary), timeout=TIMEOUT, what="the slot synchronized")
@@ -168,8 +174,3 @@ def test_a_promoted_standby_that_lacks_applied_transactions_is_refused(
             err
         )
         assert "the connection is unchanged" in err
-    finally:
-        if proc is not None:
-            stop(proc)
-        drop_our_origins(tgt)
-        target_cluster.drop_database(tgt.name)
