@@ -98,6 +98,7 @@ def test_a_folded_rollback_applies_nothing_so_its_conflict_does_not_stop_the_wor
     assert w.worker.stats.folded_prepares == 1  # (counted when the session ends)
 
 
+@pytest.mark.anyversion  # exactly-once after kill -9: the origin and our commit order
 def test_kill9_while_folding_a_backlog_applies_each_transaction_once(pair):
     """``kill -9`` of ``applier run`` at three points of a backlog of decided prepared transactions, then a restart:
     every committed one's row is there exactly once (the table has no key to refuse a duplicate), no rolled back

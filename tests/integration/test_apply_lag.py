@@ -70,6 +70,7 @@ def _histogram_count(text: str, name: str, kind: str) -> float:
 
 
 @pytest.mark.core
+@pytest.mark.anyversion  # our metrics and status
 def test_histogram_and_status_show_the_apply_lag(pair) -> None:  # type: ignore[no-untyped-def]
     for db in (pair.publisher, pair.target):
         db.execute("CREATE TABLE items (id int PRIMARY KEY, v text)")

@@ -18,7 +18,7 @@ from applier import subscriptions
 from applier.apply.testing import setup_subscription
 from applier.testing import wait_for_catchup, wait_until
 
-pytestmark = pytest.mark.core
+pytestmark = [pytest.mark.core, pytest.mark.anyversion]  # how the loop reads the target's socket
 
 #: rows, one small transaction each, and the NOTICE each of them raises on the target
 ROWS = 5000

@@ -117,6 +117,7 @@ def test_least_privileged_roles_run_a_subscriptions_whole_life(
 
 
 @pytest.mark.core
+@pytest.mark.anyversion  # the grants are the whole-life test's; this adds the live sync's path
 def test_a_table_added_while_streaming_is_synced_as_the_apply_role(
     pair, roles: Roles, start_run: StartRun
 ) -> None:

@@ -17,7 +17,7 @@ from applier.subscriptions import CreateOptions, create
 from applier.testing import wait_until
 from applier.testing.cluster import free_port
 
-pytestmark = pytest.mark.core
+pytestmark = [pytest.mark.core, pytest.mark.anyversion]  # metrics, logs and signals are ours alone
 
 
 def _metric(text: str, name: str, **labels: str) -> float | None:

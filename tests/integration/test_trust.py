@@ -283,11 +283,13 @@ def _copy_refused(pair: Any, mallory: str, tmp_path: Any, env: dict[str, str]) -
     assert not _superuser(pair, mallory)
 
 
+@pytest.mark.anyversion  # the trust check's catalog reads are the other tests'; this is the copy's path
 def test_copy_path_refused_on_the_driver(pair, mallory, tmp_path) -> None:
     _copy_refused(pair, mallory, tmp_path, {})
 
 
 @pytest.mark.spark
+@pytest.mark.anyversion
 def test_copy_path_refused_in_spark(pair, mallory, tmp_path) -> None:
     _copy_refused(pair, mallory, tmp_path, {"APPLIER_TABLESYNC_HEAD_START": "0"})
 
