@@ -16,7 +16,7 @@ from applier.apply.testing import setup_subscription
 from applier.replication import ReplicationConnection
 from applier.testing import assert_tables_equal, wait_for_catchup, wait_until
 
-pytestmark = pytest.mark.core
+pytestmark = [pytest.mark.core, pytest.mark.anyversion]  # the worker's own pacing and pipeline
 
 
 class _CountingConn:
@@ -84,7 +84,9 @@ def test_status_updates_are_paced_under_a_steady_load_and_still_report_catchup(p
     # dates an update by the housekeeping's clock reading, taken a little before the send this wrapper times, so two
     # paced sends can be timed up to a few hundred microseconds closer than STATUS_MIN_INTERVAL (seen: 9.76 ms);
     # unpaced, they came one per transaction, well under a millisecond apart
-    assert sum(g < STATUS_MIN_INTERVAL * 0.8 for g in gaps) <= 3, sorted(gaps)[:10]
+    # (and the pacer sends at once after a quiet spell: on a loaded machine the inserts come with more gaps between
+    # them; seen 7 of 1500). Unpaced, it was one per transaction, ~1500.
+    assert sum(g < STATUS_MIN_INTERVAL * 0.8 for g in gaps) <= 15, sorted(gaps)[:10]
     assert len(unasked) >= 2
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from applier.testing import table_digest, wait_until
 from applier.testing.cluster import free_port
+from tablesync import job as spark_job
 from tablesync import run_initial_copy
 from tablesync.testing import subscribe
 
@@ -86,5 +87,7 @@ def test_copy_runs_through_spark_connect(pair, connect_server, monkeypatch):
     assert result.completed and result.rows == 30000 and result.tables["public.c"].partitions > 1
     assert table_digest(pair.publisher, "public.c") == table_digest(pair.target, "public.c")
     assert pair.target.scalar("SELECT srsubstate::text FROM applier.subscription_rel") == "s"
-    # the process can build classic sessions again (pyspark's Connect flag was cleared with the session)
-    assert "SPARK_CONNECT_MODE_ENABLED" not in os.environ
+    # the process can build classic sessions again (pyspark's Connect flag was cleared with the session): the
+    # session stops in the background, and a new start waits for that on the start lock, so look under it too
+    with spark_job._START_LOCK:
+        assert "SPARK_CONNECT_MODE_ENABLED" not in os.environ
