@@ -16,8 +16,10 @@ Names follow Prometheus conventions: ``applier_`` prefix, ``_total`` for counter
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -182,12 +184,15 @@ class WorkerMetrics:
 def enable_multiprocess() -> str:
     """Make counters of processes started from now on shared through a private directory; return it.
 
-    Must run before the worker processes start (they read the variable when they import prometheus_client).
+    Must run before the worker processes start (they read the variable when they import prometheus_client). A
+    directory made here goes when this process exits (each ``run`` used to leave one behind); one the user named
+    stays theirs.
     """
     path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if not path:
         path = tempfile.mkdtemp(prefix="applier-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
     return path
 
 
