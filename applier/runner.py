@@ -209,12 +209,8 @@ def run(
             if workers.stopping:
                 break
             workers.start(sub.subname)
-        log.info(
-            "running %d subscription(s)%s: %s",
-            len(subs),
-            " (each waits while another process runs it)" if standby else "",
-            ", ".join(s.subname for s in subs),
-        )
+        note = " (each waits while another process runs it)" if standby else ""
+        log.info("running %d subscription(s)%s: %s", len(subs), note, ", ".join(s.subname for s in subs))
         outcomes = workers.wait_all()
     finally:
         ended.set()

@@ -238,11 +238,16 @@ def _stall_line(st: dict[str, Any]) -> str:
     )
 
 
-def _standby_line(w: dict[str, Any]) -> str:
-    where = f" from {w['client']}" if w["client"] else ""
-    return (
-        f"{w['application_name']}{where} (target backend pid {w['backend_pid']}), waiting since {w['since']}"
-    )
+def _worker_lines(s: dict[str, Any]) -> list[str]:
+    """Who holds the subscription, and the standbys waiting for it."""
+    lines = [f"  worker: {s['worker'] or 'not running'}"]
+    for w in s["standbys"]:
+        where = f" from {w['client']}" if w["client"] else ""
+        lines.append(
+            f"  standby: {w['application_name']}{where} (target backend pid {w['backend_pid']}), "
+            f"waiting since {w['since']}"
+        )
+    return lines
 
 
 def format_status(entries: list[dict[str, Any]]) -> str:
@@ -260,9 +265,8 @@ def format_status(entries: list[dict[str, Any]]) -> str:
             + (f", skip-LSN {s['skip_lsn']}" if s["skip_lsn"] else ""),
             f"  publisher: {s['publisher']}; publications {', '.join(s['publications'])}; slot {s['slot_name']}"
             + (" (failover)" if s["failover"] else ""),
-            f"  worker: {s['worker'] or 'not running'}",
+            *_worker_lines(s),
         ]
-        lines.extend(f"  standby: {_standby_line(w)}" for w in s["standbys"])
         if r["publisher_reachable"]:
             positions = ", ".join(
                 f"{label} {r.get(key) or '-'}"

@@ -126,42 +126,15 @@ class SubscriptionLock:
         target restarts as a worker does. The caller must re-read the subscription once it holds the lock: a
         ``drop`` may have been the holder.
         """
-        conn: psycopg.Connection[Any] | None = None
-        told = False
-        delay, failures = 0.1, 0
+        poll = _StandbyPoll(self, log)
         try:
             while not stop.is_set():
-                try:
-                    if conn is None:
-                        conn = self._connect(self.standby_name)
-                        conn.execute("SELECT pg_advisory_lock_shared(%s::int4, %s::int4)", self._standby_key)
-                    if self._try_lock(conn):
-                        self._take_over(conn)
-                        conn = None  # it is the lock's session now
-                        return True
-                    if not told:
-                        log.info(
-                            'subscription "%s" is held by %s: standing by', self.sub.subname,
-                            lock_holder(conn, self.sub.subid) or "a process that just ended",
-                        )  # fmt: skip
-                        told = True
-                    failures = 0
-                    delay = min(delay * 2, STANDBY_POLL_S)
-                except (psycopg.Error, SubscriptionError) as exc:
-                    _close(conn)
-                    conn = None
-                    failures += 1
-                    told = False
-                    delay = min(0.25 * 2**failures, STANDBY_RECONNECT_S)
-                    if failures == 1:
-                        log.warning(
-                            'standby for subscription "%s": the target cannot be reached, retrying: %s',
-                            self.sub.subname, scrub(str(exc), self.target).strip().splitlines()[0],
-                        )  # fmt: skip
-                stop.wait(delay)
+                if poll.step():
+                    return True
+                stop.wait(poll.delay)
             return False
         finally:
-            _close(conn)
+            poll.close()
 
     @property
     def _standby_key(self) -> tuple[int, int]:
@@ -214,6 +187,58 @@ class SubscriptionLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+class _StandbyPoll:
+    """One standby's tries of the lock (:meth:`SubscriptionLock.wait`): its session (holding the shared standby
+    lock), whether the holder was logged, and the wait before the next try."""
+
+    def __init__(self, lock: SubscriptionLock, log: logging.Logger) -> None:
+        self.lock, self.log = lock, log
+        self.conn: psycopg.Connection[Any] | None = None
+        self.told = False
+        self.delay, self.failures = 0.1, 0
+
+    def step(self) -> bool:
+        """One try: True once the lock is ours (the session is then the lock's)."""
+        try:
+            return self._try()
+        except (psycopg.Error, SubscriptionError) as exc:
+            self._unreachable(exc)
+            return False
+
+    def _try(self) -> bool:
+        lock = self.lock
+        if self.conn is None:
+            self.conn = lock._connect(lock.standby_name)
+            self.conn.execute("SELECT pg_advisory_lock_shared(%s::int4, %s::int4)", lock._standby_key)
+        if lock._try_lock(self.conn):
+            lock._take_over(self.conn)
+            self.conn = None  # it is the lock's session now
+            return True
+        if not self.told:
+            holder = lock_holder(self.conn, lock.sub.subid)
+            self.log.info('subscription "%s" is held by %s: standing by', lock.sub.subname,
+                          holder or "a process that just ended")  # fmt: skip
+            self.told = True
+        self.failures = 0
+        self.delay = min(self.delay * 2, STANDBY_POLL_S)
+        return False
+
+    def _unreachable(self, exc: Exception) -> None:
+        self.close()
+        self.failures += 1
+        self.told = False
+        self.delay = min(0.25 * 2**self.failures, STANDBY_RECONNECT_S)
+        if self.failures == 1:
+            self.log.warning(
+                'standby for subscription "%s": the target cannot be reached, retrying: %s',
+                self.lock.sub.subname, scrub(str(exc), self.lock.target).strip().splitlines()[0],
+            )  # fmt: skip
+
+    def close(self) -> None:
+        _close(self.conn)
+        self.conn = None
 
 
 def _application_name(pid: int | None, purpose: str, subname: str) -> str:
