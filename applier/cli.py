@@ -386,6 +386,9 @@ def _run(args: argparse.Namespace, target: str) -> int:
     from applier.replication import receive_buffer_setting
 
     receive_buffer_setting(os.environ.get("APPLIER_RECEIVE_BUFFER"))
+    from applier.apply.target import SYNCHRONOUS_COMMIT_ENV, synchronous_commit_setting
+
+    synchronous_commit_setting(os.environ.get(SYNCHRONOUS_COMMIT_ENV))
     return runner.run(
         target, args.names, metrics_port=args.metrics_port, wait_target=wait, standby=args.standby
     )
