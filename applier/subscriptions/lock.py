@@ -106,10 +106,7 @@ class SubscriptionLock:
     def acquire(self) -> None:
         """Take the lock or raise :class:`SubscriptionBusy` naming the holder."""
         conn = self._connect()
-        row = conn.execute(
-            "SELECT pg_try_advisory_lock(%s::int4, %s::int4)", (LOCK_NAMESPACE, self.sub.subid)
-        )
-        if not row.fetchone()[0]:  # type: ignore[index]
+        if not self._try_lock(conn):
             holder = lock_holder(conn, self.sub.subid)
             conn.close()
             raise SubscriptionBusy(
