@@ -154,6 +154,12 @@ def _add_run(sub: _Subcommands, common: argparse.ArgumentParser) -> None:
         "names", nargs="*", metavar="NAME", help="subscriptions to run (default: every enabled one)"
     )
     p.add_argument(
+        "--standby",
+        action="store_true",
+        help="wait for a subscription that another applier run holds, and take it over when that one ends "
+        "(killed, its host or its target session gone, or stopped); docs/operations.md",
+    )
+    p.add_argument(
         "--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on 127.0.0.1:PORT"
     )
     p.add_argument(
@@ -380,7 +386,12 @@ def _run(args: argparse.Namespace, target: str) -> int:
     from applier.replication import receive_buffer_setting
 
     receive_buffer_setting(os.environ.get("APPLIER_RECEIVE_BUFFER"))
-    return runner.run(target, args.names, metrics_port=args.metrics_port, wait_target=wait)
+    from applier.apply.target import SYNCHRONOUS_COMMIT_ENV, synchronous_commit_setting
+
+    synchronous_commit_setting(os.environ.get(SYNCHRONOUS_COMMIT_ENV))
+    return runner.run(
+        target, args.names, metrics_port=args.metrics_port, wait_target=wait, standby=args.standby
+    )
 
 
 def _alter(args: argparse.Namespace, target: str, console: Console, parser: argparse.ArgumentParser) -> None:

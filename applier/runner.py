@@ -10,6 +10,12 @@ and keeps it until it exits, so a second ``run`` of the same subscription is ref
 (``i``/``d``/``f``) and streams with :class:`~applier.apply.worker.ApplyWorker` until told to stop, the subscription is
 disabled, or an error it cannot recover from.
 
+Standby (``run --standby``): a worker whose subscription's lock is held waits for it instead of being refused
+(:meth:`~applier.subscriptions.SubscriptionLock.wait`) and, once it has it, runs exactly as ``run`` does; the
+replication origin makes the hand-over exactly once. Every worker re-reads its subscription under the lock: the
+holder it waited behind may have been a ``drop`` (the subscription is gone) or the subscription disabled meanwhile,
+and then the worker ends cleanly, as a running worker does when its subscription is dropped or disabled.
+
 Signals: SIGTERM or SIGINT (Ctrl-C) in the parent sets one shared stop event; the workers finish what they are doing
 and exit; ``run`` exits 0. A second signal terminates workers that have not stopped yet. Workers ignore SIGINT (the
 terminal sends it to the whole process group, and the parent coordinates); a SIGTERM sent to a worker directly
@@ -171,6 +177,7 @@ def run(
     metrics_port: int | None = None,
     wait_target: float = WAIT_TARGET,
     stop: threading.Event | None = None,
+    standby: bool = False,
 ) -> int:
     """Run the subscriptions until SIGTERM/SIGINT or until every worker has stopped; return the exit status.
 
@@ -178,6 +185,7 @@ def run(
     ``wait_target``: seconds to wait for a target that is down or starting up (:func:`wait_for_target`).
     ``stop``: setting it stops the workers as SIGTERM does. ``migrate start`` sets it once its migration is done:
     the disabled subscription would stop the worker too, but only at its next re-read of the catalog (1-2 s).
+    ``standby``: a subscription another process runs is waited for, and taken over when that process ends.
     """
     wait_for_target(target, wait_target)
     catalog = open_catalog(target, create=True)  # also upgrades an older catalog before any worker reads it
@@ -188,7 +196,7 @@ def run(
     if metrics_port is not None:
         _serve_metrics(metrics_port, target, [s.subname for s in subs])
 
-    workers = _Workers(target, wait_target)
+    workers = _Workers(target, wait_target, standby=standby)
     # installed before the first worker starts, so that no signal can end us and orphan a worker
     previous = {s: signal.signal(s, workers.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     ended = threading.Event()
@@ -201,7 +209,8 @@ def run(
             if workers.stopping:
                 break
             workers.start(sub.subname)
-        log.info("running %d subscription(s): %s", len(subs), ", ".join(s.subname for s in subs))
+        note = " (each waits while another process runs it)" if standby else ""
+        log.info("running %d subscription(s)%s: %s", len(subs), note, ", ".join(s.subname for s in subs))
         outcomes = workers.wait_all()
     finally:
         ended.set()
@@ -224,9 +233,10 @@ class _Workers:
     """The worker processes of one ``applier run`` (one per subscription), and the SIGTERM/SIGINT handler that
     stops them: the first signal asks each worker to stop, a second one kills them."""
 
-    def __init__(self, target: str, wait_target: float) -> None:
+    def __init__(self, target: str, wait_target: float, *, standby: bool = False) -> None:
         self.target = target
         self.wait_target = wait_target
+        self.standby = standby
         self.running: dict[Any, tuple[str, Any, multiprocessing.connection.Connection]] = {}
         self.signals_seen = 0
         self.asked = False  # stopped by the caller's event, not a signal (run's ``stop``)
@@ -260,7 +270,7 @@ class _Workers:
         receiver, sender = _SPAWN.Pipe(duplex=False)
         proc = _SPAWN.Process(
             target=worker_main,
-            args=(self.target, subname, sender, logging.getLogger().level, self.wait_target),
+            args=(self.target, subname, sender, logging.getLogger().level, self.wait_target, self.standby),
             name=f"applier:{subname}",
         )
         proc.start()
@@ -338,6 +348,7 @@ def worker_main(
     report: multiprocessing.connection.Connection,
     log_level: int,
     wait_target: float = WAIT_TARGET,
+    standby: bool = False,
 ) -> None:
     """Entry point of a worker process (spawned: it imports everything afresh)."""
     configure_logging(target, log_level)
@@ -351,7 +362,7 @@ def worker_main(
         wait_for_target(
             target, wait_target, stop=stop, logger=wlog
         )  # the target may have gone since run started
-        message = _serve(target, subname, stop, wlog)
+        message = _serve(target, subname, stop, wlog, standby=standby)
         outcome = WorkerOutcome(subname, True, message)
     except SubscriptionBusy as exc:
         outcome = WorkerOutcome(subname, False, str(exc))
@@ -377,25 +388,82 @@ def _orphan_watch(stop: threading.Event) -> None:
             stop.set()
 
 
-def _serve(target: str, subname: str, stop: threading.Event, wlog: logging.Logger) -> str:
-    """Take the lock, copy what needs copying, stream; return why it stopped."""
+def _serve(
+    target: str, subname: str, stop: threading.Event, wlog: logging.Logger, *, standby: bool = False
+) -> str:
+    """Take the lock (as a standby: wait for it), copy what needs copying, stream; return why it stopped."""
     catalog = open_catalog(target)
-    with target_errors(target):
-        sub = require_subscription(catalog, subname)
-    lock = SubscriptionLock(target, sub, "run", pid=os.getppid())  # name the `applier run` users see
-    lock.acquire()
+    try:
+        with target_errors(target):
+            sub = require_subscription(catalog, subname)
+        lock = SubscriptionLock(target, sub, "run", pid=os.getppid())  # name the `applier run` users see
+        if not _take_lock(lock, stop, wlog, standby=standby):
+            wlog.info('standby for subscription "%s" stopped: asked to stop', subname)
+            return "asked to stop while standing by"
+        try:
+            with target_errors(
+                target
+            ):  # under the lock: what we waited behind may have dropped or disabled it
+                current = catalog.get_by_id(sub.subid)
+            if current is None or not current.subenabled:
+                reason = _gone(current, standby=standby)
+                wlog.info('worker for subscription "%s" not started: %s', subname, reason)
+                return reason
+            _stream(target, catalog, lock, sub, stop, wlog)
+        finally:
+            lock.release()
+    finally:
+        catalog.engine.dispose()
+    return _stopped(target, catalog, subname, wlog)
+
+
+def _take_lock(lock: SubscriptionLock, stop: threading.Event, wlog: logging.Logger, *, standby: bool) -> bool:
+    """Hold the subscription's lock: take it (refused with SubscriptionBusy when held), or as a standby wait for it;
+    False when stopped while waiting."""
+    if not standby:
+        lock.acquire()
+        return True
+    waited = time.monotonic()
+    if not lock.wait(stop, wlog):
+        return False
+    wlog.info(
+        'standby took over subscription "%s" after waiting %.1f s',
+        lock.sub.subname,
+        time.monotonic() - waited,
+    )
+    return True
+
+
+def _gone(current: Subscription | None, *, standby: bool) -> str:
+    """Why a worker that holds the lock does not start: the subscription was dropped or disabled meanwhile."""
+    if current is None:
+        return "the subscription was dropped" + (" while this standby waited" if standby else "")
+    return "the subscription is disabled"
+
+
+def _stream(
+    target: str,
+    catalog: Catalog,
+    lock: SubscriptionLock,
+    sub: Subscription,
+    stop: threading.Event,
+    wlog: logging.Logger,
+) -> None:
+    """Under the lock (kept by the watchdog): the initial copy if any table needs one, then the apply worker."""
     watchdog = _LockWatchdog(lock, stop, wlog)
     watchdog.start()
     try:
-        wlog.info('worker for subscription "%s" (subid %d) started', subname, sub.subid)
-        if _initial_copy(target, catalog, subname, stop, wlog) and not stop.is_set():
-            ApplyWorker(target, subname, stop=stop, logger=wlog, table_sync=LiveSyncCoordinator()).run()
+        wlog.info('worker for subscription "%s" (subid %d) started', sub.subname, sub.subid)
+        if _initial_copy(target, catalog, sub.subname, stop, wlog) and not stop.is_set():
+            ApplyWorker(target, sub.subname, stop=stop, logger=wlog, table_sync=LiveSyncCoordinator()).run()
     finally:
         watchdog.finish()
-        lock.release()
-        catalog.engine.dispose()
     if watchdog.lost is not None:
         raise SubscriptionError(watchdog.lost)
+
+
+def _stopped(target: str, catalog: Catalog, subname: str, wlog: logging.Logger) -> str:
+    """Why the worker stopped, as logged and reported."""
     with target_errors(target):
         current = catalog.get(subname)
     if current is None:

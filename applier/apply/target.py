@@ -23,6 +23,7 @@ Session settings are the native worker's (behaviour 51) plus the value formats o
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,11 +40,12 @@ from applier.apply.target_catalog import CatalogWrites, gid_literal
 from applier.apply.target_copy import CopyIn, _copy_escape
 from applier.apply.target_dml import DmlStatements
 from applier.catalog.trust import TYPE_WALK
+from applier.errors import ApplierError
 from applier.lsn import format_lsn, parse_lsn
 
 __all__ = [
-    "BULK_OK_SQL", "CHECK_ROWS", "MAX_IN_FLIGHT", "SESSION_SETTINGS", "Pipeline", "Target", "TargetConnectionError",
-    "_copy_escape",
+    "BULK_OK_SQL", "CHECK_ROWS", "MAX_IN_FLIGHT", "SESSION_SETTINGS", "SYNCHRONOUS_COMMIT_ENV", "Pipeline", "Target",
+    "TargetConnectionError", "_copy_escape", "synchronous_commit_setting",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,40 @@ SESSION_SETTINGS: tuple[tuple[str, str], ...] = (
     ("search_path", ""),
     ("client_encoding", "UTF8"),
 )
+
+#: The apply session's ``synchronous_commit``, overriding the rule of :func:`_choose_synchronous_commit`.
+SYNCHRONOUS_COMMIT_ENV = "APPLIER_SYNCHRONOUS_COMMIT"
+_SYNCHRONOUS_COMMIT_VALUES = ("off", "local", "remote_write", "on", "remote_apply")
+
+
+def synchronous_commit_setting(value: str | None) -> str | None:
+    """``APPLIER_SYNCHRONOUS_COMMIT``: None when unset (the rule of :func:`_choose_synchronous_commit`), else one of
+    PostgreSQL's ``synchronous_commit`` values; anything else is refused (``applier run`` checks it at start)."""
+    if value is None or not value.strip():
+        return None
+    if value.strip().lower() not in _SYNCHRONOUS_COMMIT_VALUES:
+        raise ApplierError(
+            f"{SYNCHRONOUS_COMMIT_ENV} must be one of {', '.join(_SYNCHRONOUS_COMMIT_VALUES)}, not {value!r}"
+        )
+    return value.strip().lower()
+
+
+def _choose_synchronous_commit(conn: psycopg.Connection[Any]) -> None:
+    """The apply session commits asynchronously (``off``, as the native worker does by default): safe against a
+    crash of the target because the flush position reported to the publisher follows the target's own WAL flush
+    (applier.apply.feedback). Not against a *failover* of the target: a standby promoted after the primary's crash
+    may lack a transaction already acknowledged to the publisher, which never sends it again. So when the target
+    has synchronous standbys (``synchronous_standby_names``), the session keeps the target's own
+    ``synchronous_commit`` (``on`` unless the role, database or server says otherwise) and every commit and
+    PREPARE waits for them before it counts as flushed. ``APPLIER_SYNCHRONOUS_COMMIT`` overrides both."""
+    wanted = synchronous_commit_setting(os.environ.get(SYNCHRONOUS_COMMIT_ENV))
+    if wanted is None:
+        row = conn.execute("SELECT pg_catalog.current_setting('synchronous_standby_names') <> ''").fetchone()
+        if row is not None and row[0]:
+            conn.execute("RESET synchronous_commit")
+        return
+    conn.execute("SELECT pg_catalog.set_config('synchronous_commit', %s, false)", (wanted,))
+
 
 #: Whether whole transactions may be applied to table ``c`` a batch at a time (applier.apply.bulk): a plain table
 #: with no trigger or rule that fires in the apply session (enabled REPLICA or ALWAYS), which could observe the order
@@ -257,6 +293,7 @@ class Target:
             for name, value in SESSION_SETTINGS:
                 conn.execute(sql.SQL("SELECT pg_catalog.set_config({}, {}, false)").format(
                     sql.Literal(name), sql.Literal(value)))  # fmt: skip
+            _choose_synchronous_commit(conn)
             conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup(%s)", (origin,))
         except BaseException:
             conn.close()

@@ -38,6 +38,7 @@ from applier.subscriptions.common import (
     LOCK_NAMESPACE,
     MIN_PUBLISHER_VERSION,
     QUIET,
+    STANDBY_NAMESPACE,
     SYNC_SLOT_PATTERN,
     Console,
     SubscriptionBusy,
@@ -51,7 +52,7 @@ from applier.subscriptions.common import (
     target_errors,
 )
 from applier.subscriptions.grants import read_target_facts, warn_if_superuser, warn_superuser_once
-from applier.subscriptions.lock import LockHolder, SubscriptionLock, lock_holder
+from applier.subscriptions.lock import LockHolder, SubscriptionLock, lock_holder, standbys
 
 __all__ = [
     "ALTER_SLOT_TWO_PHASE_VERSION",
@@ -59,6 +60,7 @@ __all__ = [
     "MIN_PUBLISHER_VERSION",
     "QUIET",
     "SETTABLE",
+    "STANDBY_NAMESPACE",
     "SYNC_SLOT_PATTERN",
     "Console",
     "CreateOptions",
@@ -83,6 +85,7 @@ __all__ = [
     "set_connection",
     "set_enabled",
     "set_skip_lsn",
+    "standbys",
     "status",
     "target_errors",
     "warn_if_superuser",

@@ -12,7 +12,7 @@ from applier.catalog.store import Catalog, RelState, Subscription
 from applier.humanize import human_bytes
 from applier.lsn import format_lsn, parse_lsn
 from applier.subscriptions.common import open_catalog, origin_progress, require_subscription, target_errors
-from applier.subscriptions.lock import _holder
+from applier.subscriptions.lock import _holder, _standbys
 from state.tables import SyncState
 from state.twophase import TwoPhaseState
 
@@ -86,6 +86,7 @@ def status(target: str, name: str | None = None, *, publisher_timeout: int = 5) 
 
 def _status_of(catalog: Catalog, sub: Subscription, publisher_timeout: int) -> dict[str, Any]:
     holder = _holder(catalog, sub.subid)
+    waiting = _standbys(catalog, sub.subid)
     origin = origin_progress(catalog, sub)
     error = catalog.last_error(sub.subid)
     tables = catalog.table_states(sub.subid)
@@ -106,6 +107,8 @@ def _status_of(catalog: Catalog, sub: Subscription, publisher_timeout: int) -> d
         "publisher": sub.subconninfo,
         "skip_lsn": _lsn(sub.subskiplsn),
         "worker": str(holder) if holder else None,
+        "holder": holder.as_dict() if holder else None,
+        "standbys": [w.as_dict() for w in waiting],
         "tables": [
             {"name": t.name, "state": t.state.value, "lsn": _lsn(t.lsn), "rows": t.rows, "bytes": t.bytes}
             for t in tables
@@ -235,6 +238,18 @@ def _stall_line(st: dict[str, Any]) -> str:
     )
 
 
+def _worker_lines(s: dict[str, Any]) -> list[str]:
+    """Who holds the subscription, and the standbys waiting for it."""
+    lines = [f"  worker: {s['worker'] or 'not running'}"]
+    for w in s["standbys"]:
+        where = f" from {w['client']}" if w["client"] else ""
+        lines.append(
+            f"  standby: {w['application_name']}{where} (target backend pid {w['backend_pid']}), "
+            f"waiting since {w['since']}"
+        )
+    return lines
+
+
 def format_status(entries: list[dict[str, Any]]) -> str:
     """The human-readable form of :func:`status`."""
     if not entries:
@@ -250,7 +265,7 @@ def format_status(entries: list[dict[str, Any]]) -> str:
             + (f", skip-LSN {s['skip_lsn']}" if s["skip_lsn"] else ""),
             f"  publisher: {s['publisher']}; publications {', '.join(s['publications'])}; slot {s['slot_name']}"
             + (" (failover)" if s["failover"] else ""),
-            f"  worker: {s['worker'] or 'not running'}",
+            *_worker_lines(s),
         ]
         if r["publisher_reachable"]:
             positions = ", ".join(

@@ -31,6 +31,9 @@ from applier.replication import (
 
 #: First key of the two-key advisory lock ``(LOCK_NAMESPACE, subid)`` that marks a subscription as in use ("appl").
 LOCK_NAMESPACE = 0x6170706C
+#: First key of the shared advisory lock ``(STANDBY_NAMESPACE, subid)`` that a waiting ``run --standby`` holds, so
+#: that ``status`` can show it ("stby"). Shared: any number of standbys may wait; nothing else ever takes it.
+STANDBY_NAMESPACE = 0x73746279
 
 #: Slots of the initial copy are named ``applier_<subid>_sync...``; ``drop`` removes leftovers.
 SYNC_SLOT_PATTERN = "applier\\_{subid}\\_sync%"

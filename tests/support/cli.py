@@ -128,13 +128,15 @@ StartRun = Callable[..., subprocess.Popen[str]]
 
 @pytest.fixture
 def start_run(tmp_path: Path) -> Iterator[StartRun]:
-    """Start ``applier run ARGS...`` in the background (output to a log file); stopped with SIGTERM at the end."""
+    """Start ``applier run ARGS...`` in the background (output to a log file); stopped with SIGTERM at the end.
+    ``session=True`` starts it in a process group of its own, so that a test can kill its whole tree
+    (``os.killpg``)."""
     procs: list[subprocess.Popen[str]] = []
 
-    def start(target: Database, *args: str) -> subprocess.Popen[str]:
+    def start(target: Database, *args: str, session: bool = False) -> subprocess.Popen[str]:
         log = open(tmp_path / f"run-{len(procs)}.log", "w+")  # closed with the process below
         proc = subprocess.Popen([*APPLIER, "--target", target.dsn, "run", *args], stdout=log,
-                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
+                                stderr=subprocess.STDOUT, text=True, start_new_session=session)  # fmt: skip
         proc.log = log  # type: ignore[attr-defined]
         procs.append(proc)
         return proc
