@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from applier.migrate.plan import SourceFacts, TableFacts, TargetFacts, assess
 from applier.migrate.postdata import LeftOut, Step, ready, step_costs, table_weights
-from applier.migrate.schema import edit_script, pattern
+from applier.migrate.schema import TargetRoles, edit_script, pattern, without_unrestorable
 from applier.migrate.selection import Selection, select_tables
 from applier.migrate.state import PHASES, MigrationError, advance
 from applier.migrate.steps import CUTOVER_KINDS, StepKind, step_name
@@ -405,6 +405,34 @@ def test_the_script_loses_psql_meta_commands_and_creates_schemas_only_if_missing
     )
     assert pattern("public", "t") == '"public"."t"'
     assert pattern('we"ird', "T*") == '"we""ird"."T*"'
+
+
+def test_a_target_without_superuser_gets_the_script_without_what_it_could_not_run() -> None:
+    script = (
+        "CREATE TABLE public.t (id int);\n"
+        "ALTER TABLE public.t OWNER TO mig;\n"
+        'ALTER TABLE public.u OWNER TO "Gone Owner";\n'
+        "GRANT SELECT ON TABLE public.t TO reader;\n"
+        "GRANT SELECT ON TABLE public.t TO gone WITH GRANT OPTION;\n"
+        "REVOKE ALL ON TABLE public.t FROM gone;\n"
+        "GRANT SELECT ON TABLE public.t TO PUBLIC;\n"
+        "ALTER DEFAULT PRIVILEGES FOR ROLE mig IN SCHEMA public GRANT SELECT ON TABLES TO gone;\n"
+        "SET SESSION AUTHORIZATION other;\n"
+        "RESET SESSION AUTHORIZATION;\n"
+        "COMMENT ON EXTENSION plpgsql IS 'x';\n"
+    )
+    roles = TargetRoles(superuser=False, roles=frozenset({"mig", "reader"}), ownable=frozenset({"mig"}))
+    out, said = without_unrestorable(script, roles)
+    assert [line for line in out.splitlines() if line] == [
+        "CREATE TABLE public.t (id int);",
+        "ALTER TABLE public.t OWNER TO mig;",
+        "GRANT SELECT ON TABLE public.t TO reader;",
+        "GRANT SELECT ON TABLE public.t TO PUBLIC;",
+    ]
+    assert said[0].startswith("1 object(s) of role Gone Owner are owned by the migrating role")
+    assert said[1] == "3 grant(s) naming role gone skipped: the role does not exist on the target"
+    assert "SESSION AUTHORIZATION" in said[2] and "COMMENT ON EXTENSION" in said[3]
+    assert without_unrestorable(script, TargetRoles(True, frozenset(), frozenset())) == (script, [])
 
 
 def test_large_objects_differences_and_selection() -> None:
