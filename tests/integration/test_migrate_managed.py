@@ -28,6 +28,7 @@ import psycopg
 import pytest
 from psycopg import sql
 from test_migrate_cutover import migrate
+from test_migrate_plan import blocker_codes, plan
 from test_migrate_start import exit_status, phase, procs, wait_phase  # noqa: F401 - procs is a fixture
 
 from applier.privileges import ORIGIN_FUNCTIONS
@@ -67,8 +68,11 @@ class Managed:
         return pub.as_user(self.role)
 
     def target(self) -> Database:
+        self._role(self.pair.target, self.role, "LOGIN NOCREATEDB")
+        return self.target_grants()
+
+    def target_grants(self) -> Database:
         tgt, ident = self.pair.target, sql.Identifier(self.role)
-        self._role(tgt, self.role, "LOGIN NOCREATEDB")
         tgt.execute(sql.SQL("ALTER DATABASE {} OWNER TO {}").format(sql.Identifier(tgt.name), ident))
         tgt.execute(sql.SQL("GRANT SET ON PARAMETER session_replication_role TO {}").format(ident))
         for f in (*ORIGIN_FUNCTIONS, "pg_catalog.pg_show_replication_origin_status()"):
@@ -214,3 +218,53 @@ def test_start_cutover_without_superuser_leaves_the_providers_session(pair, mana
     wait_until(
         lambda: pair.publisher.scalar("SELECT count(*) FROM pg_replication_slots") == 0, what="slot gone"
     )
+
+
+def test_plan_names_each_missing_privilege_with_its_fix(pair, managed) -> None:
+    """Roles that have nothing but LOGIN (and SELECT on one table): every privilege the migration needs is a
+    blocker with the statement that gives it, exit 1; granted as the test above grants them, the plan passes, and
+    what a managed target does without (an owner it lacks) is a warning."""
+    pub, tgt = pair.publisher, pair.target
+    pub.execute(SCHEMA + "CREATE TABLE hidden (id int PRIMARY KEY);")
+    role, ident = managed.role, sql.Identifier(managed.role)
+    for db in (pub, tgt):
+        managed._role(db, role)
+    pub.execute(sql.SQL("GRANT SELECT ON acc, log, log_id_seq TO {}").format(ident))
+    status, doc, _ = plan(pub.as_user(role), tgt.as_user(role))
+    assert status == 1
+    assert blocker_codes(doc) == sorted([
+        "source_replication", "source_create", "source_ownership", "source_select", "source_select",
+        "target_create", "target_schema", "target_replication_role", "target_origin_functions",
+    ])  # fmt: skip
+    hints = {b["code"]: b["hint"] for b in doc["blockers"]}
+    db = pub.name  # quote_ident leaves it as it is
+    assert hints["source_replication"] == f"ALTER ROLE {role} REPLICATION;"
+    assert hints["source_create"] == f"GRANT CREATE ON DATABASE {db} TO {role};"
+    assert f"OWNER TO {role}" in hints["source_ownership"]
+    assert {b["hint"] for b in doc["blockers"] if b["code"] == "source_select"} == {
+        f"GRANT SELECT ON public.hidden TO {role};",
+        f"GRANT SELECT ON public.acc_id_seq TO {role};",
+    }
+    assert hints["target_schema"] == f"GRANT CREATE ON SCHEMA public TO {role};"
+    assert hints["target_replication_role"] == f"GRANT SET ON PARAMETER session_replication_role TO {role};"
+    assert hints["target_origin_functions"].count("GRANT EXECUTE ON FUNCTION") == 8
+    assert {"source_signal_backend", "source_read_all_stats"} <= {w["code"] for w in doc["warnings"]}
+
+    # the text output says the same, with each fix
+    res = subprocess.run([*APPLIER, "migrate", "plan", "--source", pub.as_user(role).dsn, "--target",
+                          tgt.as_user(role).dsn], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode == 1 and f"HINT: GRANT pg_signal_backend TO {role};" in res.stdout, res.stdout
+
+    # as the managed services' admin role has it: only warnings left (an owner the target lacks among them)
+    pub.execute(sql.SQL("ALTER ROLE {} REPLICATION").format(ident))
+    pub.execute(sql.SQL("GRANT pg_signal_backend, pg_read_all_stats TO {}").format(ident))
+    pub.execute(sql.SQL("ALTER DATABASE {} OWNER TO {}").format(sql.Identifier(pub.name), ident))
+    pub.execute(sql.SQL("ALTER TABLE acc OWNER TO {}; ALTER TABLE log OWNER TO {}").format(ident, ident))
+    other = managed.other("owner")
+    pub.execute(sql.SQL("ALTER TABLE hidden OWNER TO {}").format(sql.Identifier(other.user)))
+    pub.execute(sql.SQL("GRANT {} TO {}").format(sql.Identifier(other.user), ident))
+    managed.target_grants()
+    status, doc, _ = plan(pub.as_user(role), tgt.as_user(role))
+    assert status == 0, doc["blockers"]
+    owner = [w for w in doc["warnings"] if w["code"] == "owner"]
+    assert len(owner) == 1 and other.user in owner[0]["message"] and role in owner[0]["message"]

@@ -10,7 +10,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from applier.migrate.plan import SourceFacts, TableFacts, TargetFacts, assess
+from applier.migrate.plan import (
+    SourceFacts,
+    SourcePrivileges,
+    TableFacts,
+    TargetFacts,
+    TargetPrivileges,
+    assess,
+)
 from applier.migrate.postdata import LeftOut, Step, ready, step_costs, table_weights
 from applier.migrate.schema import TargetRoles, edit_script, pattern, without_unrestorable
 from applier.migrate.selection import Selection, select_tables
@@ -90,6 +97,47 @@ def test_a_table_without_key_blocks_only_when_it_gets_updates_or_deletes() -> No
     # a partitioned parent has no statistics of its own; its leaves are judged
     parent = table(kind="p", has_pk=False, identity_usable=False, updates_deletes=0)
     assert blockers(source(tables=[parent])) == []  # whatever its key: the leaves replicate, not the parent
+
+
+def test_each_missing_privilege_is_named_with_its_fix() -> None:
+    mig = dict(role="mig", database="db", superuser=False)
+    assert blockers(source(privileges=SourcePrivileges(**mig))) == []  # type: ignore[arg-type]
+    lacking = SourcePrivileges(**mig, replication=False, rds_replication=True, create_on_database=False,  # type: ignore[arg-type]
+                               not_owned=("public.t",), unreadable=("public.t", "public.s"), signal_backend=False,
+                               read_all_stats=False)  # fmt: skip
+    plan = assess(source(privileges=lacking), target(), Selection(), PG18)
+    assert codes(plan.blockers) == ["source_replication", "source_create", "source_ownership", "source_select",
+                                    "source_select"]  # fmt: skip
+    hints = [b.hint for b in plan.blockers]
+    assert hints[0] == "ALTER ROLE mig REPLICATION; (on RDS: GRANT rds_replication TO mig;)"
+    assert (
+        hints[1] == "GRANT CREATE ON DATABASE db TO mig;" and "ALTER TABLE public.t OWNER TO mig" in hints[2]
+    )
+    assert hints[3:] == ["GRANT SELECT ON public.t TO mig;", "GRANT SELECT ON public.s TO mig;"]
+    assert {"source_signal_backend", "source_read_all_stats"} <= set(codes(plan.warnings))
+
+    t_lacking = TargetPrivileges(**mig, create_on_database=False, schemas_without_create=("public",),  # type: ignore[arg-type]
+                                 set_replication_role=False, missing_functions=("f(text)",),
+                                 untrusted_extensions=("pgcrypto", "other"), ownable=("mig",))  # fmt: skip
+    plan = assess(
+        source(extensions={"plpgsql": "1.0", "pgcrypto": "1.3"}, roles=["mig", "gone"],
+               role_uses={"mig": ["owner"], "gone": ["grant"]}),
+        target(privileges=t_lacking, roles=["mig"], available_extensions={"plpgsql": ["1.0"], "pgcrypto": ["1.3"]}),
+        Selection(), PG18)  # fmt: skip
+    assert codes(plan.blockers) == ["target_create", "target_schema", "target_replication_role",
+                                    "target_origin_functions", "target_extension"]  # fmt: skip
+    assert [b.hint for b in plan.blockers][:4] == [
+        "GRANT CREATE ON DATABASE db TO mig;", "GRANT CREATE ON SCHEMA public TO mig;",
+        "GRANT SET ON PARAMETER session_replication_role TO mig;", "GRANT EXECUTE ON FUNCTION f(text) TO mig;",
+    ]  # fmt: skip
+    # a role the target lacks: only a warning when it is an owner or grantee and the target role is no superuser
+    assert "owner" in codes(plan.warnings)
+    assert "role" in blockers(
+        source(roles=["gone"], role_uses={"gone": ["policy"]}), target(privileges=t_lacking)
+    )
+    assert "role" in blockers(
+        source(roles=["gone"], role_uses={"gone": ["grant"]})
+    )  # a superuser target: as before
 
 
 def test_warnings() -> None:
