@@ -268,3 +268,35 @@ def test_plan_names_each_missing_privilege_with_its_fix(pair, managed) -> None:
     assert status == 0, doc["blockers"]
     owner = [w for w in doc["warnings"] if w["code"] == "owner"]
     assert len(owner) == 1 and other.user in owner[0]["message"] and role in owner[0]["message"]
+
+
+def test_different_role_names_own_the_target_and_abort_cleans_the_source(
+    pair,
+    managed,
+    procs,  # noqa: F811
+    tmp_path,
+) -> None:
+    """The source's owner does not exist on the target (another role migrates into it): the objects are owned by
+    the target's role (--no-owner), which start says and records; abort as the non-superuser source role drops the
+    slot and publication it made and unfences."""
+    src = managed.source(signal_backend=False)
+    src.execute(SCHEMA)
+    other = f"tgt_{pair.name}"[:63]
+    managed.role, source_role = other, managed.role
+    tgt = managed.target()
+    log = tmp_path / "start.log"
+    proc = _start(src, tgt, "mig", log)
+    procs.append(proc)
+    wait_phase(pair.target, "mig", "following", proc, log)
+    assert f"object(s) of role {source_role} are owned by the migrating role instead" in log.read_text()
+    assert tgt.scalar("SELECT pg_get_userbyid(relowner) FROM pg_class WHERE relname = 'acc'") == other
+    src.execute("INSERT INTO acc (v) VALUES (5)")
+    wait_until(lambda: tgt.scalar("SELECT count(*) FROM acc WHERE v = 5") == 2, what="the insert followed")
+    doc = json.loads(migrate(tgt, "status", "mig", "--json").stdout)
+    assert any(source_role in line for line in doc["notes"]["skipped"])
+
+    res = migrate(tgt, "abort", "mig")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert exit_status(proc, log) != 0
+    assert pair.publisher.scalar("SELECT count(*) FROM pg_replication_slots") == 0
+    assert pair.publisher.scalar("SELECT count(*) FROM pg_publication") == 0
