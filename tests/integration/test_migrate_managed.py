@@ -188,6 +188,7 @@ def test_cutover_without_superuser_refuses_a_writer_it_cannot_end_then_locks_it_
     assert pair.publisher.scalar("SELECT count(*) FROM pg_replication_slots") == 0
 
 
+@pytest.mark.core
 def test_start_cutover_without_superuser_leaves_the_providers_session(pair, managed, procs, tmp_path) -> None:  # noqa: F811
     """The issue's case: ``start --cutover`` between non-superusers (source with pg_signal_backend) while a
     superuser's session is open on the source. The application's session is ended, the superuser's cannot be: the
@@ -220,6 +221,7 @@ def test_start_cutover_without_superuser_leaves_the_providers_session(pair, mana
     )
 
 
+@pytest.mark.core
 def test_plan_names_each_missing_privilege_with_its_fix(pair, managed) -> None:
     """Roles that have nothing but LOGIN (and SELECT on one table): every privilege the migration needs is a
     blocker with the statement that gives it, exit 1; granted as the test above grants them, the plan passes, and
