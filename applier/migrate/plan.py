@@ -286,7 +286,7 @@ def _blockers(
     for role in s.roles:
         if role not in target_roles and (t.privileges.superuser or not _owner_or_grant_only(s, role)):
             uses = ", ".join(s.role_uses.get(role, [])) or "owner or grantee"
-            out.append(Finding("role", f"role {role} is named by selected objects ({uses}) and does not exist "
+            out.append(Finding("role", f"role {role} owns or is named by selected objects ({uses}) and does not exist "
                                "on the target", "CREATE ROLE on the target (pg_dumpall --roles-only helps)"))  # fmt: skip
     out += _source_privilege_blockers(s)
     out += _target_privilege_blockers(s, t)
