@@ -151,7 +151,8 @@ def end_sessions(
     told = False
     while True:
         found = sessions(conn, tables)
-        endable = [s for s in found if s.can_end and s.pid not in refused]
+        done = {s.pid for s in report.ended}  # ended, maybe still on its way out
+        endable = [s for s in found if s.can_end and s.pid not in refused and s.pid not in done]
         busy = [s for s in endable if s.busy]
         ready = [s for s in endable if not s.busy] + (busy if time.monotonic() >= deadline else [])
         for s in ready:
@@ -170,8 +171,8 @@ def end_sessions(
         time.sleep(0.05)
     ended = {s.pid for s in report.ended}
     for s in sessions(conn, tables):
-        if s.pid in ended:
-            continue  # still on its way out
+        if s.pid in ended or (s.can_end and s.pid not in refused):
+            continue  # still on its way out, or connected since (read-only: the fence is up)
         s = Session(s.pid, s.role, s.busy, s.superuser, False, s.can_write)
         (report.held_off if s.can_write else report.left).append(s)
     return report
