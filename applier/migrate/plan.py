@@ -355,6 +355,13 @@ def _target_privilege_blockers(s: SourceFacts, t: TargetFacts) -> list[Finding]:
         out.append(Finding("target_origin_functions", f"role {p.role} may not call {len(p.missing_functions)} of the "
                            "replication-origin functions on the target (progress is kept in an origin)",
                            " ".join(f"GRANT EXECUTE ON FUNCTION {f} TO {p.role};" for f in p.missing_functions)))  # fmt: skip
+    ownable = set(p.ownable)
+    for role in s.roles:
+        kept = set(s.role_uses.get(role, [])) & {"statistics", "large object"}
+        if role in t.roles and role not in ownable and kept:
+            out.append(Finding("target_owner", f"role {p.role} may not make role {role} the owner of the "
+                               f"{' and '.join(sorted(kept))} object(s) it owns on the source (those owners are "
+                               "kept)", f"GRANT {role} TO {p.role}; (PostgreSQL 16 and later: WITH SET TRUE)"))  # fmt: skip
     for name in p.untrusted_extensions:
         if name in s.extensions:
             out.append(Finding("target_extension", f"extension {name} is not trusted: only a superuser creates it on "

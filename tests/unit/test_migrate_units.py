@@ -138,6 +138,8 @@ def test_each_missing_privilege_is_named_with_its_fix() -> None:
     assert "role" in blockers(
         source(roles=["gone"], role_uses={"gone": ["grant"]})
     )  # a superuser target: as before
+    stats = source(roles=["other"], role_uses={"other": ["owner", "statistics"]})
+    assert blockers(stats, target(roles=["other"], privileges=t_lacking)).count("target_owner") == 1
 
 
 def test_warnings() -> None:
