@@ -435,11 +435,13 @@ class _Cutover:
                         f"{exc}; the source is unfenced, the migration goes on following"
                     ) from None
                 raise
-            progress.release()
             self._note_fence(target, m, progress)
             self.say(
                 f"cutover done: write downtime {downtime:.2f}s (from the fence); the source stays read-only"
             )
+            slot_gone = self._drop_on_source(src, m, sub[1])
+            # only now: until start has stopped streaming, a write let through would still reach the new server
+            progress.release()
             if progress.fence is not None and progress.fence.held_off:
                 self.say(
                     "WARNING: the lock on the migrated tables is released: these sessions on the old server could "
@@ -447,7 +449,6 @@ class _Cutover:
                     + ", ".join(s.describe() for s in progress.fence.held_off)
                     + "; end them (as a role that may: SELECT pg_terminate_backend(pid))"
                 )
-            slot_gone = self._drop_on_source(src, m, sub[1])
             if progress.carried:
                 carrying.finish_on_source(src, progress.carried, slot_gone, self.say)
                 for line in carrying.after_cutover_lines(progress.carried, progress.deferred):

@@ -18,11 +18,12 @@ roles' when we lack ``pg_signal_backend``. They are told in advance (:func:`sess
 - its role cannot write any migrated table (``has_table_privilege(role, table, 'INSERT,UPDATE,DELETE,TRUNCATE')``
   is false for each): left connected, and listed;
 - it could (a superuser can write everything): the migrated tables are locked ``IN SHARE MODE`` by a session of
-  ours (:func:`hold_off`) from then until the cutover is done, so that no session, superuser or not, writes them
+  ours (:func:`hold_off`) from then until the cutover is done and the slot dropped, so that no session, superuser or not, writes them
   while the target catches up and is verified; listed as held off. When that lock does not come within the
   cutover's timeout (such a session is inside a transaction that wrote a migrated table, or holds a prepared one)
-  the cutover refuses, naming the sessions and what ends them, and unfences. After the cutover the lock is
-  released: those sessions could then write to the old server again, and the cutover says so.
+  the cutover refuses, naming the sessions and what ends them, and unfences. The lock is released once the
+  migration is done and the slot dropped (while ``start`` still streams, a write let through would reach the new
+  server): those sessions could then write to the old server again, and the cutover says so.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class FenceReport:
             out.append(
                 f"fence: {len(self.held_off)} session(s) that could write the migrated tables cannot be ended: "
                 + ", ".join(s.describe() for s in self.held_off)
-                + "; the migrated tables are locked IN SHARE MODE until the cutover is done"
+                + "; they are to be kept from the migrated tables by a lock until the cutover is done"
             )
         return out
 
