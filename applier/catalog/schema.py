@@ -25,7 +25,7 @@ from applier.lsn import format_lsn, parse_lsn
 
 SCHEMA = "applier"
 #: Bump with a migration in :data:`MIGRATIONS` whenever a table or column changes.
-CATALOG_VERSION = 9
+CATALOG_VERSION = 10
 
 
 # --- PostgreSQL types SQLAlchemy does not know -----------------------------------------------------------------
@@ -237,6 +237,7 @@ MIGRATION_TABLES = [
     snapshot_lsn pg_lsn,
     times jsonb NOT NULL DEFAULT '{{}}',
     error text,
+    notes jsonb NOT NULL DEFAULT '{{}}',
     created timestamptz NOT NULL DEFAULT now(),
     updated timestamptz NOT NULL DEFAULT now()
 )""",
@@ -289,4 +290,7 @@ MIGRATIONS: dict[int, list[str]] = {
     9: [
         f"ALTER TABLE {SCHEMA}.subscription ADD COLUMN IF NOT EXISTS subfailover boolean NOT NULL DEFAULT false"
     ],
+    # what a migration did that its user should know afterwards (applier.migrate.store.add_notes): the cutover's
+    # fence (sessions ended, left, held off) and the objects start skipped on a target without superuser
+    10: [f"ALTER TABLE {SCHEMA}.migration ADD COLUMN IF NOT EXISTS notes jsonb NOT NULL DEFAULT '{{}}'"],
 }

@@ -92,7 +92,7 @@ def _plan(args: argparse.Namespace, target: str) -> int:
     except psycopg.OperationalError as exc:
         raise ApplierError(f"cannot connect to the source ({describe(args.source)}): {exc}") from None
     try:
-        tgt = survey.gather_target(target, source.tables)
+        tgt = survey.gather_target(target, source.tables, source.schemas)
     except psycopg.OperationalError as exc:
         raise ApplierError(f"cannot connect to the target ({describe(target)}): {exc}") from None
     tools, found = find_dump_tools(source.major)

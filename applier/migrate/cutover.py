@@ -90,6 +90,8 @@ def status(target_conninfo: str, name: str) -> dict[str, Any]:
         "post_data": {"done": done, "total": total},
         "times": m.times,
         "error": m.error,
+        # what the user should know afterwards: the cutover's fence (sessions ended, left, held off)
+        "notes": m.notes,
         "lag_bytes": None,
         "lag_seconds": None,
         "cutover_estimate_seconds": None,
@@ -288,6 +290,14 @@ class _Progress:
     carried: list[str] = field(default_factory=list)
     deferred: list[str] = field(default_factory=list)
     reversed_: bool = False
+    fence: fencing.FenceReport | None = None  # what the fence did with the sessions connected then
+    lock: psycopg.Connection[Any] | None = None  # holds the migrated tables (fence.hold_off) until done
+
+    def release(self) -> None:
+        if self.lock is not None:
+            with contextlib.suppress(Exception):
+                self.lock.close()
+            self.lock = None
 
 
 class _Cutover:
@@ -417,22 +427,41 @@ class _Cutover:
             try:
                 downtime = self._fence_and_switch(target, src, m, sub, progress)
             except BaseException as exc:
+                progress.release()
+                self._note_fence(target, m, progress)
                 self._back_out(target, src, m, str(exc), reversed_=progress.reversed_)
                 if isinstance(exc, MigrationError):
                     raise MigrationError(
                         f"{exc}; the source is unfenced, the migration goes on following"
                     ) from None
                 raise
+            self._note_fence(target, m, progress)
             self.say(
                 f"cutover done: write downtime {downtime:.2f}s (from the fence); the source stays read-only"
             )
             slot_gone = self._drop_on_source(src, m, sub[1])
+            # only now: until start has stopped streaming, a write let through would still reach the new server
+            progress.release()
+            if progress.fence is not None and progress.fence.held_off:
+                self.say(
+                    "WARNING: the lock on the migrated tables is released: these sessions on the old server could "
+                    "write to it again (and those writes are not migrated): "
+                    + ", ".join(s.describe() for s in progress.fence.held_off)
+                    + "; end them (as a role that may: SELECT pg_terminate_backend(pid))"
+                )
             if progress.carried:
                 carrying.finish_on_source(src, progress.carried, slot_gone, self.say)
                 for line in carrying.after_cutover_lines(progress.carried, progress.deferred):
                     self.say(line)
             src.close()
         return 0
+
+    @staticmethod
+    def _note_fence(target: psycopg.Connection[Any], m: store.Migration, progress: _Progress) -> None:
+        """The fence's report into the migration's record (``status --json``'s ``notes``)."""
+        if progress.fence is not None:
+            with contextlib.suppress(Exception):
+                store.add_notes(target, m.name, {"fence": progress.fence.to_json()})
 
     def _check_can_start(self, target: psycopg.Connection[Any]) -> tuple[store.Migration, tuple[int, str]]:
         """The migration and its subscription (id, slot), refused before anything is fenced when a cutover cannot
@@ -462,7 +491,7 @@ class _Cutover:
     ) -> float:
         """Everything between the fence and ``done``, in order; any exception leaves it to :meth:`_back_out`
         (``progress`` tells it how far this got). Returns the write downtime."""
-        fenced_at = self._fence(src)
+        fenced_at = self._fence(target, src, m, progress)
         self._catch_up(target, src, sub, progress)
         n = self.sequences(target, src, m)
         self.say(f"sequences: {n} set from the source")
@@ -476,14 +505,26 @@ class _Cutover:
             reversing.create(target, src, m.name, self.tables(target, m.subname), self.say)
         return self.switch(target, m, sub[0], fenced_at, progress.carried, progress.deferred)
 
-    def _fence(self, src: psycopg.Connection[Any]) -> float:
-        """Fence the source, end the sessions that could still write, and (``--prepared wait``) wait for its
-        prepared transactions to be decided. Returns when the fence went up (the downtime counts from there)."""
+    def _fence(
+        self,
+        target: psycopg.Connection[Any],
+        src: psycopg.Connection[Any],
+        m: store.Migration,
+        progress: _Progress,
+    ) -> float:
+        """Fence the source, end the sessions that could still write, (``--prepared wait``) wait for its prepared
+        transactions to be decided, and lock the migrated tables against the sessions that could write them but
+        cannot be ended (:mod:`applier.migrate.fence`). Returns when the fence went up (the downtime counts from
+        there)."""
         opts = self.opts
         fencing.fence(src)
         fenced_at = time.monotonic()
         self.say("fence: the source's new transactions are read-only")
-        fencing.end_sessions(src, self.deadline, self.say)
+        tables = self.tables(target, m.subname)
+        progress.fence = report = fencing.end_sessions(src, self.deadline, self.say, tables)
+        self.say(f"fence: {len(report.ended)} session(s) ended")
+        for line in report.lines():
+            self.say(line)
         if opts.reverse and opts.prepared == "carry" and carrying.source_prepared(src):
             raise MigrationError(
                 "--reverse cannot be combined with prepared transactions to carry: the reverse slot on the "
@@ -498,6 +539,12 @@ class _Cutover:
                     f"{len(open_gids)} prepared transaction(s) on the source were not "
                     f"decided within the timeout: {', '.join(open_gids[:5])}"
                 )
+        if report.held_off:
+            try:
+                progress.lock = fencing.hold_off(m.source, tables, self.deadline)
+            except (psycopg.errors.LockNotAvailable, psycopg.errors.InsufficientPrivilege) as exc:
+                raise MigrationError(_cannot_hold_off(src, report.held_off, exc)) from None
+            self.say(f"fence: {len(tables)} migrated table(s) locked IN SHARE MODE on the source until done")
         return fenced_at
 
     def _catch_up(
@@ -551,6 +598,34 @@ class _Cutover:
             src.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(m.publication)))
             self.say(f"publication {m.publication} dropped from the source")
         return gone
+
+
+def _cannot_hold_off(src: psycopg.Connection[Any], held: list[fencing.Session], exc: psycopg.Error) -> str:
+    """Why the cutover refuses when sessions that could write cannot be ended nor locked out, and what fixes it."""
+    me = str(src.execute("SELECT current_user").fetchone()[0])  # type: ignore[index]
+    why = (
+        f"{me} may not lock the migrated tables IN SHARE MODE (it needs to own them, or UPDATE, DELETE or "
+        "TRUNCATE on them)"
+        if isinstance(exc, psycopg.errors.InsufficientPrivilege)
+        else "a transaction of theirs (or a prepared one) holds a migrated table: the lock that would keep them "
+        "from writing did not come within the timeout"
+    )
+    fixes = [
+        "end them (SELECT pg_terminate_backend(pid) as a role that may) or let their transactions finish"
+    ]
+    if any(not s.superuser for s in held):
+        fixes.append(
+            f"GRANT pg_signal_backend TO {sql.Identifier(me).as_string(src)} (other roles' sessions)"
+        )
+    if any(s.superuser for s in held):
+        fixes.append("a superuser's session only a superuser (or the service's provider) can end")
+    return (
+        f"{len(held)} session(s) on the source could write the migrated tables and {me} cannot end them: "
+        + ", ".join(s.describe() for s in held)
+        + f"; {why}. Fix: "
+        + "; ".join(fixes)
+        + "; then run the cutover again"
+    )
 
 
 def drop_slot(

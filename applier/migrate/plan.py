@@ -13,6 +13,17 @@ statements fail on the source), ``wal_level`` not ``logical``, too few free repl
 extension or role the target lacks, a selected table that already exists on the target, too little disk on the
 target (only when it can be told: the target's data directory is visible from here), no ``pg_dump`` new enough.
 
+**Privileges** (managed services, no superuser on either side: docs/security.md, "Managed services"): each one the
+connected roles lack is a finding with the statement that gives it (names quoted by the servers). Blockers: on the
+source REPLICATION (or RDS's ``rds_replication``), CREATE on the database and ownership of every selected table
+(``CREATE PUBLICATION ... FOR TABLE`` needs both), SELECT on the selected tables and sequences; on the target CREATE
+on the database and on the selected schemas it has already, SET on ``session_replication_role``, EXECUTE on the
+replication-origin functions, an extension to create that is not trusted, a role that a policy, a statistics object
+or a large object names and that the target lacks. Warnings: no ``pg_signal_backend`` or ``pg_read_all_stats`` on
+the source (what the cutover's fence then does instead), and on a target without superuser the owners and grantees
+it lacks (objects owned by the migrating role, grants skipped: :func:`applier.migrate.schema.without_unrestorable`)
+and the event triggers (skipped).
+
 **Warnings** are what the migration will not carry by itself: unlogged tables (cannot be published: not migrated),
 materialized views (refreshed on the target, not replicated), large objects (changes to them are not replicated:
 compared and copied again at the cutover), DDL (never replicated).
@@ -37,8 +48,10 @@ __all__ = [
     "Finding",
     "Plan",
     "SourceFacts",
+    "SourcePrivileges",
     "TableFacts",
     "TargetFacts",
+    "TargetPrivileges",
     "assess",
     "format_plan",
 ]
@@ -79,6 +92,39 @@ class TableFacts:
 
 
 @dataclass(frozen=True)
+class SourcePrivileges:
+    """What the role we connect to the source as may do (a superuser's by default). Names quoted by the server."""
+
+    role: str = "postgres"
+    database: str = "postgres"
+    superuser: bool = True
+    replication: bool = True  # REPLICATION, or a member of RDS's rds_replication
+    rds_replication: bool = False  # the server has the role rds_replication (an RDS server): the fix names it
+    create_on_database: bool = True  # CREATE PUBLICATION needs it
+    not_owned: tuple[
+        str, ...
+    ] = ()  # selected tables it does not own (CREATE PUBLICATION ... FOR TABLE needs to)
+    unreadable: tuple[str, ...] = ()  # selected tables and sequences without SELECT
+    signal_backend: bool = True  # may end other roles' sessions (the cutover's fence)
+    read_all_stats: bool = True  # sees whether other roles' sessions are inside a transaction
+
+
+@dataclass(frozen=True)
+class TargetPrivileges:
+    """What the role we connect to the target as may do (a superuser's by default). Names quoted by the server."""
+
+    role: str = "postgres"
+    database: str = "postgres"
+    superuser: bool = True
+    create_on_database: bool = True  # schema applier and the migrated schemas
+    schemas_without_create: tuple[str, ...] = ()  # selected schemas the target has, without CREATE on them
+    set_replication_role: bool = True
+    missing_functions: tuple[str, ...] = ()  # of ORIGIN_FUNCTIONS, those without EXECUTE
+    untrusted_extensions: tuple[str, ...] = ()  # not installed, and only a superuser may create them
+    ownable: tuple[str, ...] = ()  # roles it may make an object's owner (itself, those it may SET ROLE to)
+
+
+@dataclass(frozen=True)
 class SourceFacts:
     version_num: int
     wal_level: str
@@ -98,6 +144,10 @@ class SourceFacts:
     roles: list[str]  # owners and grantees of the selected objects
     row_security: list[str] = field(default_factory=list)  # selected tables with row-level security enabled
     event_triggers: list[str] = field(default_factory=list)  # the database's (not an extension's)
+    role_uses: dict[str, list[str]] = field(
+        default_factory=dict
+    )  # role -> owner, grant, policy, statistics, ...
+    privileges: SourcePrivileges = field(default_factory=SourcePrivileges)
 
     @property
     def major(self) -> int:
@@ -113,6 +163,7 @@ class TargetFacts:
     existing_tables: list[str]  # selected tables (schema.name) that the target already has
     free_bytes: int | None  # None: cannot be told from here
     bypass_rls: bool = True  # the role we connect as is a superuser or has BYPASSRLS
+    privileges: TargetPrivileges = field(default_factory=TargetPrivileges)
 
     @property
     def major(self) -> int:
@@ -153,11 +204,13 @@ class Plan:
                 "wal_level": s.wal_level,
                 "replication_slots": {"max": s.max_replication_slots, "used": s.slots_used},
                 "wal_senders": {"max": s.max_wal_senders, "used": s.wal_senders_used},
+                "privileges": asdict(s.privileges),
             },
             "target": {
                 "server_version_num": t.version_num,
                 "max_prepared_transactions": t.max_prepared_transactions,
                 "free_bytes": t.free_bytes,
+                "privileges": asdict(t.privileges),
             },
             "pg_dump": None
             if self.tools is None
@@ -231,9 +284,12 @@ def _blockers(
                                "server"))  # fmt: skip
     target_roles = set(t.roles)
     for role in s.roles:
-        if role not in target_roles:
-            out.append(Finding("role", f"role {role} owns or has privileges on selected objects and does not exist "
+        if role not in target_roles and (t.privileges.superuser or not _owner_or_grant_only(s, role)):
+            uses = ", ".join(s.role_uses.get(role, [])) or "owner or grantee"
+            out.append(Finding("role", f"role {role} owns or is named by selected objects ({uses}) and does not exist "
                                "on the target", "CREATE ROLE on the target (pg_dumpall --roles-only helps)"))  # fmt: skip
+    out += _source_privilege_blockers(s)
+    out += _target_privilege_blockers(s, t)
     for name in t.existing_tables:
         out.append(Finding("target_table", f"table {name} already exists on the target", "migrate into an empty "
                            "database, or drop it there, or exclude it with --exclude-table"))  # fmt: skip
@@ -245,6 +301,105 @@ def _blockers(
         have = ", ".join(f"{d.bindir} ({d.major})" for d in found) or "none"
         out.append(Finding("pg_dump", f"no pg_dump of major version {s.major} or newer was found (found: {have})",
                            "set APPLIER_PG_BINDIR to the bin directory of a newer PostgreSQL client"))  # fmt: skip
+    return out
+
+
+def _owner_or_grant_only(s: SourceFacts, role: str) -> bool:
+    """Whether selected objects name ``role`` only as their owner or in a grant: what a target without superuser
+    can do without (:func:`applier.migrate.schema.without_unrestorable`); policies, statistics objects and large
+    objects name their roles in statements that are not skipped."""
+    return set(s.role_uses.get(role, ["owner"])) <= {"owner", "grant"}
+
+
+def _source_privilege_blockers(s: SourceFacts) -> list[Finding]:
+    p = s.privileges
+    if p.superuser:
+        return []
+    out = []
+    if not p.replication:
+        fix = f"ALTER ROLE {p.role} REPLICATION;" + (f" (on RDS: GRANT rds_replication TO {p.role};)"
+                                                      if p.rds_replication else "")  # fmt: skip
+        out.append(Finding("source_replication", f"role {p.role} on the source may not create replication slots "
+                           "nor stream (no REPLICATION)", fix))  # fmt: skip
+    if not p.create_on_database:
+        out.append(Finding("source_create", f"role {p.role} may not create the migration's publication (no CREATE "
+                           f"on database {p.database})", f"GRANT CREATE ON DATABASE {p.database} TO {p.role};"))  # fmt: skip
+    if p.not_owned:
+        out.append(Finding("source_ownership", f"role {p.role} does not own {len(p.not_owned)} selected table(s) "
+                           f"({', '.join(p.not_owned[:5])}{', ...' if len(p.not_owned) > 5 else ''}): CREATE "
+                           "PUBLICATION ... FOR TABLE needs to own each table", "migrate as the tables' owner (or a "
+                           f"member of it), or e.g. ALTER TABLE {p.not_owned[0]} OWNER TO {p.role}; for each"))  # fmt: skip
+    for name in p.unreadable:
+        out.append(Finding("source_select", f"role {p.role} may not read {name} on the source",
+                           f"GRANT SELECT ON {name} TO {p.role};"))  # fmt: skip
+    return out
+
+
+def _target_privilege_blockers(s: SourceFacts, t: TargetFacts) -> list[Finding]:
+    p = t.privileges
+    if p.superuser:
+        return []
+    out = []
+    if not p.create_on_database:
+        out.append(Finding("target_create", f"role {p.role} may not create schemas in database {p.database} on the "
+                           "target (schema applier, the migrated schemas)",
+                           f"GRANT CREATE ON DATABASE {p.database} TO {p.role};"))  # fmt: skip
+    for schema in p.schemas_without_create:
+        out.append(Finding("target_schema", f"role {p.role} may not create objects in schema {schema} on the "
+                           "target", f"GRANT CREATE ON SCHEMA {schema} TO {p.role};"))  # fmt: skip
+    if not p.set_replication_role:
+        out.append(Finding("target_replication_role", f"role {p.role} may not set session_replication_role on the "
+                           "target (the apply runs as replica)",
+                           f"GRANT SET ON PARAMETER session_replication_role TO {p.role};"))  # fmt: skip
+    if p.missing_functions:
+        out.append(Finding("target_origin_functions", f"role {p.role} may not call {len(p.missing_functions)} of the "
+                           "replication-origin functions on the target (progress is kept in an origin)",
+                           " ".join(f"GRANT EXECUTE ON FUNCTION {f} TO {p.role};" for f in p.missing_functions)))  # fmt: skip
+    ownable = set(p.ownable)
+    for role in s.roles:
+        kept = set(s.role_uses.get(role, [])) & {"statistics", "large object"}
+        if role in t.roles and role not in ownable and kept:
+            out.append(Finding("target_owner", f"role {p.role} may not make role {role} the owner of the "
+                               f"{' and '.join(sorted(kept))} object(s) it owns on the source (those owners are "
+                               "kept)", f"GRANT {role} TO {p.role}; (PostgreSQL 16 and later: WITH SET TRUE)"))  # fmt: skip
+    for name in p.untrusted_extensions:
+        if name in s.extensions:
+            out.append(Finding("target_extension", f"extension {name} is not trusted: only a superuser creates it on "
+                               f"the target, and role {p.role} is none", f"have it created on the target before "
+                               f"start (CREATE EXTENSION {name}; as a superuser, or as the service allows: RDS "
+                               "rds.allowed_extensions, Cloud SQL cloudsql.supported_extensions)"))  # fmt: skip
+    return out
+
+
+def _privilege_warnings(s: SourceFacts, t: TargetFacts, selection: Selection) -> list[Finding]:
+    out = []
+    p = s.privileges
+    if not p.superuser and not p.signal_backend:
+        out.append(Finding("source_signal_backend", f"role {p.role} may not end other roles' sessions on the source: "
+                           "at the cutover those that could write the migrated tables are kept from them by a lock "
+                           "instead, and the cutover refuses (unfenced) if a transaction of theirs holds a table",
+                           f"GRANT pg_signal_backend TO {p.role};"))  # fmt: skip
+    if not p.superuser and not p.read_all_stats:
+        out.append(Finding("source_read_all_stats", f"role {p.role} cannot see whether other roles' sessions on the "
+                           "source are inside a transaction: the cutover ends them at once instead of waiting for "
+                           "their transaction", f"GRANT pg_read_all_stats TO {p.role};"))  # fmt: skip
+    q = t.privileges
+    if q.superuser:
+        return out
+    target_roles, ownable = set(t.roles), set(q.ownable)
+    for role in s.roles:
+        uses = s.role_uses.get(role, ["owner"])
+        if role not in target_roles and _owner_or_grant_only(s, role):
+            out.append(Finding("owner", f"role {role} does not exist on the target: the objects it owns are owned by "
+                               f"{q.role} there, and grants to it are skipped", "CREATE ROLE on the target before "
+                               "start to keep them"))  # fmt: skip
+        elif role in target_roles and role not in ownable and "owner" in uses:
+            out.append(Finding("owner", f"role {q.role} may not hand objects to role {role} on the target: the "
+                               f"objects {role} owns are owned by {q.role} there", f"GRANT {role} TO {q.role}; "
+                               "(PostgreSQL 16 and later: WITH SET TRUE)"))  # fmt: skip
+    if s.event_triggers and not (selection.schemas or selection.tables):
+        out.append(Finding("event_trigger_skipped", f"event trigger(s) {', '.join(s.event_triggers)} are skipped: "
+                           f"only a superuser creates event triggers, and role {q.role} on the target is none"))  # fmt: skip
     return out
 
 
@@ -278,6 +433,7 @@ def _warnings(s: SourceFacts, t: TargetFacts, selection: Selection) -> list[Find
             out.append(Finding("extension_version", f"extension {name} is {version} on the source; the target "
                                f"offers {', '.join(sorted(avail))}: the target's default version is created"))  # fmt: skip
     out += _object_warnings(s, t, selection)
+    out += _privilege_warnings(s, t, selection)
     if t.major < s.major:
         out.append(Finding("downgrade", f"the target (PostgreSQL {t.major}) is older than the source ({s.major}): "
                            "the source's schema may use what the target cannot restore"))  # fmt: skip
@@ -299,7 +455,7 @@ def _object_warnings(s: SourceFacts, t: TargetFacts, selection: Selection) -> li
     if s.event_triggers and (selection.schemas or selection.tables):
         out.append(Finding("event_trigger", f"event trigger(s) {', '.join(s.event_triggers)} are database-wide: "
                            "not migrated with --schema or --table, as pg_dump"))  # fmt: skip
-    elif s.event_triggers:
+    elif s.event_triggers and t.privileges.superuser:
         out.append(Finding("event_trigger", f"event trigger(s) {', '.join(s.event_triggers)}: created on the target "
                            "at the end of the cutover (they would fire on the migration's own DDL before)"))  # fmt: skip
     return out
@@ -360,7 +516,7 @@ def format_plan(plan: Plan) -> str:
         "rough constants)",
     ]
     for w in plan.warnings:
-        lines.append(f"WARNING: {w.message}")
+        lines.append(f"WARNING: {w.message}" + (f"\n  HINT: {w.hint}" if w.hint else ""))
     for b in plan.blockers:
         lines.append(f"BLOCKER: {b.message}" + (f"\n  HINT: {b.hint}" if b.hint else ""))
     lines.append(f"{len(plan.blockers)} blocker(s), {len(plan.warnings)} warning(s)")

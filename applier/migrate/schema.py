@@ -7,6 +7,13 @@ record of it (a kill leaves either everything or nothing). Two edits make it app
 ``\\restrict``/``\\unrestrict`` lines (meta-commands, which only psql understands and which guard psql itself) are
 dropped, so is a ``SET`` of a parameter the target does not have (a newer pg_dump's, into an older target), and
 ``CREATE SCHEMA x;`` becomes ``CREATE SCHEMA IF NOT EXISTS x;`` (``public`` exists already).
+
+On a target where we are not a superuser (managed services: docs/security.md), :func:`without_unrestorable` drops
+what only a superuser could run, each a line of pg_dump's plain output: ``ALTER ... OWNER TO r`` when ``r`` does not
+exist on the target or we may not hand objects to it (the object stays owned by the migrating role: pg_restore's
+``--no-owner``), ``GRANT``/``REVOKE`` naming a role the target lacks (the other grants are kept), ``SET SESSION
+AUTHORIZATION`` (pg_dump's way of granting as another grantor; the grant then runs as the owner) and ``COMMENT ON
+EXTENSION`` (only the extension's owner may). What was dropped is said, and kept in the migration's record.
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ import os
 import re
 import subprocess
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from psycopg.conninfo import make_conninfo
 
@@ -22,11 +31,101 @@ from applier.conninfo import parse
 from applier.migrate.state import MigrationError
 from applier.migrate.tools import DumpTools
 
-__all__ = ["dump_pre_data", "edit_script", "pattern"]
+__all__ = ["TargetRoles", "dump_pre_data", "edit_script", "pattern", "without_unrestorable"]
 
 _RESTRICT = re.compile(r"^\\(?:un)?restrict [A-Za-z0-9]+$", re.M)
 _CREATE_SCHEMA = re.compile(r"^CREATE SCHEMA (.+);$", re.M)
 _SET = re.compile(r"^SET ([a-z_]+) = [^;\n]*;$", re.M)
+
+
+#: a role name as pg_dump prints it (fmtId: double-quoted unless a plain lower-case identifier)
+_ROLE = r'("(?:[^"]|"")+"|[a-z_][a-z0-9_$]*)'
+_OWNER = re.compile(rf"^ALTER .+ OWNER TO {_ROLE};$", re.M)
+_GRANT = re.compile(rf"^GRANT .+ TO {_ROLE}(?: WITH GRANT OPTION)?;$", re.M)
+_REVOKE = re.compile(rf"^REVOKE .+ FROM {_ROLE}(?: CASCADE)?;$", re.M)
+_DEFAULT_PRIVILEGES = re.compile(
+    rf"^ALTER DEFAULT PRIVILEGES FOR ROLE {_ROLE} .+ (?:TO|FROM) {_ROLE};$", re.M
+)
+_SESSION_AUTHORIZATION = re.compile(r"^(?:SET SESSION AUTHORIZATION .+|RESET SESSION AUTHORIZATION);$", re.M)
+_EXTENSION_COMMENT = re.compile(r"^COMMENT ON EXTENSION .+;$", re.M)
+
+
+@dataclass(frozen=True)
+class TargetRoles:
+    """What the target lets the migrating role do with roles: ``roles`` exist there; ``ownable`` are those it may
+    make an object's owner (itself and the roles it may SET ROLE to; all of them for a superuser)."""
+
+    superuser: bool
+    roles: frozenset[str]
+    ownable: frozenset[str]
+
+
+def _unquote(name: str) -> str:
+    return name[1:-1].replace('""', '"') if name.startswith('"') else name
+
+
+def without_unrestorable(script: str, target: TargetRoles) -> tuple[str, list[str]]:
+    """The script without what the target's role could not run (see the module docstring), and what was dropped
+    as sentences for the user. A superuser's script is returned as it is."""
+    if target.superuser:
+        return script, []
+    owners: dict[str, int] = {}
+    grantees: dict[str, int] = {}
+    counted: dict[str, int] = {"session": 0, "comment": 0}
+
+    def owner(m: re.Match[str]) -> str:
+        role = _unquote(m.group(1))
+        if role in target.ownable:
+            return m.group(0)
+        owners[role] = owners.get(role, 0) + 1
+        return ""
+
+    def grant(m: re.Match[str]) -> str:
+        roles = [_unquote(g) for g in m.groups() if g is not None]
+        missing = [r for r in roles if r != "PUBLIC" and r not in target.roles]
+        if not missing:
+            return m.group(0)
+        for r in missing:
+            grantees[r] = grantees.get(r, 0) + 1
+        return ""
+
+    def default_privileges(m: re.Match[str]) -> str:
+        who = _unquote(m.group(1))
+        if who not in target.ownable:
+            grantees[who] = grantees.get(who, 0) + 1
+            return ""
+        return grant(m)
+
+    def drop(kind: str) -> Any:
+        def sub(_: re.Match[str]) -> str:
+            counted[kind] += 1
+            return ""
+
+        return sub
+
+    script = _OWNER.sub(owner, script)
+    script = _DEFAULT_PRIVILEGES.sub(default_privileges, script)
+    script = _GRANT.sub(grant, script)
+    script = _REVOKE.sub(grant, script)
+    script = _SESSION_AUTHORIZATION.sub(drop("session"), script)
+    script = _EXTENSION_COMMENT.sub(drop("comment"), script)
+    said = [
+        f"{n} object(s) of role {r} are owned by the migrating role instead (the role does not exist on the "
+        "target, or the migrating role may not hand objects to it)"
+        for r, n in sorted(owners.items())
+    ]
+    said += [
+        f"{n} grant(s) naming role {r} skipped: the role does not exist on the target"
+        for r, n in sorted(grantees.items())
+    ]
+    if counted["session"]:
+        said.append(
+            f"{counted['session']} SET/RESET SESSION AUTHORIZATION skipped (superuser only): the grants they "
+            "surrounded are made by the objects' owner"
+        )
+    if counted["comment"]:
+        said.append(f"{counted['comment']} COMMENT ON EXTENSION skipped (only the extension's owner may)")
+    return script, said
 
 
 def pattern(*parts: str) -> str:

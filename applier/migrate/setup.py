@@ -51,6 +51,7 @@ class SetUp:
         self.slot_conn: ReplicationConnection | None = None
         self.snapshot: str | None = None
         self.snapshot_lsn: int | None = None
+        self.skipped: list[str] = []  # what a target without superuser cannot have (said, and in the record)
 
     # --- bookkeeping ------------------------------------------------------------------------------------------
     def migration(self) -> store.Migration:
@@ -157,6 +158,8 @@ class SetUp:
             script = schema.dump_pre_data(
                 tools, self.opts.source, self.snapshot, tables.schemas, tables.exclude, settings
             )
+            script, dropped = schema.without_unrestorable(script, self.target_roles())
+            skipped = [*dropped, *self.skipped]
             with self.target.transaction():
                 self.target.execute(script)
                 self.target.execute("SET search_path TO DEFAULT")
@@ -164,14 +167,31 @@ class SetUp:
                 store.save_steps(self.target, m.name, [*steps, *always])
                 los = largeobjects.copy(src, self.target) if largeobjects.selected(m.selection) else 0
                 store.set_snapshot_lsn(self.target, m.name, self.snapshot_lsn or 0)
+                if skipped:
+                    store.add_notes(self.target, m.name, {"skipped": skipped})
         finally:
             src.close()
         for note in [*tables.skipped, *notes]:
             self.say(f"note: {note}")
+        for line in skipped:
+            self.say(f"WARNING: {line}")
         self.times["schema"] = time.monotonic() - started
         self.say(
             f"pre-data restored with {tools.pg_dump} ({tools.major}); {len(steps)} post-data step(s) planned, "
             f"{los} large object(s) copied ({self.times['schema']:.1f}s)"
+        )
+
+    def target_roles(self) -> schema.TargetRoles:
+        """What the target lets us do with roles (:func:`applier.migrate.schema.without_unrestorable`)."""
+        rows = self.target.execute(
+            "SELECT rolname, current_setting('is_superuser')::bool, pg_has_role(current_user, oid,"
+            " CASE WHEN current_setting('server_version_num')::int >= 160000 THEN 'SET' ELSE 'MEMBER' END)"
+            " FROM pg_roles"
+        ).fetchall()
+        return schema.TargetRoles(
+            superuser=bool(rows and rows[0][1]),
+            roles=frozenset(r[0] for r in rows),
+            ownable=frozenset(r[0] for r in rows if r[2]),
         )
 
     @staticmethod
@@ -199,7 +219,16 @@ class SetUp:
             src, tables.schemas, tables.exclude, quoted, [*steps, *extra], len(steps) + len(extra)
         )
         whole = not self.opts.selection.schemas and not self.opts.selection.tables
-        return extra + (objects.event_triggers(src) if whole else [])
+        if not whole:
+            return extra
+        triggers = objects.event_triggers(src)
+        if triggers and not self.target_roles().superuser:
+            self.skipped.append(
+                f"{len(triggers)} event trigger(s) skipped: only a superuser creates them on the target "
+                f"({', '.join(t.step for t in triggers)})"
+            )
+            return extra
+        return extra + triggers
 
     def identity_always(self, tables: list[str]) -> list[Step]:
         """Make the target's ``GENERATED ALWAYS`` identity columns ``BY DEFAULT`` until the cutover, which puts them

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -29,6 +29,7 @@ from applier.migrate.steps import Step
 
 __all__ = [
     "Migration",
+    "add_notes",
     "load",
     "load_steps",
     "mark_publication_created",
@@ -59,6 +60,7 @@ class Migration:
     snapshot_lsn: str | None
     times: dict[str, float]
     error: str | None
+    notes: dict[str, Any] = field(default_factory=dict)
 
 
 # --- the migration -----------------------------------------------------------------------------------------------
@@ -75,7 +77,8 @@ def load(conn: psycopg.Connection[Any], name: str) -> Migration | None:
         return None
     row = conn.execute(
         "SELECT name, subname, source, selection, publication, slot, phase, pub_created, slot_created,"
-        " snapshot_lsn::text, times, error FROM applier.migration WHERE name = %s",
+        " snapshot_lsn::text, times, error, coalesce(to_jsonb(m) -> 'notes', '{}')"
+        " FROM applier.migration m WHERE name = %s",
         (name,),
     ).fetchone()
     return None if row is None else Migration(*row)
@@ -118,6 +121,19 @@ def set_phase(
             "UPDATE applier.migration SET phase = %s, error = %s, times = times || %s::jsonb, updated = now()"
             " WHERE name = %s",
             (phase, error, json.dumps(seconds or {}), name),
+        )
+
+
+def add_notes(conn: psycopg.Connection[Any], name: str, notes: dict[str, Any]) -> None:
+    """Merge ``notes`` into the migration's record (what the user should know afterwards: the cutover's fence, the
+    objects skipped). A catalog older than version 10 (its ``start`` not restarted since the upgrade) has no
+    column for them: they are then only printed."""
+    if conn.execute(
+        "SELECT 1 FROM pg_attribute WHERE attrelid = 'applier.migration'::regclass AND attname = 'notes'"
+    ).fetchone():
+        conn.execute(
+            "UPDATE applier.migration SET notes = notes || %s::jsonb WHERE name = %s",
+            (json.dumps(notes), name),
         )
 
 

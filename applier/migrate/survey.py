@@ -15,8 +15,9 @@ from typing import Any
 import psycopg
 
 from applier.conninfo import parse
-from applier.migrate.plan import SourceFacts, TableFacts, TargetFacts
+from applier.migrate.plan import SourceFacts, SourcePrivileges, TableFacts, TargetFacts, TargetPrivileges
 from applier.migrate.selection import Selection, SourceTables, select_tables
+from applier.privileges import ORIGIN_FUNCTIONS
 
 __all__ = ["gather_source", "gather_target", "source_tables"]
 
@@ -76,20 +77,59 @@ WHERE k.contype IN ('p', 'u', 'f', 'c', 'x') AND t.relkind IN ('r', 'p')
 # owners and grantees of selected schemas' relations, the schemas' own owners, the roles of the relations' policies
 # and the owners of their statistics objects (post-data names them: applier.migrate.objects)
 _ROLES = """
-SELECT n.nspname, c.relname, c.relkind, pg_get_userbyid(c.relowner) FROM pg_class c
+SELECT n.nspname, c.relname, c.relkind, pg_get_userbyid(c.relowner), 'owner' FROM pg_class c
 JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.relkind IN ('r', 'p', 'S', 'v', 'm', 'f')
 UNION ALL
-SELECT n.nspname, c.relname, c.relkind, pg_get_userbyid(a.grantee) FROM pg_class c
+SELECT n.nspname, c.relname, c.relkind, pg_get_userbyid(a.grantee), 'grant' FROM pg_class c
 JOIN pg_namespace n ON n.oid = c.relnamespace, aclexplode(c.relacl) a
 WHERE c.relkind IN ('r', 'p', 'S', 'v', 'm', 'f') AND a.grantee <> 0
 UNION ALL
-SELECT n.nspname, NULL, NULL, pg_get_userbyid(n.nspowner) FROM pg_namespace n
+SELECT n.nspname, NULL, NULL, pg_get_userbyid(n.nspowner), 'owner' FROM pg_namespace n
 UNION ALL
-SELECT n.nspname, c.relname, c.relkind, pg_get_userbyid(r) FROM pg_policy p JOIN pg_class c ON c.oid = p.polrelid
-JOIN pg_namespace n ON n.oid = c.relnamespace, unnest(p.polroles) r WHERE r <> 0
+SELECT n.nspname, c.relname, c.relkind, pg_get_userbyid(r), 'policy' FROM pg_policy p
+JOIN pg_class c ON c.oid = p.polrelid JOIN pg_namespace n ON n.oid = c.relnamespace, unnest(p.polroles) r WHERE r <> 0
 UNION ALL
-SELECT n.nspname, c.relname, c.relkind, pg_get_userbyid(x.stxowner) FROM pg_statistic_ext x
+SELECT n.nspname, c.relname, c.relkind, pg_get_userbyid(x.stxowner), 'statistics' FROM pg_statistic_ext x
 JOIN pg_class c ON c.oid = x.stxrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+"""
+
+# what the connected role may do on the source (rds_replication: RDS's replication role, where it exists)
+_SOURCE_PRIVILEGES = """
+SELECT quote_ident(current_user), quote_ident(current_database()), r.rolsuper,
+       r.rolreplication OR CASE WHEN to_regrole('rds_replication') IS NULL THEN false
+                                ELSE pg_has_role(current_user, 'rds_replication', 'USAGE') END,
+       to_regrole('rds_replication') IS NOT NULL,
+       has_database_privilege(current_database(), 'CREATE'),
+       r.rolsuper OR pg_has_role(current_user, 'pg_signal_backend', 'USAGE'),
+       r.rolsuper OR pg_has_role(current_user, 'pg_read_all_stats', 'USAGE')
+FROM pg_roles r WHERE r.rolname = current_user
+"""
+
+# per table and sequence: owned (as PostgreSQL's ownership check: the privileges of the owner) and readable
+_SOURCE_RELATIONS = """
+SELECT n.nspname, c.relname, c.relkind, format('%I.%I', n.nspname, c.relname),
+       pg_has_role(current_user, c.relowner, 'USAGE'), has_table_privilege(c.oid, 'SELECT')
+FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.relkind IN ('r', 'p', 'S')
+ORDER BY 1, 2
+"""
+
+_TARGET_PRIVILEGES = """
+SELECT quote_ident(current_user), quote_ident(current_database()), current_setting('is_superuser')::bool,
+       has_database_privilege(current_database(), 'CREATE'),
+       current_setting('is_superuser')::bool OR has_parameter_privilege('session_replication_role', 'SET')
+"""
+
+# the roles the connected role may make an object's owner (16+: those it may SET ROLE to)
+_OWNABLE = """
+SELECT rolname FROM pg_roles WHERE pg_has_role(current_user, oid,
+  CASE WHEN current_setting('server_version_num')::int >= 160000 THEN 'SET' ELSE 'MEMBER' END) ORDER BY 1
+"""
+
+# extensions that only a superuser may create, and not created yet
+_UNTRUSTED = """
+SELECT name FROM pg_available_extension_versions v
+WHERE NOT EXISTS (SELECT FROM pg_extension e WHERE e.extname = v.name)
+GROUP BY name HAVING bool_and(superuser AND NOT trusted) ORDER BY 1
 """
 
 # one row when the role we connect as does not see row-level security policies
@@ -132,7 +172,8 @@ def gather_source(conninfo: str, selection: Selection) -> SourceFacts:
             for r in q("SELECT schemaname, matviewname FROM pg_matviews ORDER BY 1, 2")
             if selection.covers_schema(r[0])
         ]
-        roles = _source_roles(conn, selection, covered)
+        uses = _source_roles(conn, selection, covered)
+        roles = sorted(uses)
         facts = SourceFacts(
             version_num=int(_setting(conn, "server_version_num")),
             wal_level=_setting(conn, "wal_level"),
@@ -154,6 +195,8 @@ def gather_source(conninfo: str, selection: Selection) -> SourceFacts:
             roles=roles,
             row_security=_row_security(conn, covered),
             event_triggers=_event_triggers(conn),
+            role_uses={r: sorted(u) for r, u in uses.items()},
+            privileges=_source_privileges(conn, selection, covered),
         )
         conn.rollback()
     return facts
@@ -201,23 +244,51 @@ def _source_indexes(conn: psycopg.Connection[Any], covered: set[tuple[str, str]]
 
 def _source_roles(
     conn: psycopg.Connection[Any], selection: Selection, covered: set[tuple[str, str]]
-) -> list[str]:
-    """The roles that own or are granted something selected (the target needs them before the schema); with the
-    whole database selected, the large objects' owners too (large objects migrate then,
-    :mod:`applier.migrate.largeobjects`)."""
-    roles = set()
-    for nsp, rel, kind, role in conn.execute(_ROLES):
+) -> dict[str, set[str]]:
+    """The roles that own or are granted something selected (the target needs them before the schema), each with
+    how it is named (owner, grant, policy, statistics, large object); with the whole database selected, the large
+    objects' owners too (large objects migrate then, :mod:`applier.migrate.largeobjects`)."""
+    roles: dict[str, set[str]] = {}
+    for nsp, rel, kind, role, use in conn.execute(_ROLES):
         if not selection.covers_schema(nsp):
             continue
         if rel is not None and kind in ("r", "p") and (nsp, rel) not in covered:
             continue
-        roles.add(role)
+        roles.setdefault(role, set()).add(use)
     if not selection.schemas and not selection.tables:
-        roles.update(
-            r[0]
-            for r in conn.execute("SELECT DISTINCT pg_get_userbyid(lomowner) FROM pg_largeobject_metadata")
-        )
-    return sorted(roles)
+        for (role,) in conn.execute("SELECT DISTINCT pg_get_userbyid(lomowner) FROM pg_largeobject_metadata"):
+            roles.setdefault(role, set()).add("large object")
+    return roles
+
+
+def _source_privileges(
+    conn: psycopg.Connection[Any], selection: Selection, covered: set[tuple[str, str]]
+) -> SourcePrivileges:
+    row = conn.execute(_SOURCE_PRIVILEGES).fetchone()
+    assert row is not None
+    not_owned, unreadable = [], []
+    for nsp, rel, kind, name, owned, readable in conn.execute(_SOURCE_RELATIONS):
+        if kind == "S" and not selection.covers_schema(nsp):
+            continue
+        if kind != "S" and (nsp, rel) not in covered:
+            continue
+        if kind != "S" and not owned:
+            not_owned.append(name)
+        if not readable:
+            unreadable.append(name)
+    role, database, superuser, replication, rds, create, signal, stats = row
+    return SourcePrivileges(
+        role=role,
+        database=database,
+        superuser=superuser,
+        replication=replication,
+        rds_replication=rds,
+        create_on_database=create,
+        not_owned=tuple(not_owned),
+        unreadable=tuple(unreadable),
+        signal_backend=signal,
+        read_all_stats=stats,
+    )
 
 
 def _row_security(conn: psycopg.Connection[Any], covered: set[tuple[str, str]]) -> list[str]:
@@ -260,7 +331,35 @@ def _local_free_bytes(conninfo: str, conn: psycopg.Connection[Any]) -> int | Non
         return None
 
 
-def gather_target(conninfo: str, tables: Sequence[TableFacts]) -> TargetFacts:
+def _target_privileges(conn: psycopg.Connection[Any], schemas: Sequence[str]) -> TargetPrivileges:
+    role, database, superuser, create, set_role = conn.execute(_TARGET_PRIVILEGES).fetchone()  # type: ignore[misc]
+    return TargetPrivileges(
+        role=role,
+        database=database,
+        superuser=superuser,
+        create_on_database=create,
+        schemas_without_create=tuple(
+            r[1]
+            for r in conn.execute(
+                "SELECT nspname, quote_ident(nspname) FROM pg_namespace WHERE nspname = ANY(%s)"
+                " AND NOT has_schema_privilege(oid, 'CREATE') ORDER BY 1",
+                (list(schemas),),
+            )
+        ),
+        set_replication_role=set_role,
+        missing_functions=tuple(
+            r[0]
+            for r in conn.execute(
+                "SELECT f FROM unnest(%s::text[]) f WHERE NOT has_function_privilege(f, 'EXECUTE')",
+                (list(ORIGIN_FUNCTIONS),),
+            )
+        ),
+        untrusted_extensions=tuple(r[0] for r in conn.execute(_UNTRUSTED)),
+        ownable=tuple(r[0] for r in conn.execute(_OWNABLE)),
+    )
+
+
+def gather_target(conninfo: str, tables: Sequence[TableFacts], schemas: Sequence[str] = ()) -> TargetFacts:
     """Everything the plan needs from the target, read in one read-only transaction."""
     with _read_only(conninfo, "target") as conn:
         q = conn.execute
@@ -282,6 +381,7 @@ def gather_target(conninfo: str, tables: Sequence[TableFacts]) -> TargetFacts:
             existing_tables=[tf.qualified for tf in tables if tf.qualified in existing],
             free_bytes=_local_free_bytes(conninfo, conn),
             bypass_rls=bool(q(_BYPASS_RLS).fetchone()),
+            privileges=_target_privileges(conn, schemas),
         )
         conn.rollback()
     return facts

@@ -10,9 +10,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from applier.migrate.plan import SourceFacts, TableFacts, TargetFacts, assess
+from applier.migrate.plan import (
+    SourceFacts,
+    SourcePrivileges,
+    TableFacts,
+    TargetFacts,
+    TargetPrivileges,
+    assess,
+)
 from applier.migrate.postdata import LeftOut, Step, ready, step_costs, table_weights
-from applier.migrate.schema import edit_script, pattern
+from applier.migrate.schema import TargetRoles, edit_script, pattern, without_unrestorable
 from applier.migrate.selection import Selection, select_tables
 from applier.migrate.state import PHASES, MigrationError, advance
 from applier.migrate.steps import CUTOVER_KINDS, StepKind, step_name
@@ -90,6 +97,49 @@ def test_a_table_without_key_blocks_only_when_it_gets_updates_or_deletes() -> No
     # a partitioned parent has no statistics of its own; its leaves are judged
     parent = table(kind="p", has_pk=False, identity_usable=False, updates_deletes=0)
     assert blockers(source(tables=[parent])) == []  # whatever its key: the leaves replicate, not the parent
+
+
+def test_each_missing_privilege_is_named_with_its_fix() -> None:
+    mig = dict(role="mig", database="db", superuser=False)
+    assert blockers(source(privileges=SourcePrivileges(**mig))) == []  # type: ignore[arg-type]
+    lacking = SourcePrivileges(**mig, replication=False, rds_replication=True, create_on_database=False,  # type: ignore[arg-type]
+                               not_owned=("public.t",), unreadable=("public.t", "public.s"), signal_backend=False,
+                               read_all_stats=False)  # fmt: skip
+    plan = assess(source(privileges=lacking), target(), Selection(), PG18)
+    assert codes(plan.blockers) == ["source_replication", "source_create", "source_ownership", "source_select",
+                                    "source_select"]  # fmt: skip
+    hints = [b.hint for b in plan.blockers]
+    assert hints[0] == "ALTER ROLE mig REPLICATION; (on RDS: GRANT rds_replication TO mig;)"
+    assert (
+        hints[1] == "GRANT CREATE ON DATABASE db TO mig;" and "ALTER TABLE public.t OWNER TO mig" in hints[2]
+    )
+    assert hints[3:] == ["GRANT SELECT ON public.t TO mig;", "GRANT SELECT ON public.s TO mig;"]
+    assert {"source_signal_backend", "source_read_all_stats"} <= set(codes(plan.warnings))
+
+    t_lacking = TargetPrivileges(**mig, create_on_database=False, schemas_without_create=("public",),  # type: ignore[arg-type]
+                                 set_replication_role=False, missing_functions=("f(text)",),
+                                 untrusted_extensions=("pgcrypto", "other"), ownable=("mig",))  # fmt: skip
+    plan = assess(
+        source(extensions={"plpgsql": "1.0", "pgcrypto": "1.3"}, roles=["mig", "gone"],
+               role_uses={"mig": ["owner"], "gone": ["grant"]}),
+        target(privileges=t_lacking, roles=["mig"], available_extensions={"plpgsql": ["1.0"], "pgcrypto": ["1.3"]}),
+        Selection(), PG18)  # fmt: skip
+    assert codes(plan.blockers) == ["target_create", "target_schema", "target_replication_role",
+                                    "target_origin_functions", "target_extension"]  # fmt: skip
+    assert [b.hint for b in plan.blockers][:4] == [
+        "GRANT CREATE ON DATABASE db TO mig;", "GRANT CREATE ON SCHEMA public TO mig;",
+        "GRANT SET ON PARAMETER session_replication_role TO mig;", "GRANT EXECUTE ON FUNCTION f(text) TO mig;",
+    ]  # fmt: skip
+    # a role the target lacks: only a warning when it is an owner or grantee and the target role is no superuser
+    assert "owner" in codes(plan.warnings)
+    assert "role" in blockers(
+        source(roles=["gone"], role_uses={"gone": ["policy"]}), target(privileges=t_lacking)
+    )
+    assert "role" in blockers(
+        source(roles=["gone"], role_uses={"gone": ["grant"]})
+    )  # a superuser target: as before
+    stats = source(roles=["other"], role_uses={"other": ["owner", "statistics"]})
+    assert blockers(stats, target(roles=["other"], privileges=t_lacking)).count("target_owner") == 1
 
 
 def test_warnings() -> None:
@@ -405,6 +455,34 @@ def test_the_script_loses_psql_meta_commands_and_creates_schemas_only_if_missing
     )
     assert pattern("public", "t") == '"public"."t"'
     assert pattern('we"ird', "T*") == '"we""ird"."T*"'
+
+
+def test_a_target_without_superuser_gets_the_script_without_what_it_could_not_run() -> None:
+    script = (
+        "CREATE TABLE public.t (id int);\n"
+        "ALTER TABLE public.t OWNER TO mig;\n"
+        'ALTER TABLE public.u OWNER TO "Gone Owner";\n'
+        "GRANT SELECT ON TABLE public.t TO reader;\n"
+        "GRANT SELECT ON TABLE public.t TO gone WITH GRANT OPTION;\n"
+        "REVOKE ALL ON TABLE public.t FROM gone;\n"
+        "GRANT SELECT ON TABLE public.t TO PUBLIC;\n"
+        "ALTER DEFAULT PRIVILEGES FOR ROLE mig IN SCHEMA public GRANT SELECT ON TABLES TO gone;\n"
+        "SET SESSION AUTHORIZATION other;\n"
+        "RESET SESSION AUTHORIZATION;\n"
+        "COMMENT ON EXTENSION plpgsql IS 'x';\n"
+    )
+    roles = TargetRoles(superuser=False, roles=frozenset({"mig", "reader"}), ownable=frozenset({"mig"}))
+    out, said = without_unrestorable(script, roles)
+    assert [line for line in out.splitlines() if line] == [
+        "CREATE TABLE public.t (id int);",
+        "ALTER TABLE public.t OWNER TO mig;",
+        "GRANT SELECT ON TABLE public.t TO reader;",
+        "GRANT SELECT ON TABLE public.t TO PUBLIC;",
+    ]
+    assert said[0].startswith("1 object(s) of role Gone Owner are owned by the migrating role")
+    assert said[1] == "3 grant(s) naming role gone skipped: the role does not exist on the target"
+    assert "SESSION AUTHORIZATION" in said[2] and "COMMENT ON EXTENSION" in said[3]
+    assert without_unrestorable(script, TargetRoles(True, frozenset(), frozenset())) == (script, [])
 
 
 def test_large_objects_differences_and_selection() -> None:
