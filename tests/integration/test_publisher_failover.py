@@ -60,11 +60,16 @@ def _synced(standby: PostgresCluster, primary: PostgresCluster) -> bool:
 
 @contextlib.contextmanager
 def failover_subscription(
-    primary: PostgresCluster, target_cluster: PostgresCluster, start_run: StartRun, *, rows_before: int = 0
+    primary: PostgresCluster,
+    target_cluster: PostgresCluster,
+    start_run: StartRun,
+    *,
+    rows_before: int = 0,
+    publisher: str | None = None,
 ) -> Iterator[tuple[Database, Database, subprocess.Popen[str]]]:
     """Database ``app`` on the primary with table t (``rows_before`` rows, for the initial copy) published as p, a
-    target database with t, subscription "s" with ``--failover`` and its ``applier run`` (quick retries); stopped
-    and dropped afterwards."""
+    target database with t, subscription "s" with ``--failover`` (to ``publisher``, a conninfo of the primary's
+    ``app`` by default) and its ``applier run`` (quick retries); stopped and dropped afterwards."""
     pub = primary.create_database("app")
     pub.execute("CREATE TABLE t (id int PRIMARY KEY, v text); CREATE PUBLICATION p FOR TABLE t")
     pub.execute("INSERT INTO t SELECT g, 'before' FROM generate_series(1, %s) g", (rows_before,))
@@ -72,7 +77,7 @@ def failover_subscription(
     proc = None
     try:
         tgt.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
-        ok(tgt, "create", "s", "--publisher", pub.dsn, "--publication", "p", "--failover")
+        ok(tgt, "create", "s", "--publisher", publisher or pub.dsn, "--publication", "p", "--failover")
         proc = start_run(tgt, "s", "--max-retry-interval", "2")
         yield pub, tgt, proc
     finally:
@@ -115,6 +120,50 @@ def test_the_subscription_follows_a_promoted_standby(
                    what=f"the target equal to the new primary; log:\n{run_log(proc)[-3000:]}")  # fmt: skip
         assert proc.poll() is None
         assert "initial copy" not in run_log(proc).split("has started streaming", 1)[1]  # no second copy
+
+
+def both(primary: PostgresCluster, standby: PostgresCluster) -> str:
+    """A multi-host conninfo of database ``app`` that reaches whichever of the two is the primary."""
+    return (
+        f"host=127.0.0.1,127.0.0.1 port={primary.port},{standby.port} user=postgres dbname=app"
+        " target_session_attrs=read-write"
+    )
+
+
+def test_a_multi_host_conninfo_follows_the_promoted_standby_by_itself(
+    primary_and_standby, target_cluster, start_run: StartRun
+) -> None:
+    """``host=a,b ... target_session_attrs=read-write`` for the replication connection, the copy, ``verify`` and
+    ``create``'s checks: libpq takes the primary (a standby refuses a read-write session, walsender or not); after
+    the promotion the worker's own reconnect reaches the new primary, nothing altered."""
+    primary, standby = primary_and_standby
+    conninfo = both(primary, standby)
+    with failover_subscription(primary, target_cluster, start_run, rows_before=100, publisher=conninfo) as (
+        pub,
+        tgt,
+        proc,
+    ):
+        assert status(tgt, "s")["failover"] is True
+        pub.execute("INSERT INTO t SELECT g, 'streamed' FROM generate_series(101, 200) g")
+        wait_until(lambda: tgt.scalar("SELECT count(*) FROM t") == 200, timeout=TIMEOUT, what="200 rows")
+        ok(tgt, "verify", "s")  # exit status 0: every table equal
+        wait_until(lambda: _synced(standby, primary), timeout=TIMEOUT, what="the slot synchronized")
+        pub.execute("INSERT INTO t SELECT g, 'last on the old primary' FROM generate_series(201, 250) g")
+        wait_until(lambda: standby.scalar("SELECT count(*) FROM t", dbname="app") == 250, timeout=TIMEOUT,
+                   what="replayed")  # fmt: skip
+        primary.crash()
+        standby.promote()
+        new_pub = Database(standby, "app")
+        new_pub.execute("INSERT INTO t SELECT g, 'on the new primary' FROM generate_series(251, 300) g")
+        new_pub.execute("UPDATE t SET v = 'updated after the failover' WHERE id <= 10")
+        expected = new_pub.query("SELECT * FROM t ORDER BY id")
+        wait_until(lambda: tgt.query("SELECT * FROM t ORDER BY id") == expected, timeout=TIMEOUT,
+                   what=f"the target equal to the new primary; log:\n{run_log(proc)[-3000:]}")  # fmt: skip
+        assert proc.poll() is None
+        log = run_log(proc)
+        assert "the publisher failed over: timeline 1 ended at" in log, log[-3000:]
+        assert "initial copy" not in log.split("has started streaming", 1)[1]  # no second copy
+        ok(tgt, "verify", "s")  # exit status 0: every table equal
 
 
 def test_alter_sets_failover_on_the_slot_of_a_disabled_subscription(
