@@ -12,6 +12,7 @@ import contextlib
 import subprocess
 from collections.abc import Iterator
 
+import psycopg
 import pytest
 
 from applier.testing import Database, PostgresBinaries, PostgresCluster, wait_until
@@ -66,6 +67,7 @@ def failover_subscription(
     *,
     rows_before: int = 0,
     publisher: str | None = None,
+    failover: bool = True,
 ) -> Iterator[tuple[Database, Database, subprocess.Popen[str]]]:
     """Database ``app`` on the primary with table t (``rows_before`` rows, for the initial copy) published as p, a
     target database with t, subscription "s" with ``--failover`` (to ``publisher``, a conninfo of the primary's
@@ -77,8 +79,10 @@ def failover_subscription(
     proc = None
     try:
         tgt.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
-        ok(tgt, "create", "s", "--publisher", publisher or pub.dsn, "--publication", "p", "--failover")
+        ok(tgt, "create", "s", "--publisher", publisher or pub.dsn, "--publication", "p",
+           *(["--failover"] if failover else []))  # fmt: skip
         proc = start_run(tgt, "s", "--max-retry-interval", "2")
+        wait_until(lambda: "has started streaming" in run_log(proc), timeout=TIMEOUT, what="streaming")
         yield pub, tgt, proc
     finally:
         if proc is not None:
@@ -223,3 +227,93 @@ def test_a_promoted_standby_that_lacks_applied_transactions_is_refused(
             err
         )
         assert "the connection is unchanged" in err
+
+
+def _stopped_with(tgt: Database, proc: subprocess.Popen[str], *needles: str) -> dict[str, object]:
+    """The run process ended by itself (its one worker failed: no retry loop), the subscription is disabled, and
+    ``applier status`` shows the error with every needle; the error is in the log once. Returns the status."""
+    proc.wait(timeout=TIMEOUT)
+    log = run_log(proc)
+    assert proc.returncode == 1, log[-3000:]
+    st = status(tgt, "s")
+    assert st["enabled"] is False, st
+    message = st["last_error"]["message"]  # type: ignore[index]
+    for needle in needles:
+        assert needle in message, f"{message}\n{log[-4000:]}"
+    assert "applier drop s" in message and "applier alter s --connection" in message, message
+    assert log.count("has been disabled") >= 1 and log.count("started streaming") == 1, log[-3000:]
+    return st
+
+
+def test_a_failover_without_a_failover_slot_stops_the_subscription(
+    primary_and_standby, target_cluster, start_run: StartRun
+) -> None:
+    """The conninfo follows the promotion, but the slot was not a failover slot: the new primary has none. The
+    worker says so, disables the subscription and ends (no loop); nothing is applied from the new primary."""
+    primary, standby = primary_and_standby
+    with failover_subscription(
+        primary, target_cluster, start_run, publisher=both(primary, standby), failover=False
+    ) as (pub, tgt, proc):
+        pub.execute("INSERT INTO t SELECT g, 'before' FROM generate_series(1, 100) g")
+        wait_until(lambda: tgt.scalar("SELECT count(*) FROM t") == 100, timeout=TIMEOUT, what="100 rows")
+        wait_until(lambda: standby.scalar("SELECT count(*) FROM t", dbname="app") == 100, timeout=TIMEOUT,
+                   what="replayed")  # fmt: skip
+        primary.crash()
+        standby.promote()
+        Database(standby, "app").execute("INSERT INTO t VALUES (101, 'on the new primary')")
+        _stopped_with(
+            tgt, proc, 'replication slot "s" does not exist on the publisher', "failed over: timeline 1 ended at",
+            "failover slot",
+        )  # fmt: skip
+        assert tgt.scalar("SELECT count(*) FROM t") == 100
+
+
+def _hba_reject_tcp(cluster: PostgresCluster, reject: bool) -> None:
+    """Refuse (or admit again) TCP connections to ``cluster``; the unix socket stays open for the test itself."""
+    assert cluster.datadir is not None
+    hba = cluster.datadir / "pg_hba.conf"
+    line = "host all all 127.0.0.1/32 reject\n"
+    text = hba.read_text().replace(line, "")
+    hba.write_text(line + text if reject else text)
+    _local(cluster, "postgres").execute("SELECT pg_reload_conf()")
+
+
+def _local(cluster: PostgresCluster, dbname: str) -> psycopg.Connection:
+    return psycopg.connect(cluster.dsn(dbname, host=str(cluster.datadir)), autocommit=True)
+
+
+@pytest.mark.parametrize("primary_and_standby", ["unsynchronized"], indirect=True)
+def test_a_promoted_standby_that_forked_before_what_was_applied_stops_the_subscription(
+    primary_and_standby, target_cluster, start_run: StartRun
+) -> None:
+    """The silent-skip case: the target applied up to P from the old primary, the standby never got it, and after
+    the promotion the new primary's WAL goes past P. Streaming from P there would skip the new primary's own
+    transactions up to P. The worker sees its publisher's timeline change and P after the switch point: it stops
+    the subscription with the reason, rather than resume."""
+    primary, standby = primary_and_standby
+    with failover_subscription(primary, target_cluster, start_run, publisher=both(primary, standby)) as (
+        pub,
+        tgt,
+        proc,
+    ):
+        pub.execute("INSERT INTO t SELECT g, 'both have it' FROM generate_series(1, 100) g")
+        wait_until(lambda: tgt.scalar("SELECT count(*) FROM t") == 100, timeout=TIMEOUT, what="100 rows")
+        wait_until(lambda: _synced(standby, primary), timeout=TIMEOUT, what="the slot synchronized")
+        standby.stop()  # the standby falls behind; the target does not
+        pub.execute("INSERT INTO t SELECT g, 'only the target has it' FROM generate_series(101, 150) g")
+        wait_until(lambda: tgt.scalar("SELECT count(*) FROM t") == 150, timeout=TIMEOUT, what="150 rows")
+        applied = tgt.scalar("SELECT remote_lsn FROM pg_replication_origin_status")
+        primary.crash()
+        standby.start()
+        _hba_reject_tcp(
+            standby, True
+        )  # the worker waits until the new primary's WAL has passed what it applied
+        standby.promote()
+        with _local(standby, "app") as conn:
+            conn.execute("INSERT INTO t SELECT g, 'the new primary''s own' FROM generate_series(101, 5000) g")
+            assert conn.execute("SELECT pg_current_wal_lsn() > %s::pg_lsn", (str(applied),)).fetchone() == (
+                True,
+            )
+        _hba_reject_tcp(standby, False)
+        _stopped_with(tgt, proc, "that timeline ended at", "diverged", "failed over: timeline 1 ended at")
+        assert tgt.scalar("SELECT count(*) FROM t") == 150
