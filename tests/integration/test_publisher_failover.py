@@ -14,10 +14,12 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from applier.testing import Database, PostgresBinaries, PostgresCluster, wait_until
 from applier.testing.pytest_plugin import drop_our_origins
 from tests.support.cli import StartRun, fails, ok, run_log, status, stop
+from tests.support.native import drop_native_subscription
 
 pytestmark = pytest.mark.core
 
@@ -46,15 +48,17 @@ def primary_and_standby(
         primary.destroy()
 
 
-def _synced(standby: PostgresCluster, primary: PostgresCluster) -> bool:
-    """The standby's copy of slot "s" is persistent and as far as the primary's."""
-    want = primary.scalar("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = 's'")
+def _synced(standby: PostgresCluster, primary: PostgresCluster, slot: str = "s") -> bool:
+    """The standby's copy of ``slot`` is persistent and as far as the primary's."""
+    want = primary.scalar(
+        "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+    )
     return bool(
         want
         and standby.scalar(
             "SELECT synced AND NOT temporary AND confirmed_flush_lsn >= %s::pg_lsn FROM pg_replication_slots"
-            " WHERE slot_name = 's'",
-            (want,),
+            " WHERE slot_name = %s",
+            (want, slot),
         )
     )
 
@@ -68,19 +72,22 @@ def failover_subscription(
     rows_before: int = 0,
     publisher: str | None = None,
     failover: bool = True,
+    options: tuple[str, ...] = (),
 ) -> Iterator[tuple[Database, Database, subprocess.Popen[str]]]:
     """Database ``app`` on the primary with table t (``rows_before`` rows, for the initial copy) published as p, a
     target database with t, subscription "s" with ``--failover`` (to ``publisher``, a conninfo of the primary's
     ``app`` by default) and its ``applier run`` (quick retries); stopped and dropped afterwards."""
     pub = primary.create_database("app")
     pub.execute("CREATE TABLE t (id int PRIMARY KEY, v text); CREATE PUBLICATION p FOR TABLE t")
+    # walsenders of this database stream a transaction past 64 kB (read at connection: set before any)
+    pub.execute("ALTER DATABASE app SET logical_decoding_work_mem = '64kB'")
     pub.execute("INSERT INTO t SELECT g, 'before' FROM generate_series(1, %s) g", (rows_before,))
     tgt = target_cluster.create_database("failover_target")
     proc = None
     try:
         tgt.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
         ok(tgt, "create", "s", "--publisher", publisher or pub.dsn, "--publication", "p",
-           *(["--failover"] if failover else []))  # fmt: skip
+           *(["--failover"] if failover else []), *options)  # fmt: skip
         proc = start_run(tgt, "s", "--max-retry-interval", "2")
         wait_until(lambda: "has started streaming" in run_log(proc), timeout=TIMEOUT, what="streaming")
         yield pub, tgt, proc
@@ -317,3 +324,76 @@ def test_a_promoted_standby_that_forked_before_what_was_applied_stops_the_subscr
         _hba_reject_tcp(standby, False)
         _stopped_with(tgt, proc, "that timeline ended at", "diverged", "failed over: timeline 1 ended at")
         assert tgt.scalar("SELECT count(*) FROM t") == 150
+
+
+def _prepared(db: Database) -> list[str]:
+    """The GIDs of the transactions prepared in ``db``'s database."""
+    return [r[0] for r in db.query("SELECT gid FROM pg_prepared_xacts WHERE database = current_database()")]
+
+
+def test_two_phase_through_a_failover_as_the_native_subscriber(
+    primary_and_standby, target_cluster, start_run: StartRun, pg_binaries: PostgresBinaries
+) -> None:
+    """PostgreSQL 18 synchronizes a two-phase failover slot (17 does not sync ``two_phase_at``). Commits, a
+    streamed transaction and a transaction prepared but undecided when the primary is killed; the promoted standby
+    decides it (COMMIT PREPARED) and takes more commits. Ours (multi-host conninfo: no command after the failover)
+    and PostgreSQL's own subscriber (``failover, two_phase``, same conninfo) both end equal to the new primary,
+    with the prepared transaction committed once and nothing left prepared."""
+    if pg_binaries.major < 18:
+        pytest.skip(f"failover slots with two-phase need PostgreSQL 18 (this run's is {pg_binaries.major})")
+    primary, standby = primary_and_standby
+    conninfo = both(primary, standby)
+    with failover_subscription(primary, target_cluster, start_run, publisher=conninfo,
+                               options=("--two-phase", "--streaming", "on")) as (pub, tgt, proc):  # fmt: skip
+        native = target_cluster.create_database("failover_native")
+        try:
+            native.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
+            native.execute(
+                sql.SQL(
+                    "CREATE SUBSCRIPTION native CONNECTION {} PUBLICATION p WITH (failover = true, "
+                    "two_phase = true, streaming = on)"
+                ).format(sql.Literal(conninfo))  # fmt: skip
+            )
+            wait_until(lambda: status(tgt, "s")["two_phase"] == "e", timeout=TIMEOUT, what="our two-phase on")
+            wait_until(lambda: native.scalar("SELECT subtwophasestate FROM pg_subscription") == "e",
+                       timeout=TIMEOUT, what="native two-phase on")  # fmt: skip
+
+            pub.execute("INSERT INTO t SELECT g, 'committed' FROM generate_series(1, 100) g")
+            pub.execute("INSERT INTO t SELECT g, repeat('streamed ', 40) FROM generate_series(101, 3100) g")
+            with pub.connect() as conn:
+                conn.execute("BEGIN")
+                conn.execute("INSERT INTO t SELECT g, 'prepared' FROM generate_series(5001, 5010) g")
+                conn.execute("UPDATE t SET v = 'updated by the prepared one' WHERE id <= 5")
+                conn.execute("PREPARE TRANSACTION 'gx'")
+            for db in (tgt, native):
+                wait_until(lambda db=db: len(_prepared(db)) == 1 and db.scalar("SELECT count(*) FROM t") == 3100,
+                           timeout=TIMEOUT, what=f"{db.name}: the commits, and the prepared one prepared")  # fmt: skip
+            streamed = primary.scalar(
+                "SELECT sum(stream_txns) FROM pg_stat_replication_slots WHERE slot_name IN ('s', 'native')"
+            )
+            assert streamed >= 2, streamed  # the 3000-row transaction reached each of them streamed
+            for slot in ("s", "native"):
+                wait_until(lambda slot=slot: _synced(standby, primary, slot), timeout=TIMEOUT,
+                           what=f"slot {slot} synchronized")  # fmt: skip
+            assert standby.scalar("SELECT bool_and(two_phase) FROM pg_replication_slots WHERE synced") is True
+            wal = primary.scalar("SELECT pg_current_wal_lsn()::text")
+            wait_until(lambda: standby.scalar("SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", (wal,)),
+                       timeout=TIMEOUT, what="the standby replayed the prepare")  # fmt: skip
+
+            primary.crash()
+            standby.promote()
+            new_pub = Database(standby, "app")
+            new_pub.execute("COMMIT PREPARED 'gx'")
+            new_pub.execute("INSERT INTO t SELECT g, 'on the new primary' FROM generate_series(6001, 6100) g")
+            new_pub.execute("DELETE FROM t WHERE id BETWEEN 50 AND 60")
+            expected = new_pub.query("SELECT * FROM t ORDER BY id")
+            for db in (tgt, native):
+                wait_until(lambda db=db: db.query("SELECT * FROM t ORDER BY id") == expected, timeout=TIMEOUT,
+                           what=f"{db.name} equal to the new primary; log:\n{run_log(proc)[-3000:]}")  # fmt: skip
+                assert _prepared(db) == [], db.name
+            assert proc.poll() is None
+            assert status(tgt, "s")["prepared"] == []
+            assert "the publisher failed over: timeline 1 ended at" in run_log(proc)
+        finally:
+            drop_native_subscription(native, "native")
+            target_cluster.drop_database(native.name)
