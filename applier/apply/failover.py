@@ -15,8 +15,10 @@ What tells us (decided here, without I/O; :func:`check` gathers the facts):
 * what the worker saw in its previous session (kept for the worker's lifetime, across reconnects).
 
 The verdicts: no slot → stop; a WAL that ends before ``P`` → stop (diverged); the timeline moved on since the last
-session and ``P`` is after ``S`` (we applied from the old timeline what the new one does not have) → stop; a server
-of another system identifier whose slot is behind ``P`` → stop. A stop disables the subscription with an error that
+session and ``P`` is after ``S`` (we applied from the old timeline what the new one does not have) → stop; with no
+last session to compare with (a worker started after the failover), ``P`` after the start of the server's timeline
+while the slot has confirmed nothing past it → stop; a server of another system identifier whose slot is behind
+``P`` → stop. A stop disables the subscription with an error that
 says what happened and how to recover (``applier status`` shows it); it never retries in a loop.
 """
 
@@ -48,7 +50,8 @@ class Facts:
     slot_exists: bool
     slot_confirmed: int | None  # the slot's confirmed_flush_lsn
     before: PublisherSeen | None  # the previous session's publisher, if this worker had one
-    #: where ``before.timeline`` ended in the server's history (``TIMELINE_HISTORY``), when the timeline moved on
+    #: where ``before.timeline`` ended in the server's history (``TIMELINE_HISTORY``), when the timeline moved on;
+    #: without ``before``, where the server's own timeline began (its latest switch point), when it has a history
     switch: int | None = None
 
 
@@ -117,6 +120,25 @@ def decide(f: Facts) -> Verdict:
             "subscription has been disabled; " + RECOVER
         )
     if (
+        f.before is None
+        and f.switch is not None
+        and f.applied > f.switch
+        and f.slot_confirmed is not None
+        and f.slot_confirmed <= f.switch
+    ):
+        # No previous session to compare with (the worker started anew): the slot tells. It has confirmed nothing
+        # past the switch point, so nothing of this timeline after it reached us; what we applied after it came
+        # from the old timeline. (A worker that applied this timeline's first transactions and was killed before
+        # its next status update could see the same; its own sessions are compared directly instead.)
+        return Verdict(
+            stop=f"the target has applied changes up to {applied}, but the publisher{what} began its timeline at "
+            f'{format_lsn(f.switch)} and slot "{f.slot}" there has confirmed only up to '
+            f"{format_lsn(f.slot_confirmed)}: what the target applied after {format_lsn(f.switch)} came from the old "
+            "primary, which this server never had, and resuming would skip this server's own transactions up to "
+            f"{applied} (a failover without synchronized_standby_slots), so the two have diverged. The "
+            "subscription has been disabled; " + RECOVER
+        )
+    if (
         f.before is not None
         and f.before.systemid != f.now.systemid
         and f.slot_confirmed is not None
@@ -144,6 +166,9 @@ def parse_timeline_history(content: str) -> dict[int, int]:
     return ends
 
 
-def switch_point(history: dict[int, int], timeline: int) -> int | None:
-    """Where ``timeline`` ended in a server's history (None: not an ancestor of its timeline)."""
+def switch_point(history: dict[int, int], timeline: int | None) -> int | None:
+    """Where ``timeline`` ended in a server's history (None: not an ancestor of its timeline); ``None``: where
+    the server's current timeline began (the latest switch point)."""
+    if timeline is None:
+        return history[max(history)] if history else None
     return history.get(timeline)

@@ -439,6 +439,9 @@ class ApplyWorker:
         if before is not None and before.systemid == now.systemid and before.timeline < now.timeline:
             history = failover.parse_timeline_history(repl.timeline_history(now.timeline))
             switch = failover.switch_point(history, before.timeline)
+        elif before is None and now.timeline > 1:  # a worker new to this publisher: where its timeline began
+            history = failover.parse_timeline_history(repl.timeline_history(now.timeline))
+            switch = failover.switch_point(history, None)
         verdict = failover.decide(
             failover.Facts(
                 slot=slot,

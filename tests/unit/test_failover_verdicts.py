@@ -55,8 +55,20 @@ def test_another_system_with_a_slot_behind_us_stops() -> None:
     assert decide(facts(now=PublisherSeen("1", 1), slot_confirmed=0x3000000)).stop is None
 
 
+def test_a_new_worker_reads_the_divergence_from_the_slot() -> None:
+    now = PublisherSeen(SYS, 2)
+    # the slot synchronized before the fork, we applied past it: from the old timeline
+    v = decide(facts(before=None, now=now, switch=0x2F00000, slot_confirmed=0x2E00000, wal_end=0x9000000))
+    assert v.stop is not None and "began its timeline at 0/2F00000" in v.stop and "diverged" in v.stop
+    # we applied no further than the fork (synchronized_standby_slots): resume
+    assert decide(facts(before=None, now=now, switch=0x3000000, slot_confirmed=0x2E00000)).stop is None
+    # the slot confirmed past the fork: what we applied past it came from this timeline
+    assert decide(facts(before=None, now=now, switch=0x2F00000, slot_confirmed=0x2F80000)).stop is None
+
+
 def test_timeline_history() -> None:
     text = "1\t0/3000000\tno recovery target specified\n\n2\t0/5000A0\tbefore 2000-01-01\n"
     history = parse_timeline_history(text)
     assert history == {1: 0x3000000, 2: 0x5000A0}
     assert switch_point(history, 2) == 0x5000A0 and switch_point(history, 7) is None
+    assert switch_point(history, None) == 0x5000A0 and switch_point({}, None) is None
