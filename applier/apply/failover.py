@@ -25,10 +25,11 @@ says what happened and how to recover (``applier status`` shows it); it never re
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from applier.lsn import format_lsn, parse_lsn
 
-__all__ = ["Facts", "PublisherSeen", "Verdict", "decide", "parse_timeline_history", "switch_point"]
+__all__ = ["Facts", "PublisherSeen", "Verdict", "decide", "examine", "parse_timeline_history", "switch_point"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,69 +91,111 @@ def _what_happened(f: Facts) -> str:
 def decide(f: Facts) -> Verdict:
     """Whether the session may stream from this publisher (see the module's doc)."""
     what = _what_happened(f)
-    applied = format_lsn(f.applied)
-    if not f.slot_exists:
-        return Verdict(
-            stop=f'replication slot "{f.slot}" does not exist on the publisher{what}: the subscription cannot resume '
-            "there. After a failover the slot exists on the promoted standby only if it was a failover slot "
-            "(applier create --failover, PostgreSQL 17+) that the standby synchronized (sync_replication_slots). "
-            "The subscription has been disabled; " + RECOVER
-        )
-    if f.wal_end < f.applied:
-        return Verdict(
-            stop=f"the publisher{what} has WAL up to {format_lsn(f.wal_end)}, but the target has applied changes up to "
-            f"{applied}: it lacks transactions that the target holds (a failover that lost them: set "
-            "synchronized_standby_slots on the primary to prevent it), so the two have diverged. The subscription "
-            "has been disabled; " + RECOVER
-        )
-    if (
-        f.before is not None
-        and f.before.systemid == f.now.systemid
-        and f.before.timeline != f.now.timeline
-        and f.switch is not None
-        and f.applied > f.switch
+    for reason in (
+        _no_slot,
+        _wal_ends_before,
+        _forked_since_last_session,
+        _forked_before_slot,
+        _foreign_slot,
     ):
-        return Verdict(
-            stop=f"the target has applied changes up to {applied} from timeline {f.before.timeline}, but on the "
-            f"publisher{what} that timeline ended at {format_lsn(f.switch)}: the target holds transactions the "
-            "new primary never had, and resuming would skip the new primary's own up to "
-            f"{applied} (a failover without synchronized_standby_slots), so the two have diverged. The "
-            "subscription has been disabled; " + RECOVER
-        )
-    if (
-        f.before is None
-        and f.switch is not None
-        and f.applied > f.switch
-        and f.slot_confirmed is not None
-        and f.slot_confirmed <= f.switch
-    ):
-        # No previous session to compare with (the worker started anew): the slot tells. It has confirmed nothing
-        # past the switch point, so nothing of this timeline after it reached us; what we applied after it came
-        # from the old timeline. (A worker that applied this timeline's first transactions and was killed before
-        # its next status update could see the same; its own sessions are compared directly instead.)
-        return Verdict(
-            stop=f"the target has applied changes up to {applied}, but the publisher{what} began its timeline at "
-            f'{format_lsn(f.switch)} and slot "{f.slot}" there has confirmed only up to '
-            f"{format_lsn(f.slot_confirmed)}: what the target applied after {format_lsn(f.switch)} came from the old "
-            "primary, which this server never had, and resuming would skip this server's own transactions up to "
-            f"{applied} (a failover without synchronized_standby_slots), so the two have diverged. The "
-            "subscription has been disabled; " + RECOVER
-        )
-    if (
-        f.before is not None
-        and f.before.systemid != f.now.systemid
-        and f.slot_confirmed is not None
-        and f.slot_confirmed < f.applied
-    ):
-        return Verdict(
-            stop=f'replication slot "{f.slot}" on the publisher{what} has confirmed changes only up to '
-            f"{format_lsn(f.slot_confirmed)}, behind what the target has applied ({applied}): its positions are "
-            "not ours, and resuming there could skip or repeat transactions. The subscription has been disabled; "
-            + RECOVER
-        )
+        message = reason(f, what)
+        if message is not None:
+            return Verdict(stop=message + " The subscription has been disabled; " + RECOVER)
     if what and f.before is not None:
-        return Verdict(note=f'resuming at {applied} from slot "{f.slot}"{what}')
+        return Verdict(note=f'resuming at {format_lsn(f.applied)} from slot "{f.slot}"{what}')
     return Verdict()
+
+
+def _no_slot(f: Facts, what: str) -> str | None:
+    if f.slot_exists:
+        return None
+    return (
+        f'replication slot "{f.slot}" does not exist on the publisher{what}: the subscription cannot resume there. '
+        "After a failover the slot exists on the promoted standby only if it was a failover slot (applier create "
+        "--failover, PostgreSQL 17+) that the standby synchronized (sync_replication_slots)."
+    )
+
+
+def _wal_ends_before(f: Facts, what: str) -> str | None:
+    if f.wal_end >= f.applied:
+        return None
+    return (
+        f"the publisher{what} has WAL up to {format_lsn(f.wal_end)}, but the target has applied changes up to "
+        f"{format_lsn(f.applied)}: it lacks transactions that the target holds (a failover that lost them: set "
+        "synchronized_standby_slots on the primary to prevent it), so the two have diverged."
+    )
+
+
+def _forked_since_last_session(f: Facts, what: str) -> str | None:
+    """The timeline moved on since the last session, and we applied past the point where ours ended."""
+    b = f.before
+    if b is None or b.systemid != f.now.systemid or b.timeline == f.now.timeline:
+        return None
+    if f.switch is None or f.applied <= f.switch:
+        return None
+    applied = format_lsn(f.applied)
+    return (
+        f"the target has applied changes up to {applied} from timeline {b.timeline}, but on the publisher{what} "
+        f"that timeline ended at {format_lsn(f.switch)}: the target holds transactions the new primary never had, "
+        f"and resuming would skip the new primary's own up to {applied} (a failover without "
+        "synchronized_standby_slots), so the two have diverged."
+    )
+
+
+def _forked_before_slot(f: Facts, what: str) -> str | None:
+    """No previous session to compare with (the worker started anew): the slot tells. It has confirmed nothing
+    past the start of the server's timeline, so nothing of this timeline after it reached us; what we applied after
+    it came from the old timeline. (A worker that applied this timeline's first transactions and was killed before
+    its next status update could see the same; its own sessions are compared directly instead.)"""
+    if f.before is not None or f.switch is None or f.applied <= f.switch:
+        return None
+    if f.slot_confirmed is None or f.slot_confirmed > f.switch:
+        return None
+    switch, applied = format_lsn(f.switch), format_lsn(f.applied)
+    return (
+        f"the target has applied changes up to {applied}, but the publisher{what} began its timeline at {switch} "
+        f'and slot "{f.slot}" there has confirmed only up to {format_lsn(f.slot_confirmed)}: what the target '
+        f"applied after {switch} came from the old primary, which this server never had, and resuming would skip "
+        f"this server's own transactions up to {applied} (a failover without synchronized_standby_slots), so the "
+        "two have diverged."
+    )
+
+
+def _foreign_slot(f: Facts, what: str) -> str | None:
+    """Another server: a slot behind what we applied counts positions that are not ours."""
+    if f.before is None or f.before.systemid == f.now.systemid:
+        return None
+    if f.slot_confirmed is None or f.slot_confirmed >= f.applied:
+        return None
+    return (
+        f'replication slot "{f.slot}" on the publisher{what} has confirmed changes only up to '
+        f"{format_lsn(f.slot_confirmed)}, behind what the target has applied ({format_lsn(f.applied)}): its "
+        "positions are not ours, and resuming there could skip or repeat transactions."
+    )
+
+
+def examine(
+    repl: Any,
+    slot: str,
+    systemid: str,
+    timeline: int,
+    wal_end: int,
+    applied: int,
+    before: PublisherSeen | None,
+) -> tuple[Verdict, PublisherSeen]:
+    """Gather the :class:`Facts` on ``repl`` (a :class:`~applier.replication.ReplicationConnection` after
+    ``IDENTIFY_SYSTEM``: its slot, and its timeline history when it matters) and :func:`decide`; also returns the
+    publisher as this session sees it, the next session's ``before``."""
+    now = PublisherSeen(systemid, timeline)
+    exists, confirmed = repl.slot_confirmed_flush(slot)
+    switch = None
+    if before is not None and before.systemid == now.systemid and before.timeline < now.timeline:
+        switch = switch_point(parse_timeline_history(repl.timeline_history(now.timeline)), before.timeline)
+    elif before is None and now.timeline > 1:  # a worker new to this publisher: where its timeline began
+        switch = switch_point(parse_timeline_history(repl.timeline_history(now.timeline)), None)
+    facts = Facts(slot=slot, now=now, wal_end=wal_end, applied=applied, slot_exists=exists,
+                  slot_confirmed=confirmed, before=before, switch=switch)  # fmt: skip
+    return decide(facts), now
 
 
 def parse_timeline_history(content: str) -> dict[int, int]:

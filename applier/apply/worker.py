@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import psycopg
 import sqlalchemy
@@ -59,7 +59,7 @@ from applier.catalog.store import Catalog, Subscription
 from applier.errors import ApplierError, ProtocolError
 from applier.lsn import format_lsn
 from applier.metrics import APPLY_LAG_BOUNDS, WorkerMetrics
-from applier.replication import ReplicationConnection, ReplicationConnectionError, StreamOptions, SystemInfo
+from applier.replication import ReplicationConnection, ReplicationConnectionError, StreamOptions
 from applier.retry import RETRY_INITIAL, max_retry_interval_default
 from state.twophase import TwoPhaseState, stream_two_phase
 
@@ -128,6 +128,9 @@ class ApplyWorker:
     ``tablesync.live.LiveSyncCoordinator``); without it they wait in ``i``.
     """
 
+    #: the publisher the last session streamed from: a failover since is recognised (applier.apply.failover)
+    publisher_seen: failover.PublisherSeen | None = None
+
     def __init__(
         self,
         target_conninfo: str,
@@ -188,8 +191,6 @@ class ApplyWorker:
         #: behind without progress this long is reported as a stall (applier.apply.stall; ``APPLIER_STALL_AFTER``)
         self.stall_after = stall_after if stall_after is not None else stall_after_default()
         self.watchdog: StallWatchdog | None = None  # the current session's (applier.apply.stall)
-        #: the publisher the last session streamed from: a failover since is recognised (applier.apply.failover)
-        self.publisher_seen: failover.PublisherSeen | None = None
 
     # --- the outer loop ----------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -400,7 +401,13 @@ class ApplyWorker:
         repl = ReplicationConnection.open(sub.subconninfo, application_name=sub.subname)
         try:
             system = repl.identify_system()
-            seen = self._check_publisher(sub, repl, system, start_lsn)
+            verdict, seen = failover.examine(repl, sub.subslotname or sub.subname, system.systemid,
+                                             system.timeline, system.xlogpos, start_lsn, self.publisher_seen)  # fmt: skip
+            if verdict.stop is not None:  # the slot is gone, or this server's history left ours
+                self.retries.stop_subscription(sub, verdict.stop)
+            if verdict.note is not None:  # a failover we can follow
+                self.log.warning('logical replication apply worker for subscription "%s": %s', sub.subname,
+                                 verdict.note)  # fmt: skip
             origin = sub.suborigin if sub.suborigin in ("any", "none") else None
             options = StreamOptions(
                 publications=list(sub.subpublications),
@@ -412,8 +419,8 @@ class ApplyWorker:
             repl.start_replication(sub.subslotname or sub.subname, start_lsn, options)
         except ReplicationConnectionError as exc:
             repl.close()
-            if exc.sqlstate == "42704":  # undefined_object: the slot is gone (since _check_publisher looked)
-                self._stop_subscription(
+            if exc.sqlstate == "42704":  # undefined_object: the slot is gone (since examine looked)
+                self.retries.stop_subscription(
                     sub,
                     f'{exc}: the subscription\'s slot "{sub.subslotname}" does not exist on the publisher. '
                     "The subscription has been disabled; " + failover.RECOVER,
@@ -424,55 +431,6 @@ class ApplyWorker:
             raise
         self.publisher_seen = seen
         return repl
-
-    def _check_publisher(
-        self, sub: Subscription, repl: ReplicationConnection, system: SystemInfo, start_lsn: int
-    ) -> failover.PublisherSeen:
-        """Stop the subscription if the publisher cannot serve what the target applied (applier.apply.failover: the
-        slot is gone, or the server's history left ours before the origin's progress); log a failover it can
-        follow. Returns the publisher as this session sees it."""
-        slot = sub.subslotname or sub.subname
-        now = failover.PublisherSeen(system.systemid, system.timeline)
-        before = self.publisher_seen
-        exists, confirmed = repl.slot_confirmed_flush(slot)
-        switch = None
-        if before is not None and before.systemid == now.systemid and before.timeline < now.timeline:
-            history = failover.parse_timeline_history(repl.timeline_history(now.timeline))
-            switch = failover.switch_point(history, before.timeline)
-        elif before is None and now.timeline > 1:  # a worker new to this publisher: where its timeline began
-            history = failover.parse_timeline_history(repl.timeline_history(now.timeline))
-            switch = failover.switch_point(history, None)
-        verdict = failover.decide(
-            failover.Facts(
-                slot=slot,
-                now=now,
-                wal_end=system.xlogpos,
-                applied=start_lsn,
-                slot_exists=exists,
-                slot_confirmed=confirmed,
-                before=before,
-                switch=switch,
-            )  # fmt: skip
-        )
-        if verdict.stop is not None:
-            repl.close()
-            self._stop_subscription(sub, verdict.stop)
-        if verdict.note is not None:
-            self.log.warning(
-                'logical replication apply worker for subscription "%s": %s', sub.subname, verdict.note
-            )
-        return now
-
-    def _stop_subscription(self, sub: Subscription, message: str) -> NoReturn:
-        """Disable the subscription and record why (``applier status`` shows it), then end the worker with the
-        error: waiting cannot make a publisher that lacks our slot or our history right, and retrying would loop."""
-        message = message.replace("NAME", sub.subname)
-        try:
-            self.catalog.record_error(sub.subid, message, message_type="START_REPLICATION")
-            self.catalog.update_subscription(sub.subid, subenabled=False)
-        except (psycopg.Error, sqlalchemy.exc.DBAPIError) as exc:
-            self.log.warning("could not record the error and disable the subscription: %s", exc)
-        raise ApplyWorkerError(message)
 
     def publish(self, applier: Applier, *, record_lag: bool = True) -> None:
         """Counters and lag samples to the metrics; the lag summary to the catalog (not when a session ends: the
