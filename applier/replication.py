@@ -500,6 +500,27 @@ class ReplicationConnection:
         ((systemid, timeline, xlogpos, dbname),) = self._command("IDENTIFY_SYSTEM")
         return SystemInfo(str(systemid), int(timeline), parse_lsn(xlogpos), dbname)
 
+    def timeline_history(self, timeline: int) -> str:
+        """TIMELINE_HISTORY: the text of the publisher's history file of ``timeline`` (2 or later): each earlier
+        timeline and the LSN where it ended (:func:`applier.apply.failover.parse_timeline_history`)."""
+        ((_filename, content),) = self._command(f"TIMELINE_HISTORY {int(timeline)}")
+        return (
+            bytes(content).decode("utf-8", "replace")
+            if isinstance(content, bytes | memoryview)
+            else str(content)
+        )
+
+    def slot_confirmed_flush(self, name: str) -> tuple[bool, int | None]:
+        """Whether the slot exists, and its ``confirmed_flush_lsn`` (None when it has none)."""
+        rows = self._command(
+            sql.SQL(
+                "SELECT confirmed_flush_lsn::text FROM pg_catalog.pg_replication_slots WHERE slot_name = {}"
+            ).format(sql.Literal(name))
+        )
+        if not rows:
+            return False, None
+        return True, parse_lsn(rows[0][0]) if rows[0][0] is not None else None
+
     def create_slot(
         self,
         name: str,

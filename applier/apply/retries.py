@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import shlex
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import psycopg
 import sqlalchemy.exc
@@ -124,6 +124,20 @@ class SessionRetries:
         if sub is not None and disable:
             return self._disable(sub, exc)
         raise exc
+
+    def stop_subscription(self, sub: Subscription, message: str) -> NoReturn:
+        """Disable the subscription and record why (``applier status`` shows it), then end the worker with the
+        error: waiting cannot make right a publisher that lacks our slot or our history (applier.apply.failover),
+        and retrying would loop. ``NAME`` in ``message`` becomes the subscription's name."""
+        w = self.worker
+        message = message.replace("NAME", sub.subname)
+        self._count(ApplyWorkerError(message))
+        try:
+            w.catalog.record_error(sub.subid, message, message_type="START_REPLICATION")
+            w.catalog.update_subscription(sub.subid, subenabled=False)
+        except (psycopg.Error, sqlalchemy.exc.DBAPIError) as exc:
+            w.log.warning("could not record the error and disable the subscription: %s", exc)
+        raise ApplyWorkerError(message)
 
     def _count(self, exc: BaseException) -> None:
         stats = self.worker.stats

@@ -33,6 +33,7 @@ import psycopg
 import sqlalchemy
 import sqlalchemy.exc
 
+from applier.apply import failover
 from applier.apply.context import ApplyError
 from applier.apply.coordinator import TableSyncCoordinator
 from applier.apply.feedback import FeedbackTracker
@@ -126,6 +127,9 @@ class ApplyWorker:
     failed sessions. ``table_sync`` synchronises tables added while streaming (the composition root passes
     ``tablesync.live.LiveSyncCoordinator``); without it they wait in ``i``.
     """
+
+    #: the publisher the last session streamed from: a failover since is recognised (applier.apply.failover)
+    publisher_seen: failover.PublisherSeen | None = None
 
     def __init__(
         self,
@@ -396,7 +400,14 @@ class ApplyWorker:
     def _connect_publisher(self, sub: Subscription, start_lsn: int, two_phase: bool) -> ReplicationConnection:
         repl = ReplicationConnection.open(sub.subconninfo, application_name=sub.subname)
         try:
-            repl.identify_system()
+            system = repl.identify_system()
+            verdict, seen = failover.examine(repl, sub.subslotname or sub.subname, system.systemid,
+                                             system.timeline, system.xlogpos, start_lsn, self.publisher_seen)  # fmt: skip
+            if verdict.stop is not None:  # the slot is gone, or this server's history left ours
+                self.retries.stop_subscription(sub, verdict.stop)
+            if verdict.note is not None:  # a failover we can follow
+                self.log.warning('logical replication apply worker for subscription "%s": %s', sub.subname,
+                                 verdict.note)  # fmt: skip
             origin = sub.suborigin if sub.suborigin in ("any", "none") else None
             options = StreamOptions(
                 publications=list(sub.subpublications),
@@ -408,15 +419,17 @@ class ApplyWorker:
             repl.start_replication(sub.subslotname or sub.subname, start_lsn, options)
         except ReplicationConnectionError as exc:
             repl.close()
-            if exc.sqlstate == "42704":  # undefined_object: the slot is gone
-                raise ApplyWorkerError(
-                    f'{exc}: the subscription\'s slot "{sub.subslotname}" does not exist on the publisher; '
-                    f"create it (or drop and create the subscription)"
-                ) from exc
+            if exc.sqlstate == "42704":  # undefined_object: the slot is gone (since examine looked)
+                self.retries.stop_subscription(
+                    sub,
+                    f'{exc}: the subscription\'s slot "{sub.subslotname}" does not exist on the publisher. '
+                    "The subscription has been disabled; " + failover.RECOVER,
+                )
             raise
         except BaseException:
             repl.close()
             raise
+        self.publisher_seen = seen
         return repl
 
     def publish(self, applier: Applier, *, record_lag: bool = True) -> None:
