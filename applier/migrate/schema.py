@@ -25,6 +25,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
 from psycopg.conninfo import make_conninfo
 
 from applier.conninfo import parse
@@ -58,6 +59,20 @@ class TargetRoles:
     superuser: bool
     roles: frozenset[str]
     ownable: frozenset[str]
+
+
+def read_target_roles(conn: psycopg.Connection[Any]) -> TargetRoles:
+    """What the target lets the migrating role do with roles (:func:`without_unrestorable`)."""
+    rows = conn.execute(
+        "SELECT rolname, current_setting('is_superuser')::bool, pg_has_role(current_user, oid,"
+        " CASE WHEN current_setting('server_version_num')::int >= 160000 THEN 'SET' ELSE 'MEMBER' END)"
+        " FROM pg_roles"
+    ).fetchall()
+    return TargetRoles(
+        superuser=bool(rows and rows[0][1]),
+        roles=frozenset(r[0] for r in rows),
+        ownable=frozenset(r[0] for r in rows if r[2]),
+    )
 
 
 def _unquote(name: str) -> str:
@@ -109,6 +124,12 @@ def without_unrestorable(script: str, target: TargetRoles) -> tuple[str, list[st
     script = _REVOKE.sub(grant, script)
     script = _SESSION_AUTHORIZATION.sub(drop("session"), script)
     script = _EXTENSION_COMMENT.sub(drop("comment"), script)
+    return script, _skipped_sentences(owners, grantees, counted)
+
+
+def _skipped_sentences(
+    owners: dict[str, int], grantees: dict[str, int], counted: dict[str, int]
+) -> list[str]:
     said = [
         f"{n} object(s) of role {r} are owned by the migrating role instead (the role does not exist on the "
         "target, or the migrating role may not hand objects to it)"
@@ -125,7 +146,7 @@ def without_unrestorable(script: str, target: TargetRoles) -> tuple[str, list[st
         )
     if counted["comment"]:
         said.append(f"{counted['comment']} COMMENT ON EXTENSION skipped (only the extension's owner may)")
-    return script, said
+    return said
 
 
 def pattern(*parts: str) -> str:

@@ -38,6 +38,28 @@ if TYPE_CHECKING:
 __all__ = ["SetUp"]
 
 
+def _quoted(src: psycopg.Connection[Any], names: list[tuple[str, str]]) -> list[str]:
+    return [
+        r[0]
+        for r in src.execute(
+            "SELECT format('%%I.%%I', s, t) FROM unnest(%s::text[], %s::text[]) AS x(s, t)",
+            ([s for s, _ in names], [t for _, t in names]),
+        )
+    ]
+
+
+def _event_triggers(src: psycopg.Connection[Any], superuser: bool) -> tuple[list[Step], list[str]]:
+    """The source's event triggers as steps, or none and why for a target role that is not a superuser (only a
+    superuser creates event triggers)."""
+    triggers = objects.event_triggers(src)
+    if not triggers or superuser:
+        return triggers, []
+    names = ", ".join(t.step for t in triggers)
+    return [], [
+        f"{len(triggers)} event trigger(s) skipped: only a superuser creates them on the target ({names})"
+    ]
+
+
 class SetUp:
     """One ``start``'s set-up: the steps as methods, sharing the target connection, the held snapshot and the stop
     event (a signal, or the migration ended from another shell)."""
@@ -146,10 +168,10 @@ class SetUp:
             src.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
             src.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(self.snapshot)))
             src.execute("SET LOCAL search_path = ''")
-            quoted = self._quoted(src, tables.tables)
+            quoted = _quoted(src, tables.tables)
             steps, notes = postdata.definitions(src, quoted)
             steps += self.object_steps(src, tables, quoted, steps)
-            parents = set(self._quoted(src, tables.partitioned))
+            parents = set(_quoted(src, tables.partitioned))
             notes = [n for n in notes if n.references not in parents]  # partitions.steps makes those
             tools, found = find_dump_tools(self._source_major())
             if tools is None:
@@ -158,12 +180,12 @@ class SetUp:
             script = schema.dump_pre_data(
                 tools, self.opts.source, self.snapshot, tables.schemas, tables.exclude, settings
             )
-            script, dropped = schema.without_unrestorable(script, self.target_roles())
+            script, dropped = schema.without_unrestorable(script, schema.read_target_roles(self.target))
             skipped = [*dropped, *self.skipped]
             with self.target.transaction():
                 self.target.execute(script)
                 self.target.execute("SET search_path TO DEFAULT")
-                always = self.identity_always([*quoted, *self._quoted(src, tables.partitioned)])
+                always = self.identity_always([*quoted, *_quoted(src, tables.partitioned)])
                 store.save_steps(self.target, m.name, [*steps, *always])
                 los = largeobjects.copy(src, self.target) if largeobjects.selected(m.selection) else 0
                 store.set_snapshot_lsn(self.target, m.name, self.snapshot_lsn or 0)
@@ -181,29 +203,6 @@ class SetUp:
             f"{los} large object(s) copied ({self.times['schema']:.1f}s)"
         )
 
-    def target_roles(self) -> schema.TargetRoles:
-        """What the target lets us do with roles (:func:`applier.migrate.schema.without_unrestorable`)."""
-        rows = self.target.execute(
-            "SELECT rolname, current_setting('is_superuser')::bool, pg_has_role(current_user, oid,"
-            " CASE WHEN current_setting('server_version_num')::int >= 160000 THEN 'SET' ELSE 'MEMBER' END)"
-            " FROM pg_roles"
-        ).fetchall()
-        return schema.TargetRoles(
-            superuser=bool(rows and rows[0][1]),
-            roles=frozenset(r[0] for r in rows),
-            ownable=frozenset(r[0] for r in rows if r[2]),
-        )
-
-    @staticmethod
-    def _quoted(src: psycopg.Connection[Any], names: list[tuple[str, str]]) -> list[str]:
-        return [
-            r[0]
-            for r in src.execute(
-                "SELECT format('%%I.%%I', s, t) FROM unnest(%s::text[], %s::text[]) AS x(s, t)",
-                ([s for s, _ in names], [t for _, t in names]),
-            )
-        ]
-
     def object_steps(
         self,
         src: psycopg.Connection[Any],
@@ -213,21 +212,15 @@ class SetUp:
     ) -> list[Step]:
         """The post-data steps of the partitioned tables, materialized views, rules, policies and statistics objects
         (their own modules say how)."""
-        extra = partitions.steps(src, self._quoted(src, tables.partitioned), quoted, steps, len(steps))
+        extra = partitions.steps(src, _quoted(src, tables.partitioned), quoted, steps, len(steps))
         extra += matviews.steps(src, tables.schemas, quoted, len(steps) + len(extra))
         extra += objects.steps(
             src, tables.schemas, tables.exclude, quoted, [*steps, *extra], len(steps) + len(extra)
         )
-        whole = not self.opts.selection.schemas and not self.opts.selection.tables
-        if not whole:
+        if self.opts.selection.schemas or self.opts.selection.tables:
             return extra
-        triggers = objects.event_triggers(src)
-        if triggers and not self.target_roles().superuser:
-            self.skipped.append(
-                f"{len(triggers)} event trigger(s) skipped: only a superuser creates them on the target "
-                f"({', '.join(t.step for t in triggers)})"
-            )
-            return extra
+        triggers, skipped = _event_triggers(src, schema.read_target_roles(self.target).superuser)
+        self.skipped += skipped
         return extra + triggers
 
     def identity_always(self, tables: list[str]) -> list[Step]:
