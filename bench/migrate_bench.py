@@ -460,9 +460,11 @@ def prepare_ours(ctx: Context, target_db: str) -> Callable[[], None]:
     """A fresh copy of the source for ours (a cutover fences its source), made before the clock starts; returns
     what drops it afterwards (which also drops the slot(s) the migration left there)."""
     src_db = ours_source(target_db)
+    # STRATEGY is PostgreSQL 15's (before it, a template is always copied file by file)
+    strategy = sql.SQL(" STRATEGY FILE_COPY" if ctx.src.binaries.major >= 15 else "")
     ctx.src.execute(
-        sql.SQL("CREATE DATABASE {} TEMPLATE {} STRATEGY FILE_COPY").format(
-            sql.Identifier(src_db), sql.Identifier(SOURCE_DB)
+        sql.SQL("CREATE DATABASE {} TEMPLATE {}{}").format(
+            sql.Identifier(src_db), sql.Identifier(SOURCE_DB), strategy
         )
     )
     return lambda: ctx.src.drop_database(src_db)
