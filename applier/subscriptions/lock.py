@@ -19,8 +19,9 @@ import os
 import re
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 
@@ -276,19 +277,22 @@ def standbys(conn: psycopg.Connection[Any], subid: int) -> list[LockHolder]:
     return [LockHolder(r[0], r[1] or "", r[2], r[3]) for r in rows]
 
 
-def _holder(catalog: Catalog, subid: int) -> LockHolder | None:
+_T = TypeVar("_T")
+
+
+def _on_catalog(catalog: Catalog, read: Callable[[psycopg.Connection[Any], int], _T], subid: int) -> _T:
+    """``read`` on a pooled catalog connection (psycopg's own, for the pg_locks queries), rolled back after."""
     raw = catalog.engine.raw_connection()
     try:
-        return lock_holder(raw.driver_connection, subid)  # type: ignore[arg-type]
+        return read(raw.driver_connection, subid)  # type: ignore[arg-type]
     finally:
         raw.rollback()
         raw.close()
+
+
+def _holder(catalog: Catalog, subid: int) -> LockHolder | None:
+    return _on_catalog(catalog, lock_holder, subid)
 
 
 def _standbys(catalog: Catalog, subid: int) -> list[LockHolder]:
-    raw = catalog.engine.raw_connection()
-    try:
-        return standbys(raw.driver_connection, subid)  # type: ignore[arg-type]
-    finally:
-        raw.rollback()
-        raw.close()
+    return _on_catalog(catalog, standbys, subid)

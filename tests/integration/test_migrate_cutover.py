@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
+import time
+from collections.abc import Callable
+from typing import Any
 
 import psycopg
 import pytest
@@ -35,11 +38,15 @@ def migrate(target: Database, *args: str, timeout: float = 180) -> subprocess.Co
 
 
 class Writer(threading.Thread):
-    """Inserts into ``acc`` one transaction at a time until the source refuses; remembers what committed."""
+    """Inserts into ``acc`` one transaction at a time until the source refuses; remembers what committed.
+    ``write(conn)`` is one such transaction, returning the new ``acc`` id (default: a row in ``acc``, then its
+    ``log`` entry); ``pause`` is the wait between two."""
 
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, write: Callable[[Any], int] | None = None, pause: float = 0.0) -> None:
         super().__init__(daemon=True)
         self.db = db
+        self.write = write or _acc_and_log
+        self.pause = pause
         self.committed: list[int] = []
         self.error: str | None = None
         self.halt = threading.Event()
@@ -48,11 +55,17 @@ class Writer(threading.Thread):
         try:
             with self.db.connect() as conn:
                 while not self.halt.is_set():
-                    (i,) = conn.execute("INSERT INTO acc (v) VALUES (-1) RETURNING id").fetchone()
-                    conn.execute("INSERT INTO log (acc, note) VALUES (%s, 'w')", (i,))
-                    self.committed.append(i)
+                    self.committed.append(self.write(conn))
+                    if self.pause:
+                        time.sleep(self.pause)
         except psycopg.Error as exc:
             self.error = str(exc)
+
+
+def _acc_and_log(conn: Any) -> int:
+    (i,) = conn.execute("INSERT INTO acc (v) VALUES (-1) RETURNING id").fetchone()
+    conn.execute("INSERT INTO log (acc, note) VALUES (%s, 'w')", (i,))
+    return int(i)
 
 
 def test_cutover_under_writes_loses_and_duplicates_nothing(pair, procs, tmp_path) -> None:  # noqa: F811

@@ -13,14 +13,14 @@ import re
 import signal
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
-from test_migrate_cutover import migrate
+from test_migrate_cutover import Writer, migrate
 from test_migrate_objects import LOS, _slow_pg_dump
 from test_migrate_plan import pg14  # noqa: F401 - a fixture
 from test_migrate_start import exit_status, phase, procs, start, wait_phase  # noqa: F401 - procs is a fixture
@@ -58,30 +58,12 @@ def src14(pair, pg14: PostgresCluster) -> Iterator[Database]:  # noqa: F811
             c.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(pair.name)))
 
 
-class Writer(threading.Thread):
-    """One transaction at a time on the source, a row in ``acc`` and its journal entry in one statement, until the
-    source refuses (the cutover's fence) or the test stops it; remembers the ``acc`` ids that committed."""
-
-    def __init__(self, db: Database, pause: float = 0.005) -> None:
-        super().__init__(daemon=True)
-        self.db = db
-        self.pause = pause
-        self.committed: list[int] = []
-        self.error: str | None = None
-        self.halt = threading.Event()
-
-    def run(self) -> None:
-        try:
-            with self.db.connect() as conn:
-                while not self.halt.is_set():
-                    (i,) = conn.execute(
-                        "WITH a AS (INSERT INTO acc (v) VALUES (-1) RETURNING id)"
-                        " INSERT INTO journal SELECT id, 1, 'w' FROM a RETURNING acc"
-                    ).fetchone()  # type: ignore[misc]
-                    self.committed.append(i)
-                    time.sleep(self.pause)
-        except psycopg.Error as exc:
-            self.error = str(exc)
+def _acc_and_journal(conn: Any) -> int:
+    """A row in ``acc`` and its journal entry in one statement."""
+    (i,) = conn.execute(
+        "WITH a AS (INSERT INTO acc (v) VALUES (-1) RETURNING id) INSERT INTO journal SELECT id, 1, 'w' FROM a RETURNING acc"
+    ).fetchone()
+    return int(i)
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
@@ -107,7 +89,7 @@ def test_a_kill_from_14_resumes_and_applies_nothing_twice(pair, src14, procs, tm
         src14.execute(
             sql.SQL(BULK).format(t=sql.Identifier(t), n=sql.Literal(40000 if when == "copy" else 1000))
         )
-    writer = Writer(src14)
+    writer = Writer(src14, _acc_and_journal, pause=0.005)
     writer.start()
     wait_until(lambda: len(writer.committed) >= 20, timeout=60, what="some writes")
     env: dict[str, str] = {}

@@ -98,6 +98,16 @@ def failover_subscription(
         target_cluster.drop_database(tgt.name)
 
 
+def _writes_on_the_new_primary_arrive(new_pub: Database, tgt: Database, proc: subprocess.Popen[str]) -> None:
+    """Rows inserted and updated on the promoted standby reach the target, and the worker still runs."""
+    new_pub.execute("INSERT INTO t SELECT g, 'on the new primary' FROM generate_series(251, 300) g")
+    new_pub.execute("UPDATE t SET v = 'updated after the failover' WHERE id <= 10")
+    expected = new_pub.query("SELECT * FROM t ORDER BY id")
+    wait_until(lambda: tgt.query("SELECT * FROM t ORDER BY id") == expected, timeout=TIMEOUT,
+               what=f"the target equal to the new primary; log:\n{run_log(proc)[-3000:]}")  # fmt: skip
+    assert proc.poll() is None
+
+
 def test_the_subscription_follows_a_promoted_standby(
     primary_and_standby, target_cluster, start_run: StartRun
 ) -> None:
@@ -124,12 +134,7 @@ def test_the_subscription_follows_a_promoted_standby(
         err = fails(tgt, "alter", "s", "--connection", primary.dsn("app"))
         assert "needed to check the new connection" in err, err
         ok(tgt, "alter", "s", "--connection", new_pub.dsn)
-        new_pub.execute("INSERT INTO t SELECT g, 'on the new primary' FROM generate_series(251, 300) g")
-        new_pub.execute("UPDATE t SET v = 'updated after the failover' WHERE id <= 10")
-        expected = new_pub.query("SELECT * FROM t ORDER BY id")
-        wait_until(lambda: tgt.query("SELECT * FROM t ORDER BY id") == expected, timeout=TIMEOUT,
-                   what=f"the target equal to the new primary; log:\n{run_log(proc)[-3000:]}")  # fmt: skip
-        assert proc.poll() is None
+        _writes_on_the_new_primary_arrive(new_pub, tgt, proc)
         assert "initial copy" not in run_log(proc).split("has started streaming", 1)[1]  # no second copy
 
 
@@ -165,12 +170,7 @@ def test_a_multi_host_conninfo_follows_the_promoted_standby_by_itself(
         primary.crash()
         standby.promote()
         new_pub = Database(standby, "app")
-        new_pub.execute("INSERT INTO t SELECT g, 'on the new primary' FROM generate_series(251, 300) g")
-        new_pub.execute("UPDATE t SET v = 'updated after the failover' WHERE id <= 10")
-        expected = new_pub.query("SELECT * FROM t ORDER BY id")
-        wait_until(lambda: tgt.query("SELECT * FROM t ORDER BY id") == expected, timeout=TIMEOUT,
-                   what=f"the target equal to the new primary; log:\n{run_log(proc)[-3000:]}")  # fmt: skip
-        assert proc.poll() is None
+        _writes_on_the_new_primary_arrive(new_pub, tgt, proc)
         log = run_log(proc)
         assert "the publisher failed over: timeline 1 ended at" in log, log[-3000:]
         assert "initial copy" not in log.split("has started streaming", 1)[1]  # no second copy
