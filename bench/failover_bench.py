@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"failover slots with two-phase need PostgreSQL 18 (got {binaries.major})", file=sys.stderr)
         return 2
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    logdir = OUT_DIR / "failover_bench_logs"
+    logdir = args.out.parent / "failover_bench_logs"  # ours' log and the target server's, per round
     logdir.mkdir(parents=True, exist_ok=True)
     started = datetime.now(UTC)
     load_start = loadavg()
