@@ -45,6 +45,7 @@ from applier.migrate.tools import DumpTools
 __all__ = [
     "COPY_BYTES_PER_SECOND",
     "INDEX_BYTES_PER_SECOND",
+    "PUBLIC_DEFAULT_OWNER",
     "Finding",
     "Plan",
     "SourceFacts",
@@ -65,6 +66,11 @@ INDEX_BYTES_PER_SECOND = 15e6
 #: The migration's slot plus the temporary slot of the initial copy, each with its WAL sender.
 SLOTS_NEEDED = 2
 WAL_SENDERS_NEEDED = 2
+#: How a role is named by the selection (:attr:`SourceFacts.role_uses`) when it owns the public schema as its default
+#: owner before PostgreSQL 15, the bootstrap superuser (``postgres``, RDS's ``rdsadmin``): a target without superuser
+#: keeps its own public schema's owner (``pg_database_owner``), without a word
+#: (:func:`applier.migrate.schema.without_unrestorable`); a superuser target makes it the owner, so it must exist.
+PUBLIC_DEFAULT_OWNER = "default owner of schema public"
 
 
 @dataclass(frozen=True)
@@ -308,7 +314,7 @@ def _owner_or_grant_only(s: SourceFacts, role: str) -> bool:
     """Whether selected objects name ``role`` only as their owner or in a grant: what a target without superuser
     can do without (:func:`applier.migrate.schema.without_unrestorable`); policies, statistics objects and large
     objects name their roles in statements that are not skipped."""
-    return set(s.role_uses.get(role, ["owner"])) <= {"owner", "grant"}
+    return set(s.role_uses.get(role, ["owner"])) <= {"owner", "grant", PUBLIC_DEFAULT_OWNER}
 
 
 def _source_privilege_blockers(s: SourceFacts) -> list[Finding]:
@@ -389,6 +395,8 @@ def _privilege_warnings(s: SourceFacts, t: TargetFacts, selection: Selection) ->
     target_roles, ownable = set(t.roles), set(q.ownable)
     for role in s.roles:
         uses = s.role_uses.get(role, ["owner"])
+        if uses == [PUBLIC_DEFAULT_OWNER]:
+            continue  # the target's public schema keeps its own owner
         if role not in target_roles and _owner_or_grant_only(s, role):
             out.append(Finding("owner", f"role {role} does not exist on the target: the objects it owns are owned by "
                                f"{q.role} there, and grants to it are skipped", "CREATE ROLE on the target before "

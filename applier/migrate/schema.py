@@ -13,7 +13,10 @@ what only a superuser could run, each a line of pg_dump's plain output: ``ALTER 
 exist on the target or we may not hand objects to it (the object stays owned by the migrating role: pg_restore's
 ``--no-owner``), ``GRANT``/``REVOKE`` naming a role the target lacks (the other grants are kept), ``SET SESSION
 AUTHORIZATION`` (pg_dump's way of granting as another grantor; the grant then runs as the owner) and ``COMMENT ON
-EXTENSION`` (only the extension's owner may). What was dropped is said, and kept in the migration's record.
+EXTENSION`` (only the extension's owner may). What was dropped is said, and kept in the migration's record; except
+``ALTER SCHEMA public OWNER TO`` the bootstrap superuser of a source older than 15 (:func:`default_public_owner`),
+dropped without a word: that was the public schema's default owner then (15 made it ``pg_database_owner``), which the
+target's public schema keeps.
 """
 
 from __future__ import annotations
@@ -32,7 +35,14 @@ from applier.conninfo import parse
 from applier.migrate.state import MigrationError
 from applier.migrate.tools import DumpTools
 
-__all__ = ["TargetRoles", "dump_pre_data", "edit_script", "pattern", "without_unrestorable"]
+__all__ = [
+    "TargetRoles",
+    "default_public_owner",
+    "dump_pre_data",
+    "edit_script",
+    "pattern",
+    "without_unrestorable",
+]
 
 _RESTRICT = re.compile(r"^\\(?:un)?restrict [A-Za-z0-9]+$", re.M)
 _CREATE_SCHEMA = re.compile(r"^CREATE SCHEMA (.+);$", re.M)
@@ -75,13 +85,32 @@ def read_target_roles(conn: psycopg.Connection[Any]) -> TargetRoles:
     )
 
 
+#: the public schema's owner on a source older than 15 when it is the default one, the bootstrap superuser (oid 10:
+#: ``postgres``, RDS's ``rdsadmin``); pg_dump 15 and later say ``ALTER SCHEMA public OWNER TO`` it
+DEFAULT_PUBLIC_OWNER = """
+SELECT pg_catalog.pg_get_userbyid(nspowner) FROM pg_catalog.pg_namespace
+WHERE nspname = 'public' AND nspowner = 10 AND pg_catalog.current_setting('server_version_num')::int < 150000
+"""
+
+
+def default_public_owner(conn: psycopg.Connection[Any]) -> str | None:
+    """The source's public schema's owner when that is its default before PostgreSQL 15 (:data:`DEFAULT_PUBLIC_OWNER`),
+    else None."""
+    row = conn.execute(DEFAULT_PUBLIC_OWNER).fetchone()
+    return None if row is None else str(row[0])
+
+
 def _unquote(name: str) -> str:
     return name[1:-1].replace('""', '"') if name.startswith('"') else name
 
 
-def without_unrestorable(script: str, target: TargetRoles) -> tuple[str, list[str]]:
+def without_unrestorable(
+    script: str, target: TargetRoles, public_owner: str | None = None
+) -> tuple[str, list[str]]:
     """The script without what the target's role could not run (see the module docstring), and what was dropped
-    as sentences for the user. A superuser's script is returned as it is."""
+    as sentences for the user. A superuser's script is returned as it is. ``public_owner``: the source's public
+    schema's default owner before 15 (:func:`default_public_owner`), whose ``ALTER SCHEMA public OWNER TO`` is not
+    said."""
     if target.superuser:
         return script, []
     owners: dict[str, int] = {}
@@ -92,6 +121,8 @@ def without_unrestorable(script: str, target: TargetRoles) -> tuple[str, list[st
         role = _unquote(m.group(1))
         if role in target.ownable:
             return m.group(0)
+        if role == public_owner and m.group(0).startswith("ALTER SCHEMA public OWNER TO "):
+            return ""  # the target's public schema keeps its own default owner
         owners[role] = owners.get(role, 0) + 1
         return ""
 

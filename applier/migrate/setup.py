@@ -180,7 +180,9 @@ class SetUp:
             script = schema.dump_pre_data(
                 tools, self.opts.source, self.snapshot, tables.schemas, tables.exclude, settings
             )
-            script, dropped = schema.without_unrestorable(script, schema.read_target_roles(self.target))
+            script, dropped = schema.without_unrestorable(
+                script, schema.read_target_roles(self.target), schema.default_public_owner(src)
+            )
             skipped = [*dropped, *self.skipped]
             with self.target.transaction():
                 self.target.execute(script)

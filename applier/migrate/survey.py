@@ -15,7 +15,14 @@ from typing import Any
 import psycopg
 
 from applier.conninfo import parse
-from applier.migrate.plan import SourceFacts, SourcePrivileges, TableFacts, TargetFacts, TargetPrivileges
+from applier.migrate.plan import (
+    PUBLIC_DEFAULT_OWNER,
+    SourceFacts,
+    SourcePrivileges,
+    TableFacts,
+    TargetFacts,
+    TargetPrivileges,
+)
 from applier.migrate.selection import Selection, SourceTables, select_tables
 from applier.privileges import ORIGIN_FUNCTIONS
 
@@ -84,7 +91,9 @@ SELECT n.nspname, c.relname, c.relkind, pg_get_userbyid(a.grantee), 'grant' FROM
 JOIN pg_namespace n ON n.oid = c.relnamespace, aclexplode(c.relacl) a
 WHERE c.relkind IN ('r', 'p', 'S', 'v', 'm', 'f') AND a.grantee <> 0
 UNION ALL
-SELECT n.nspname, NULL, NULL, pg_get_userbyid(n.nspowner), 'owner' FROM pg_namespace n
+SELECT n.nspname, NULL, NULL, pg_get_userbyid(n.nspowner),
+  CASE WHEN n.nspname = 'public' AND n.nspowner = 10 AND current_setting('server_version_num')::int < 150000
+       THEN %s::text ELSE 'owner' END FROM pg_namespace n
 UNION ALL
 SELECT n.nspname, c.relname, c.relkind, pg_get_userbyid(r), 'policy' FROM pg_policy p
 JOIN pg_class c ON c.oid = p.polrelid JOIN pg_namespace n ON n.oid = c.relnamespace, unnest(p.polroles) r WHERE r <> 0
@@ -249,7 +258,7 @@ def _source_roles(
     how it is named (owner, grant, policy, statistics, large object); with the whole database selected, the large
     objects' owners too (large objects migrate then, :mod:`applier.migrate.largeobjects`)."""
     roles: dict[str, set[str]] = {}
-    for nsp, rel, kind, role, use in conn.execute(_ROLES):
+    for nsp, rel, kind, role, use in conn.execute(_ROLES, (PUBLIC_DEFAULT_OWNER,)):
         if not selection.covers_schema(nsp):
             continue
         if rel is not None and kind in ("r", "p") and (nsp, rel) not in covered:

@@ -29,11 +29,11 @@ import psycopg
 import pytest
 from psycopg import sql
 from test_migrate_cutover import migrate
-from test_migrate_plan import blocker_codes, plan
+from test_migrate_plan import blocker_codes, pg14, plan  # noqa: F401 - pg14 is a fixture
 from test_migrate_start import exit_status, phase, procs, wait_phase  # noqa: F401 - procs is a fixture
 
 from applier.privileges import ORIGIN_FUNCTIONS
-from applier.testing import Database, wait_until
+from applier.testing import Database, PostgresCluster, wait_until
 from applier.testing.pytest_plugin import ReplicationPair
 from applier.testing.roles import drop_role
 from tests.support.cli import APPLIER
@@ -47,11 +47,13 @@ INSERT INTO log (acc, note) SELECT g, 'n' FROM generate_series(1, 300) g;
 
 
 class Managed:
-    """The pair's databases as the migrating role on each side (the same name on both), plus roles made for the
-    sessions a test opens; every role is dropped afterwards."""
+    """The source's and the target's databases as the migrating role on each side (the same name on both), plus
+    roles made for the sessions a test opens; every role is dropped afterwards. The source is the pair's publisher
+    unless ``publisher`` names another server's database (:func:`source_server`)."""
 
-    def __init__(self, pair: ReplicationPair) -> None:
+    def __init__(self, pair: ReplicationPair, publisher: Database | None = None) -> None:
         self.pair = pair
+        self.publisher = publisher or pair.publisher
         self.role = f"mig_{pair.name}"[:63]
         self.made: list[tuple[Database, str]] = []
 
@@ -60,7 +62,7 @@ class Managed:
         self.made.append((db, name))
 
     def source(self, *, signal_backend: bool) -> Database:
-        pub, ident = self.pair.publisher, sql.Identifier(self.role)
+        pub, ident = self.publisher, sql.Identifier(self.role)
         self._role(pub, self.role, "LOGIN REPLICATION")
         pub.execute(sql.SQL("GRANT pg_read_all_stats TO {}").format(ident))
         if signal_backend:
@@ -83,7 +85,7 @@ class Managed:
 
     def other(self, name: str, *grants: str) -> Database:
         """Another role on the source, granted ``grants`` (e.g. ``SELECT ON acc``); the source as that role."""
-        pub = self.pair.publisher
+        pub = self.publisher
         full = f"{name}_{self.pair.name}"[:63]
         self._role(pub, full)
         for g in grants:
@@ -92,15 +94,32 @@ class Managed:
 
 
 @pytest.fixture
-def managed(pair: ReplicationPair) -> Iterator[Managed]:
-    m = Managed(pair)
+def source_server(request: pytest.FixtureRequest, pair: ReplicationPair) -> Iterator[Database]:
+    """The source's database as the superuser (the provider's own role): the pair's publisher, of this run's
+    version; or, parametrized indirectly with ``"14"``, a database of the pair's name on the PostgreSQL 14 cluster
+    (the ``pg14`` fixture), dropped afterwards."""
+    if getattr(request, "param", "run") == "run":
+        yield pair.publisher
+        return
+    cluster: PostgresCluster = request.getfixturevalue("pg14")
+    db = cluster.create_database(pair.name)
+    try:
+        yield db
+    finally:
+        with cluster.connect() as c:
+            c.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(pair.name)))
+
+
+@pytest.fixture
+def managed(pair: ReplicationPair, source_server: Database) -> Iterator[Managed]:
+    m = Managed(pair, source_server)
     yield m
     # the cutover leaves the old server fenced (read-only), where dropping the roles needs to write
-    with pair.publisher.connect() as conn:
+    with source_server.connect() as conn:
         conn.execute("SET default_transaction_read_only = off")
         conn.execute(
             sql.SQL("ALTER DATABASE {} RESET default_transaction_read_only").format(
-                sql.Identifier(pair.publisher.name)
+                sql.Identifier(source_server.name)
             )
         )
     for db, role in reversed(m.made):
@@ -212,17 +231,31 @@ def test_cutover_without_superuser_refuses_a_writer_it_cannot_end_then_locks_it_
     assert pair.publisher.scalar("SELECT count(*) FROM pg_replication_slots") == 0
 
 
-@pytest.mark.core
-def test_start_cutover_without_superuser_leaves_the_providers_session(pair, managed, procs, tmp_path) -> None:  # noqa: F811
+@pytest.mark.parametrize("source_server", [pytest.param("run", marks=pytest.mark.core), "14"], indirect=True)
+def test_start_cutover_without_superuser_leaves_the_providers_session(
+    pair,
+    source_server,
+    managed,
+    procs,  # noqa: F811
+    tmp_path,
+) -> None:
     """The issue's case: ``start --cutover`` between non-superusers (source with pg_signal_backend) while a
-    superuser's session is open on the source. The application's session is ended, the superuser's cannot be: the
-    migrated tables are locked against it until done, and the cutover completes."""
+    superuser's session is open on the source, from a source of this run's version and from PostgreSQL 14 (issue
+    31: "15 → 18 and 14 → 18"). The plan passes (from 14 without a word on the public schema, which the bootstrap
+    superuser owns there by default); the application's session is ended, the superuser's cannot be: the migrated
+    tables are locked against it until done, and the cutover completes."""
     src = managed.source(signal_backend=True)
     tgt = managed.target()
     src.execute(SCHEMA)
     app = managed.other("app", "SELECT, INSERT ON acc", "USAGE ON SEQUENCE acc_id_seq")
-    provider = _idle(pair.publisher)
+    status, doc, _ = plan(src, tgt)
+    assert status == 0, doc["blockers"]
+    assert doc["source"]["server_version_num"] // 10000 == source_server.cluster.binaries.major
+    # before 15 the bootstrap superuser owns the public schema by default: the target keeps its own, unsaid
+    assert not [w for w in doc["warnings"] if "role postgres" in w["message"]], doc["warnings"]
+    provider = _idle(source_server)
     application = _idle(app)
+    pids = {"provider": provider.info.backend_pid, "app": application.info.backend_pid}
     try:
         log = tmp_path / "start.log"
         proc = _start(src, tgt, "mig", log, "--cutover")
@@ -230,7 +263,8 @@ def test_start_cutover_without_superuser_leaves_the_providers_session(pair, mana
         assert exit_status(proc, log, timeout=300) == 0, log.read_text()
         out = log.read_text()
         assert "fence: 1 session(s) ended" in out, out
-        assert f"pid {provider.info.backend_pid} (role postgres, superuser)" in out
+        assert "of role postgres" not in out, out
+        assert f"pid {pids['provider']} (role postgres, superuser)" in out
         assert "locked IN SHARE MODE" in out
         assert provider.execute("SELECT 1").fetchone() == (1,)  # still connected
         with pytest.raises(psycopg.OperationalError):
@@ -239,9 +273,18 @@ def test_start_cutover_without_superuser_leaves_the_providers_session(pair, mana
         provider.close()
         application.close()
     assert tgt.query("SELECT * FROM acc ORDER BY id") == src.query("SELECT * FROM acc ORDER BY id")
+    assert tgt.query("SELECT * FROM log ORDER BY id") == src.query("SELECT * FROM log ORDER BY id")
     assert tgt.scalar("SELECT pg_get_userbyid(relowner) FROM pg_class WHERE relname = 'acc'") == managed.role
+    assert tgt.scalar("SELECT nspowner::regrole::text FROM pg_namespace WHERE nspname = 'public'") == (
+        "pg_database_owner"
+    )
+    record = json.loads(migrate(tgt, "status", "mig", "--json").stdout)
+    assert record["phase"] == "done"
+    fence = record["notes"]["fence"]
+    assert [s["pid"] for s in fence["held_off"]] == [pids["provider"]]
+    assert [s["pid"] for s in fence["ended"]] == [pids["app"]]
     wait_until(
-        lambda: pair.publisher.scalar("SELECT count(*) FROM pg_replication_slots") == 0, what="slot gone"
+        lambda: source_server.scalar("SELECT count(*) FROM pg_replication_slots") == 0, what="slot gone"
     )
 
 

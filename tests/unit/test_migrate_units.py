@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from applier.migrate.plan import (
+    PUBLIC_DEFAULT_OWNER,
     SourceFacts,
     SourcePrivileges,
     TableFacts,
@@ -140,6 +141,37 @@ def test_each_missing_privilege_is_named_with_its_fix() -> None:
     )  # a superuser target: as before
     stats = source(roles=["other"], role_uses={"other": ["owner", "statistics"]})
     assert blockers(stats, target(roles=["other"], privileges=t_lacking)).count("target_owner") == 1
+
+
+def test_the_public_schemas_default_owner_before_15_is_no_owner_warning() -> None:
+    """A source older than 15 has the bootstrap superuser own its public schema by default (15 made it
+    pg_database_owner): a target without superuser keeps its own public schema's owner, without a warning in plan or
+    start; another object of that role still warns, and a superuser target still needs the role."""
+    mig = dict(role="mig", database="db", superuser=False)
+    t_mig = TargetPrivileges(**mig, ownable=("mig",))  # type: ignore[arg-type]
+    public = {"rdsadmin": [PUBLIC_DEFAULT_OWNER]}
+    for roles in (["mig"], ["mig", "rdsadmin"]):  # the role missing on the target, or there but not ownable
+        plan = assess(source(roles=["rdsadmin"], role_uses=public), target(privileges=t_mig, roles=roles),
+                      Selection(), PG18)  # fmt: skip
+        assert plan.blockers == [] and "owner" not in codes(plan.warnings), roles
+        more = source(roles=["rdsadmin"], role_uses={"rdsadmin": ["owner", PUBLIC_DEFAULT_OWNER]})
+        assert "owner" in codes(
+            assess(more, target(privileges=t_mig, roles=roles), Selection(), PG18).warnings
+        )
+    assert "role" in blockers(source(roles=["rdsadmin"], role_uses=public))  # a superuser target: as before
+
+    script = "ALTER SCHEMA public OWNER TO rdsadmin;\nALTER TABLE public.t OWNER TO rdsadmin;\n"
+    roles = TargetRoles(superuser=False, roles=frozenset({"mig"}), ownable=frozenset({"mig"}))
+    out, said = without_unrestorable(script, roles, "rdsadmin")
+    assert out.strip() == "" and said == [
+        "1 object(s) of role rdsadmin are owned by the migrating role instead (the role does not exist on the "
+        "target, or the migrating role may not hand objects to it)"
+    ]
+    assert without_unrestorable(script, roles)[1][0].startswith(
+        "2 object(s) of role rdsadmin"
+    )  # 15 and later
+    superuser = TargetRoles(True, frozenset(), frozenset())
+    assert without_unrestorable(script, superuser, "rdsadmin") == (script, [])
 
 
 def test_warnings() -> None:
