@@ -206,11 +206,7 @@ class SetUp:
         )
 
     def object_steps(
-        self,
-        src: psycopg.Connection[Any],
-        tables: SourceTables,
-        quoted: list[str],
-        steps: list[Step],
+        self, src: psycopg.Connection[Any], tables: SourceTables, quoted: list[str], steps: list[Step]
     ) -> list[Step]:
         """The post-data steps of the partitioned tables, materialized views, rules, policies and statistics objects
         (their own modules say how)."""
