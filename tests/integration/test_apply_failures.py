@@ -45,6 +45,7 @@ def test_retry_delay_doubles_up_to_the_cap() -> None:
 
 
 @pytest.mark.core
+@pytest.mark.anyversion  # our backoff and status
 def test_backoff_grows_while_the_same_transaction_fails_and_status_says_how_to_skip_it(pair) -> None:
     """A unique violation on the target: every attempt is recorded with its count and next attempt; the wait
     doubles up to the cap; status shows xid, finish LSN, relation, kind, SQLSTATE and the skip command, which
@@ -165,6 +166,7 @@ def _stop(proc: subprocess.Popen[str]) -> tuple[int, str]:
 
 
 @pytest.mark.core
+@pytest.mark.anyversion  # our retry of the copy
 @pytest.mark.spark
 def test_copy_conflict_is_retried_and_never_ends_run(pair, tmp_path: Path) -> None:
     """Without disable_on_error a conflicting initial copy is tried again, growing its wait, with the error in

@@ -126,6 +126,7 @@ def test_no_copy_data_starts_ready_with_two_phase_enabled(pair) -> None:
 
 
 @pytest.mark.core
+@pytest.mark.anyversion  # advisory locks and our processes, not the server version's
 def test_one_run_per_subscription_and_side_by_side(pair, start_run: StartRun) -> None:
     """Two subscriptions in two run processes both apply; a second run of either is refused and names the first."""
     make_tables(pair, "a", publication="pub_a")
@@ -205,6 +206,7 @@ def _lock_backend(target: Database, subid: int) -> int | None:
 
 
 @pytest.mark.core
+@pytest.mark.anyversion  # advisory locks and our processes, not the server version's
 def test_run_takes_its_lock_again_after_losing_the_session(pair, start_run: StartRun) -> None:
     """A target restart ends the lock's session while the worker reconnects and carries on: the lock is taken again;
     and if another process took it meanwhile, the worker stops with a message saying so."""

@@ -53,6 +53,7 @@ def _standing_by(proc) -> bool:
 
 
 @pytest.mark.core
+@pytest.mark.anyversion  # advisory locks and our processes, not the server version's
 def test_a_standby_waits_shows_in_status_and_stops_on_sigterm(pair, start_run: StartRun) -> None:
     """While the active run holds the subscription, a standby waits (saying once who holds it), status names both
     processes, and SIGTERM ends the waiting standby with exit 0, the active one untouched."""
@@ -109,6 +110,7 @@ class _Workload(threading.Thread):
 
 
 @pytest.mark.core
+@pytest.mark.anyversion  # advisory locks and our processes, not the server version's
 def test_a_standby_takes_over_after_kill_9_exactly_once(pair, start_run: StartRun) -> None:
     """kill -9 of the active run's whole process tree under a workload: the standby takes the lock within a few
     seconds and carries on from the replication origin, so the target ends equal to the publisher with each
@@ -152,6 +154,7 @@ def test_a_standby_takes_over_after_kill_9_exactly_once(pair, start_run: StartRu
 
 
 @pytest.mark.core
+@pytest.mark.anyversion  # advisory locks and our processes, not the server version's
 def test_a_standby_does_not_run_a_subscription_dropped_while_it_waited(pair, start_run: StartRun) -> None:
     """The lock's holder may be a ``drop``: once the standby has the lock it reads the subscription again, finds it
     gone, and ends cleanly (exit 0) instead of running it."""
