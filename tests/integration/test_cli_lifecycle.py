@@ -247,6 +247,7 @@ def test_a_worker_does_not_outlive_a_killed_run(pair, start_run: StartRun) -> No
 
 
 @pytest.mark.core
+@pytest.mark.anyversion  # our wait for the target
 def test_run_waits_for_a_target_that_is_down_or_starting(pair, start_run: StartRun) -> None:
     """A service may start before its target (at boot, or during the target's crash recovery): ``run`` waits for it,
     saying so, and then streams; with ``--wait-target 0`` it fails at once with the usual message."""

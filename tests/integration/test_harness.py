@@ -58,6 +58,7 @@ def test_comparison_of_a_table_with_a_column_named_like_an_alias(pair):
 
 
 @pytest.mark.core
+@pytest.mark.anyversion  # the harness's own clean-up
 def test_clusters_of_a_dead_test_process_are_reaped(pg_binaries):
     """A killed test run leaves its servers running; the next run's harness stops and removes them, and leaves the
     clusters of live processes alone."""

@@ -438,6 +438,7 @@ def test_a_failing_copy_reports_the_server_error_and_leaves_tables_to_redo(pair,
 
 
 @pytest.mark.core
+@pytest.mark.anyversion  # our retry of the copy
 def test_a_target_restart_mid_copy_is_retried(pair, spark, target_cluster):
     import threading
 
