@@ -63,6 +63,8 @@ if __package__ in (None, ""):  # run as a script: make the project and the bench
 from _common import code_commit, loadavg, median  # noqa: E402
 
 from applier.testing.cluster import Database, PostgresBinaries, PostgresCluster, find_binaries  # noqa: E402
+from applier.testing.failover import multi_host_conninfo, slot_synced  # noqa: E402
+from applier.testing.waits import wait_until  # noqa: E402
 
 OUT_DIR = ROOT / "bench" / "out"
 APPLIER = [sys.executable, "-m", "applier.cli"]
@@ -83,13 +85,6 @@ class Round:
     #: what each side did after the crash, as (seconds relative to the promotion's return, event)
     ours_events: list[tuple[float, str]] = field(default_factory=list)
     native_events: list[tuple[float, str]] = field(default_factory=list)
-
-
-def conninfo(primary: PostgresCluster, standby: PostgresCluster) -> str:
-    return (
-        f"host=127.0.0.1,127.0.0.1 port={primary.port},{standby.port} user=postgres dbname=app"
-        " target_session_attrs=read-write"
-    )
 
 
 class Load(threading.Thread):
@@ -116,25 +111,7 @@ class Load(threading.Thread):
 
 
 def wait_for(pred, what: str, timeout: float = TIMEOUT) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def synced(standby: PostgresCluster, primary: PostgresCluster, slot: str) -> bool:
-    want = primary.scalar(
-        "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s", (slot,)
-    )
-    return bool(
-        want
-        and standby.scalar(
-            "SELECT synced AND NOT temporary AND confirmed_flush_lsn >= %s::pg_lsn FROM pg_replication_slots"
-            " WHERE slot_name = %s",
-            (want, slot),
-        )
-    )
+    wait_until(pred, timeout=timeout, what=what)
 
 
 _OURS_TS = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) (.*)$")
@@ -207,7 +184,7 @@ def one_round(
         retry = str(target.scalar("SHOW wal_retrieve_retry_interval"))
         pub = primary.create_database("app")
         pub.execute("CREATE TABLE t (id int PRIMARY KEY, v text); CREATE PUBLICATION p FOR TABLE t")
-        multi = conninfo(primary, standby)
+        multi = multi_host_conninfo(primary, standby, "app")
         ours = target.create_database("ours")
         native = target.create_database("native")
         for db in (ours, native):
@@ -236,7 +213,7 @@ def one_round(
             wait_for(lambda db=db: db.scalar("SELECT count(*) FROM t WHERE id = %s", (last,)) == 1,
                      f"{db.name} caught up")  # fmt: skip
         for slot in ("s", "native"):
-            wait_for(lambda slot=slot: synced(standby, primary, slot), f"slot {slot} synchronized")  # type: ignore[arg-type]
+            wait_for(lambda slot=slot: slot_synced(primary, standby, slot), f"slot {slot} synchronized")  # type: ignore[arg-type]
         wal = primary.scalar("SELECT pg_current_wal_lsn()::text")
         wait_for(lambda: standby.scalar("SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", (wal,)), "replayed")  # type: ignore[union-attr]
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -57,7 +56,7 @@ class Writer(threading.Thread):
                 while not self.halt.is_set():
                     self.committed.append(self.write(conn))
                     if self.pause:
-                        time.sleep(self.pause)
+                        self.halt.wait(self.pause)  # a pace, not a wait for a condition
         except psycopg.Error as exc:
             self.error = str(exc)
 

@@ -17,6 +17,7 @@ import pytest
 from psycopg import sql
 
 from applier.testing import Database, PostgresBinaries, PostgresCluster, wait_until
+from applier.testing.failover import multi_host_conninfo, slot_synced
 from applier.testing.pytest_plugin import drop_our_origins
 from tests.support.cli import StartRun, fails, ok, run_log, status, stop
 from tests.support.native import drop_native_subscription
@@ -46,21 +47,6 @@ def primary_and_standby(
         if standby is not None:
             standby.destroy()
         primary.destroy()
-
-
-def _synced(standby: PostgresCluster, primary: PostgresCluster, slot: str = "s") -> bool:
-    """The standby's copy of ``slot`` is persistent and as far as the primary's."""
-    want = primary.scalar(
-        "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s", (slot,)
-    )
-    return bool(
-        want
-        and standby.scalar(
-            "SELECT synced AND NOT temporary AND confirmed_flush_lsn >= %s::pg_lsn FROM pg_replication_slots"
-            " WHERE slot_name = %s",
-            (want, slot),
-        )
-    )
 
 
 @contextlib.contextmanager
@@ -118,7 +104,9 @@ def test_the_subscription_follows_a_promoted_standby(
         pub.execute("INSERT INTO t SELECT g, 'streamed' FROM generate_series(101, 200) g")
         wait_until(lambda: tgt.scalar("SELECT count(*) FROM t") == 200, timeout=TIMEOUT, what="200 rows")
         wait_until(
-            lambda: _synced(standby, primary), timeout=TIMEOUT, what="the slot synchronized to the standby"
+            lambda: slot_synced(primary, standby, "s"),
+            timeout=TIMEOUT,
+            what="the slot synchronized to the standby",
         )
 
         # the failover: rows committed just before the crash, then the old primary is gone
@@ -138,14 +126,6 @@ def test_the_subscription_follows_a_promoted_standby(
         assert "initial copy" not in run_log(proc).split("has started streaming", 1)[1]  # no second copy
 
 
-def both(primary: PostgresCluster, standby: PostgresCluster) -> str:
-    """A multi-host conninfo of database ``app`` that reaches whichever of the two is the primary."""
-    return (
-        f"host=127.0.0.1,127.0.0.1 port={primary.port},{standby.port} user=postgres dbname=app"
-        " target_session_attrs=read-write"
-    )
-
-
 def test_a_multi_host_conninfo_follows_the_promoted_standby_by_itself(
     primary_and_standby, target_cluster, start_run: StartRun
 ) -> None:
@@ -153,7 +133,7 @@ def test_a_multi_host_conninfo_follows_the_promoted_standby_by_itself(
     ``create``'s checks: libpq takes the primary (a standby refuses a read-write session, walsender or not); after
     the promotion the worker's own reconnect reaches the new primary, nothing altered."""
     primary, standby = primary_and_standby
-    conninfo = both(primary, standby)
+    conninfo = multi_host_conninfo(primary, standby, "app")
     with failover_subscription(primary, target_cluster, start_run, rows_before=100, publisher=conninfo) as (
         pub,
         tgt,
@@ -163,7 +143,7 @@ def test_a_multi_host_conninfo_follows_the_promoted_standby_by_itself(
         pub.execute("INSERT INTO t SELECT g, 'streamed' FROM generate_series(101, 200) g")
         wait_until(lambda: tgt.scalar("SELECT count(*) FROM t") == 200, timeout=TIMEOUT, what="200 rows")
         ok(tgt, "verify", "s")  # exit status 0: every table equal
-        wait_until(lambda: _synced(standby, primary), timeout=TIMEOUT, what="the slot synchronized")
+        wait_until(lambda: slot_synced(primary, standby, "s"), timeout=TIMEOUT, what="the slot synchronized")
         pub.execute("INSERT INTO t SELECT g, 'last on the old primary' FROM generate_series(201, 250) g")
         wait_until(lambda: standby.scalar("SELECT count(*) FROM t", dbname="app") == 250, timeout=TIMEOUT,
                    what="replayed")  # fmt: skip
@@ -231,7 +211,7 @@ def test_a_promoted_standby_that_lacks_applied_transactions_is_refused(
     with failover_subscription(primary, target_cluster, start_run) as (pub, tgt, _proc):
         pub.execute("INSERT INTO t SELECT g, 'both have it' FROM generate_series(1, 100) g")
         wait_until(lambda: tgt.scalar("SELECT count(*) FROM t") == 100, timeout=TIMEOUT, what="100 rows")
-        wait_until(lambda: _synced(standby, primary), timeout=TIMEOUT, what="the slot synchronized")
+        wait_until(lambda: slot_synced(primary, standby, "s"), timeout=TIMEOUT, what="the slot synchronized")
         standby.stop()  # the standby falls behind; the target does not
         pub.execute("INSERT INTO t SELECT g, 'only the target has it' FROM generate_series(101, 150) g")
         wait_until(lambda: tgt.scalar("SELECT count(*) FROM t") == 150, timeout=TIMEOUT, what="150 rows")
@@ -268,7 +248,11 @@ def test_a_failover_without_a_failover_slot_stops_the_subscription(
     worker says so, disables the subscription and ends (no loop); nothing is applied from the new primary."""
     primary, standby = primary_and_standby
     with failover_subscription(
-        primary, target_cluster, start_run, publisher=both(primary, standby), failover=False
+        primary,
+        target_cluster,
+        start_run,
+        publisher=multi_host_conninfo(primary, standby, "app"),
+        failover=False,
     ) as (pub, tgt, proc):
         pub.execute("INSERT INTO t SELECT g, 'before' FROM generate_series(1, 100) g")
         wait_until(lambda: tgt.scalar("SELECT count(*) FROM t") == 100, timeout=TIMEOUT, what="100 rows")
@@ -309,14 +293,16 @@ def test_a_promoted_standby_that_forked_before_what_was_applied_stops_the_subscr
     worker started after the failover sees P after the start of the publisher's timeline and a slot that confirmed
     nothing past it. Either stops the subscription with the reason, rather than resume."""
     primary, standby = primary_and_standby
-    with failover_subscription(primary, target_cluster, start_run, publisher=both(primary, standby)) as (
+    with failover_subscription(
+        primary, target_cluster, start_run, publisher=multi_host_conninfo(primary, standby, "app")
+    ) as (
         pub,
         tgt,
         proc,
     ):
         pub.execute("INSERT INTO t SELECT g, 'both have it' FROM generate_series(1, 100) g")
         wait_until(lambda: tgt.scalar("SELECT count(*) FROM t") == 100, timeout=TIMEOUT, what="100 rows")
-        wait_until(lambda: _synced(standby, primary), timeout=TIMEOUT, what="the slot synchronized")
+        wait_until(lambda: slot_synced(primary, standby, "s"), timeout=TIMEOUT, what="the slot synchronized")
         standby.stop()  # the standby falls behind; the target does not
         pub.execute("INSERT INTO t SELECT g, 'only the target has it' FROM generate_series(101, 150) g")
         wait_until(lambda: tgt.scalar("SELECT count(*) FROM t") == 150, timeout=TIMEOUT, what="150 rows")
@@ -356,7 +342,7 @@ def test_two_phase_through_a_failover_as_the_native_subscriber(
     if pg_binaries.major < 18:
         pytest.skip(f"failover slots with two-phase need PostgreSQL 18 (this run's is {pg_binaries.major})")
     primary, standby = primary_and_standby
-    conninfo = both(primary, standby)
+    conninfo = multi_host_conninfo(primary, standby, "app")
     with failover_subscription(primary, target_cluster, start_run, publisher=conninfo,
                                options=("--two-phase", "--streaming", "on")) as (pub, tgt, proc):  # fmt: skip
         native = target_cluster.create_database("failover_native")
@@ -387,7 +373,7 @@ def test_two_phase_through_a_failover_as_the_native_subscriber(
             )
             assert streamed >= 2, streamed  # the 3000-row transaction reached each of them streamed
             for slot in ("s", "native"):
-                wait_until(lambda slot=slot: _synced(standby, primary, slot), timeout=TIMEOUT,
+                wait_until(lambda slot=slot: slot_synced(primary, standby, slot), timeout=TIMEOUT,
                            what=f"slot {slot} synchronized")  # fmt: skip
             assert standby.scalar("SELECT bool_and(two_phase) FROM pg_replication_slots WHERE synced") is True
             wal = primary.scalar("SELECT pg_current_wal_lsn()::text")

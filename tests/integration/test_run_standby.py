@@ -104,7 +104,7 @@ class _Workload(threading.Thread):
                     conn.autocommit = True
                     conn.execute(f"COMMIT PREPARED 'w{self.count}'")
                     conn.autocommit = False
-                    time.sleep(0.002)
+                    self.done.wait(0.002)  # a pace, not a wait for a condition
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             self.error = exc
 
@@ -134,7 +134,8 @@ def test_a_standby_takes_over_after_kill_9_exactly_once(pair, start_run: StartRu
     wait_until(lambda: pair.target.scalar("SELECT count(*) FROM t") > applied_at_kill, timeout=30,
                interval=0.05, what="the standby to apply")  # fmt: skip
     applying = time.monotonic() - killed
-    time.sleep(1.0)  # the workload goes on a while under the standby
+    wait_until(lambda: pair.target.scalar("SELECT count(*) FROM t") >= applied_at_kill + 100, timeout=30,
+               what="the workload to go on under the standby")  # fmt: skip
     workload.done.set()
     workload.join(timeout=30)
     assert workload.error is None, workload.error

@@ -9,7 +9,6 @@ standby; the publisher never sends an acknowledged transaction again."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -17,6 +16,7 @@ import pytest
 
 from applier.subscriptions import LOCK_NAMESPACE
 from applier.testing import Database, PostgresBinaries, PostgresCluster, wait_until
+from applier.testing.failover import multi_host_conninfo
 from tests.support.cli import StartRun, alive, ok, run_log
 
 TIMEOUT = 90.0
@@ -37,13 +37,6 @@ def target_pair(pg_binaries: PostgresBinaries) -> Iterator[tuple[PostgresCluster
         if standby is not None:
             standby.destroy()
         primary.destroy()
-
-
-def _multi_host(primary: PostgresCluster, standby: PostgresCluster) -> str:
-    return (
-        f"host=127.0.0.1,127.0.0.1 port={primary.port},{standby.port} user=postgres dbname=app"
-        " target_session_attrs=read-write"
-    )
 
 
 def _lock_holder(db: Database) -> str | None:
@@ -67,7 +60,8 @@ def _acknowledged_only_once_on_the_standby(primary: PostgresCluster, pub: Databa
     primary.reload()
     pub.execute("INSERT INTO t VALUES (2000, 14000)")
     lsn = pub.scalar("SELECT pg_current_wal_lsn()::text")
-    time.sleep(3.0)
+    wait_until(lambda: old.scalar("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'"), timeout=30,
+               what="the apply session's commit to wait for the standby")  # fmt: skip
     assert old.scalar("SELECT count(*) FROM t WHERE id = 2000") == 0
     assert pub.scalar(
         "SELECT confirmed_flush_lsn < %s::pg_lsn FROM pg_replication_slots WHERE slot_name = 's'", (lsn,)
@@ -87,7 +81,7 @@ def test_run_follows_the_promoted_target_standby(
         pub.execute(
             "CREATE TABLE t (id int PRIMARY KEY, v bigint NOT NULL); CREATE PUBLICATION p FOR TABLE t"
         )
-        target = _multi_host(primary, standby)
+        target = multi_host_conninfo(primary, standby, "app")
         ok(target, "create", "s", "--publisher", pub.dsn, "--publication", "p", "--two-phase",
            "--no-copy-data")  # fmt: skip
         run = start_run(SimpleNamespace(dsn=target), "s", "--max-retry-interval", "1")
