@@ -2,9 +2,43 @@
 
 from __future__ import annotations
 
-from applier.testing.cluster import PostgresCluster
+import contextlib
+from collections.abc import Iterator, Mapping
 
-__all__ = ["multi_host_conninfo", "slot_synced"]
+from psycopg import sql
+
+from applier.testing.cluster import PostgresBinaries, PostgresCluster
+
+__all__ = ["multi_host_conninfo", "primary_with_standby", "slot_synced"]
+
+
+@contextlib.contextmanager
+def primary_with_standby(
+    binaries: PostgresBinaries,
+    prefix: str,
+    slot: str,
+    *,
+    standby_settings: Mapping[str, str] | None = None,
+    primary_settings: Mapping[str, str] | None = None,
+) -> Iterator[tuple[PostgresCluster, PostgresCluster]]:
+    """A primary (``<prefix>primary``) and its physical standby (``<prefix>standby``, streaming from ``slot``), both
+    destroyed afterwards. ``primary_settings`` are set on the primary once the standby runs (ALTER SYSTEM and a
+    reload: ``synchronized_standby_slots`` or ``synchronous_standby_names`` name the standby)."""
+    primary = PostgresCluster(binaries, name=f"{prefix}primary").start()
+    standby = None
+    try:
+        standby = primary.standby(f"{prefix}standby", slot=slot, settings=dict(standby_settings or {}))
+        for name, value in (primary_settings or {}).items():
+            primary.execute(
+                sql.SQL("ALTER SYSTEM SET {} = {}").format(sql.Identifier(name), sql.Literal(value))
+            )
+        if primary_settings:
+            primary.reload()
+        yield primary, standby
+    finally:
+        if standby is not None:
+            standby.destroy()
+        primary.destroy()
 
 
 def multi_host_conninfo(primary: PostgresCluster, standby: PostgresCluster, dbname: str) -> str:

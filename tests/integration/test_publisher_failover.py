@@ -17,7 +17,7 @@ import pytest
 from psycopg import sql
 
 from applier.testing import Database, PostgresBinaries, PostgresCluster, wait_until
-from applier.testing.failover import multi_host_conninfo, slot_synced
+from applier.testing.failover import multi_host_conninfo, primary_with_standby, slot_synced
 from applier.testing.pytest_plugin import drop_our_origins
 from tests.support.cli import StartRun, fails, ok, run_log, status, stop
 from tests.support.native import drop_native_subscription
@@ -35,18 +35,11 @@ def primary_and_standby(
     the standby (``synchronized_standby_slots``) unless the parameter is ``"unsynchronized"``."""
     if pg_binaries.major < 17:
         pytest.skip(f"failover slots need PostgreSQL 17 (this run's is {pg_binaries.major})")
-    primary = PostgresCluster(pg_binaries, name="primary").start()
-    standby = None
-    try:
-        standby = primary.standby("standby", slot="standby1", settings={"sync_replication_slots": "on"})
-        if request.param == "synchronized":
-            primary.execute("ALTER SYSTEM SET synchronized_standby_slots = 'standby1'")
-            primary.reload()
-        yield primary, standby
-    finally:
-        if standby is not None:
-            standby.destroy()
-        primary.destroy()
+    held = {"synchronized_standby_slots": "standby1"} if request.param == "synchronized" else {}
+    with primary_with_standby(
+        pg_binaries, "", "standby1", standby_settings={"sync_replication_slots": "on"}, primary_settings=held
+    ) as pair:
+        yield pair
 
 
 @contextlib.contextmanager

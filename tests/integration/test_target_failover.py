@@ -16,7 +16,7 @@ import pytest
 
 from applier.subscriptions import LOCK_NAMESPACE
 from applier.testing import Database, PostgresBinaries, PostgresCluster, wait_until
-from applier.testing.failover import multi_host_conninfo
+from applier.testing.failover import multi_host_conninfo, primary_with_standby
 from tests.support.cli import StartRun, alive, ok, run_log
 
 TIMEOUT = 90.0
@@ -25,18 +25,12 @@ TIMEOUT = 90.0
 @pytest.fixture
 def target_pair(pg_binaries: PostgresBinaries) -> Iterator[tuple[PostgresCluster, PostgresCluster]]:
     """A target primary with database ``app`` (table t) and its synchronous physical standby."""
-    primary = PostgresCluster(pg_binaries, name="target-primary").start()
-    standby = None
-    try:
+    with primary_with_standby(
+        pg_binaries, "target-", "target_standby", primary_settings={"synchronous_standby_names": "*"}
+    ) as (primary, standby):
+        # created once the standby is synchronous: it has the database when it is promoted
         primary.create_database("app").execute("CREATE TABLE t (id int PRIMARY KEY, v bigint NOT NULL)")
-        standby = primary.standby("target-standby", slot="target_standby")
-        primary.execute("ALTER SYSTEM SET synchronous_standby_names = '*'")
-        primary.reload()
         yield primary, standby
-    finally:
-        if standby is not None:
-            standby.destroy()
-        primary.destroy()
 
 
 def _lock_holder(db: Database) -> str | None:
