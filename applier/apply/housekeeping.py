@@ -52,7 +52,7 @@ STREAM_OPTIONS = (
     "substream",
     "suborigin",
     "subpublications",
-    "subrunasowner",  # the session's statements carry the trust check or not (applier.apply.target_dml)
+    "subrunasowner",  # the session's statements carry the trust check or not (applier.apply.target_trust)
 )
 
 

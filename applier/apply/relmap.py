@@ -51,7 +51,7 @@ class LocalTable:
     #: trigger or rule enabled REPLICA or ALWAYS and no column with a nondeterministic collation
     bulk: bool = False
     #: (schema, name) of every domain its columns' types hold (through arrays, ranges and composites): the guard
-    #: statement of the trust check depends on them (applier.apply.target_dml, applier.catalog.trust)
+    #: statement of the trust check depends on them (applier.apply.target_trust, applier.catalog.trust)
     domains: tuple[tuple[str, str], ...] = ()
 
     @property

@@ -281,7 +281,7 @@ class Target:
     ) -> Target:  # fmt: skip
         """Connect and set the session up; ``origin`` becomes the session's replication origin. Unless
         ``run_as_owner``, every change is checked first for code the apply role does not trust
-        (:meth:`DmlStatements.guard`), which needs the catalog's functions (applier.catalog.trust).
+        (:meth:`~applier.apply.target_trust.TrustedStatements.check`), which needs the catalog's functions (applier.catalog.trust).
 
         ``pg_replication_origin_session_setup`` fails if another session already uses the origin: that is how two
         workers of one subscription are kept from running at once.

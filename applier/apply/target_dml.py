@@ -16,122 +16,30 @@ from psycopg import sql
 
 from applier.apply.context import ApplyError, ErrorContext
 from applier.apply.pipeline import CHECK_ROWS, Pipeline
-from applier.apply.relmap import LocalTable, RelMapEntry
+from applier.apply.relmap import RelMapEntry
 from applier.apply.target_copy import CopyIn
-from applier.catalog.trust import SCHEMA as TRUST_SCHEMA
+from applier.apply.target_trust import TrustedStatements
+from applier.apply.target_trust import checked as _checked
+from applier.apply.target_trust import only as _only
+from applier.apply.target_trust import tbl as _tbl
 from applier.messages import KIND_BINARY, KIND_UNCHANGED_TOAST, TupleData
-
-
-def _tbl(local: LocalTable) -> sql.Composable:
-    return sql.Identifier(local.schema, local.name)
-
-
-def _only(entry: RelMapEntry) -> sql.Composable:
-    """ONLY for plain tables (inheritance children are separate publisher relations); a partitioned table's
-    changes are meant for its partitions (behaviour 49)."""
-    return sql.SQL("ONLY ") if entry.relkind == "r" else sql.SQL("")
 
 
 def _param(n: int) -> sql.Composable:
     return sql.SQL("$" + str(n))
 
 
-def _lock_sql(entry: RelMapEntry, mode: str) -> sql.Composable:
-    return sql.SQL("LOCK TABLE {}{} IN " + mode + " MODE").format(_only(entry), _tbl(entry.local))
-
-
-def _guard_sql(entry: RelMapEntry, event: str) -> sql.Composable:
-    """The guard statement of ``event`` changes of ``entry``'s table (see :meth:`DmlStatements.guard`).
-
-    A plain table's: ``SELECT FROM ONLY t WHERE CAST(NULL AS domain) IS NULL ... AND applier.trust_ok(...) IS
-    NULL``. It returns no row and reads none (the planner folds the call to true and the condition to false), its
-    plan depends on the table (a relcache invalidation plans it again), and on each domain its columns hold: a
-    constraint added to one of them plans it again too (a cast to a domain records that dependency, even while
-    the domain has no constraint, so the casts come first, before the condition is known false). An INSERT's
-    columns are the ones the change sends: the defaults of the others run."""
-    cols = entry.names if event == "I" else ()
-    call = sql.SQL(
-        '{}.{}({}::pg_catalog.oid::pg_catalog.regclass, {}::"char", {}::pg_catalog.text[])'
-    ).format(
-        sql.Identifier(TRUST_SCHEMA),
-        sql.SQL("trust_check" if entry.relkind == "p" else "trust_ok"),
-        sql.Literal(entry.local.oid),
-        sql.Literal(event),
-        sql.Literal(list(cols)),
-    )
-    if entry.relkind == "p":
-        return sql.SQL("SELECT {}").format(call)
-    domains = [sql.SQL("CAST(NULL AS {}) IS NULL").format(sql.Identifier(*d)) for d in entry.local.domains]
-    return sql.SQL("SELECT FROM ONLY {} WHERE {}").format(
-        _tbl(entry.local), sql.SQL(" AND ").join([*domains, sql.SQL("{} IS NULL").format(call)])
-    )
-
-
-class DmlStatements:
+class DmlStatements(TrustedStatements):
     """The row-change statements of one target session (prepared once per relation and shape, cached on the
-    relation's :class:`~applier.apply.relmap.RelMapEntry`)."""
+    relation's :class:`~applier.apply.relmap.RelMapEntry`), each with the trust check of its base class."""
 
     def __init__(self, conn: psycopg.Connection[Any], pipeline: Pipeline, copy: CopyIn, binary: bool,
                  run_as_owner: bool = False) -> None:  # fmt: skip
-        self.conn = conn
-        self.pipeline = pipeline
+        super().__init__(conn, pipeline, run_as_owner)
         self.copy = copy
         self.binary = binary
-        self._stmt_seq = 0
-        #: the subscription's run_as_owner: trust the tables' owners, so no trust check (applier.catalog.trust)
-        self.run_as_owner = run_as_owner
-        #: in the open local transaction: the tables locked, and the guard statements run, so far
-        self._locked: set[int] = set()
-        self._guarded: set[bytes] = set()
-
-    # --- the trust check (applier.catalog.trust, docs/security.md) -------------------------------------------
-    def new_transaction(self) -> None:
-        """A local transaction begins: each table is locked and checked again at its first change in it."""
-        self._locked.clear()
-        self._guarded.clear()
-
-    def check(self, entry: RelMapEntry, event: str, ctx: ErrorContext | None) -> None:
-        """The trust check of a change about to be sent, unless this local transaction has had it (or
-        run_as_owner)."""
-        if not self.run_as_owner and entry.statements.get(("guard", event)) not in self._guarded:
-            self._guard(entry, event, ctx)
-
-    def _guard(self, entry: RelMapEntry, event: str, ctx: ErrorContext | None) -> None:
-        """Before the first ``event`` change (``I``, ``U``, ``D``) of ``entry``'s table in this local transaction:
-        lock the table (ROW EXCLUSIVE, as the change would), then run its guard statement, which fails when the
-        change would run code that the apply role does not trust.
-
-        Why the lock first: a change to the table's triggers, rules, policies, defaults, constraints or indexes
-        needs a lock that conflicts with ours, so none can commit between the check and our commit; and the guard
-        is planned (and checked) with a snapshot taken after the lock, so it sees any that committed before. A
-        plain table's guard is planned once (``applier.trust_ok`` is folded at plan time) and planned again, with
-        the check, only after such a change invalidated it; a partitioned table's runs the check every time (a
-        partition's triggers do not invalidate its parent's plans)."""
-        name = entry.statements.get(("guard", event))
-        if name is None:
-            name = self._statement(entry, ("guard", event), lambda: (_guard_sql(entry, event), ()), ctx)
-        oid = entry.local.oid
-        if oid not in self._locked:
-            lock = entry.statements.get("lock")
-            if lock is None:
-                lock = self._statement(entry, "lock", lambda: (_lock_sql(entry, "ROW EXCLUSIVE"), ()), ctx)
-            self.pipeline.send_prepared(lock, (), None, ctx)
-            self._locked.add(oid)
-        self.pipeline.send_prepared(name, (), None, ctx)
-        self._guarded.add(name)
 
     # --- row changes -----------------------------------------------------------------------------------------
-    def _statement(self, entry: RelMapEntry, key: Any, build: Callable[[], tuple[sql.Composable, Sequence[int]]],
-                   ctx: ErrorContext | None) -> bytes:  # fmt: skip
-        name = entry.statements.get(key)
-        if name is None:
-            query, types = build()
-            self._stmt_seq += 1
-            name = f"applier_{self._stmt_seq}".encode()
-            self.pipeline.send_prepare(name, query.as_bytes(self.conn), types, ctx)
-            entry.statements[key] = name
-        return name
-
     def _formats(self, kinds: bytes) -> list[int] | None:
         if not self.binary or KIND_BINARY not in kinds:
             return None
@@ -144,8 +52,8 @@ class DmlStatements:
                 copy.add(new)
                 return
             self.copy.end()
-        if not self.run_as_owner and entry.statements.get(("guard", "I")) not in self._guarded:
-            self._guard(entry, "I", ctx)  # inline: once per row (self.check is the same)
+        if not self.embeds(entry):  # else the statement checks itself
+            self.check(entry, "I", ctx)
         name = entry.statements.get("I")
         if name is None:
             name = self._statement(entry, "I", lambda: self._insert_sql(entry), ctx)
@@ -154,9 +62,14 @@ class DmlStatements:
     def _insert_sql(self, entry: RelMapEntry) -> tuple[sql.Composable, Sequence[int]]:
         cols = sql.SQL(", ").join(sql.Identifier(n) for n in entry.names)
         vals = sql.SQL(", ").join(_param(i + 1) for i in range(len(entry.names)))
-        q = sql.SQL("INSERT INTO {} ({}){} VALUES ({})").format(
-            _tbl(entry.local), cols, _overriding(entry), vals
-        )
+        if self.embeds(entry):  # INSERT ... SELECT, for a WHERE to hold the check
+            q = sql.SQL("INSERT INTO {} ({}){} SELECT {} WHERE true{}").format(
+                _tbl(entry.local), cols, _overriding(entry), vals, _checked(entry, "I")
+            )
+        else:
+            q = sql.SQL("INSERT INTO {} ({}){} VALUES ({})").format(
+                _tbl(entry.local), cols, _overriding(entry), vals
+            )
         return q, entry.types
 
     @staticmethod
@@ -239,7 +152,8 @@ class DmlStatements:
         updates it with its old values: update triggers enabled for replica fire."""
         if self.copy.run is not None:
             self.copy.end()
-        self.check(entry, "U", ctx)
+        if not self.embeds(entry):  # else the statement checks itself
+            self.check(entry, "U", ctx)
         search = old if old is not None else new
         kinds = new.kinds
         unchanged = KIND_UNCHANGED_TOAST in kinds
@@ -247,6 +161,7 @@ class DmlStatements:
         if entry.always_identity:
             omitted, changing = _identity_split(entry, old, new)
             if changing:
+                self.check(entry, "U", ctx)
                 self._update_identity(entry, search, new, changing, ctx)
                 return
         shape = self._search_shape(entry, search)
@@ -260,7 +175,7 @@ class DmlStatements:
         if name is None:
 
             def build() -> tuple[sql.Composable, Sequence[int]]:
-                return self._update_sql(entry, shape, set_pos)
+                return self._update_sql(entry, shape, set_pos, self.embeds(entry))
 
             name = self._statement(entry, key, build, ctx)
         wparams, wkinds = self._search_values(entry, search, shape)
@@ -274,9 +189,10 @@ class DmlStatements:
         self.pipeline.send_prepared(name, params, formats, ctx, CHECK_ROWS)
 
     def _update_sql(
-        self, entry: RelMapEntry, shape: bytes, set_pos: Sequence[int]
+        self, entry: RelMapEntry, shape: bytes, set_pos: Sequence[int], embed: bool
     ) -> tuple[sql.Composable, list[int]]:
-        """The UPDATE assigning the columns at ``set_pos`` (parameters 1..n) of the row ``shape`` finds."""
+        """The UPDATE assigning the columns at ``set_pos`` (parameters 1..n) of the row ``shape`` finds (with its
+        own trust check when ``embed``)."""
         cond, wtypes = self._search_condition(entry, shape, len(set_pos) + 1)
         if set_pos:
             sets = sql.SQL(", ").join(
@@ -285,9 +201,10 @@ class DmlStatements:
             )
         else:
             sets = _noop_assignment(entry, "")
-        q = sql.SQL("UPDATE {only}{tbl} SET {sets} WHERE {where}").format(
-            only=_only(entry), tbl=_tbl(entry.local), sets=sets, where=cond
-        )
+        q = sql.SQL("UPDATE {only}{tbl} SET {sets} WHERE {where}{checked}").format(
+            only=_only(entry), tbl=_tbl(entry.local), sets=sets, where=cond,
+            checked=_checked(entry, "U") if embed else sql.SQL(""),
+        )  # fmt: skip
         return q, [entry.types[i] for i in set_pos] + wtypes
 
     def _update_identity(self, entry: RelMapEntry, search: TupleData, new: TupleData, changing: tuple[int, ...],
@@ -303,7 +220,7 @@ class DmlStatements:
         kinds = new.kinds
         set_pos = [i for i, k in enumerate(kinds) if k != KIND_UNCHANGED_TOAST]
         shape = self._search_shape(entry, search)
-        query, types = self._update_sql(entry, shape, set_pos)
+        query, types = self._update_sql(entry, shape, set_pos, False)
         wparams, wkinds = self._search_values(entry, search, shape)
         params = [new.values[i] for i in set_pos] + wparams
         pkinds = bytes([kinds[i] for i in set_pos]) + wkinds
@@ -324,7 +241,8 @@ class DmlStatements:
         row found as for :meth:`update`."""
         if self.copy.run is not None:
             self.copy.end()
-        self.check(entry, "D", ctx)
+        if not self.embeds(entry):  # else the statement checks itself
+            self.check(entry, "D", ctx)
         shape = self._search_shape(entry, old)
         key = ("D", shape)
         name = entry.statements.get(key)
@@ -332,9 +250,10 @@ class DmlStatements:
 
             def build() -> tuple[sql.Composable, Sequence[int]]:
                 cond, wtypes = self._search_condition(entry, shape, 1)
-                q = sql.SQL("DELETE FROM {only}{tbl} WHERE {where}").format(
-                    only=_only(entry), tbl=_tbl(entry.local), where=cond
-                )
+                q = sql.SQL("DELETE FROM {only}{tbl} WHERE {where}{checked}").format(
+                    only=_only(entry), tbl=_tbl(entry.local), where=cond,
+                    checked=_checked(entry, "D") if self.embeds(entry) else sql.SQL(""),
+                )  # fmt: skip
                 return q, wtypes
 
             name = self._statement(entry, key, build, ctx)
@@ -355,19 +274,6 @@ class DmlStatements:
         q = sql.SQL("TRUNCATE {}{} RESTRICT").format(
             targets, sql.SQL(" RESTART IDENTITY" if restart_identity else ""))  # fmt: skip
         self.pipeline.send_query(q.as_bytes(self.conn), None, ctx)
-
-    def _guard_truncate(self, entries: Sequence[RelMapEntry], ctx: ErrorContext | None) -> None:
-        """The trust check of a TRUNCATE (rare): its tables locked as TRUNCATE will lock them, then checked now
-        (``applier.trust_check``: TRUNCATE triggers, and row-level security is no matter for it)."""
-        targets = sql.SQL(", ").join(sql.SQL("{}{}").format(_only(e), _tbl(e.local)) for e in entries)
-        self.pipeline.send_query(
-            sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(targets).as_bytes(self.conn), None, ctx
-        )
-        for e in entries:
-            check = sql.SQL(
-                "SELECT {}.trust_check({}::pg_catalog.oid::pg_catalog.regclass, 'T', '{{}}')"
-            ).format(sql.Identifier(TRUST_SCHEMA), sql.Literal(e.local.oid))
-            self.pipeline.send_query(check.as_bytes(self.conn), None, ctx)
 
     # --- a table's stretch of changes as one statement (applier.apply.bulk) -----------------------------------
     def bulk_insert(self, entry: RelMapEntry, columns: Sequence[bytes], ctx: ErrorContext | None) -> None:

@@ -22,10 +22,11 @@ other role can replace them, and they run with ``search_path = pg_catalog, pg_te
   and PostgreSQL's own error for a table whose row-level security applies to the apply role; else true.
 - ``applier.trust_ok(rel, event, cols)``: the same, declared IMMUTABLE so that the planner runs it when it plans a
   statement that calls it with constant arguments, and never again while that plan stays valid. The apply session
-  puts it in one prepared guard statement per table and kind of change (applier.apply.target_dml): a change to the
+  puts it in each prepared INSERT, UPDATE and DELETE of a plain table, or in one prepared guard statement per table
+  and kind of change where that cannot be (applier.apply.target_trust, ``TrustedStatements.embeds``): a change to the
   table's triggers, rules, policies, defaults, constraints, indexes, owner or row-security flag invalidates the
-  guard's plan (a relcache invalidation), so the check runs again exactly when its answer can have changed, and
-  costs nothing otherwise.
+  statement's plan (a relcache invalidation), so the check runs again exactly when its answer can have changed,
+  and costs nothing otherwise.
 
 Why trusting owners and not bodies: a function is replaced (``CREATE OR REPLACE``) only by its owner, a member of
 its owner or a superuser, so a function owned by the apply role or a superuser cannot become untrusted code

@@ -106,6 +106,36 @@ def test_trigger_attached_while_the_worker_runs_is_refused_and_nothing_is_lost(p
     assert not _superuser(pair, mallory)
 
 
+def test_trigger_attached_after_many_updates_and_deletes_is_refused(pair, mallory) -> None:
+    """A table without domains: its prepared UPDATE and DELETE carry the check themselves (no guard). Each is run
+    in ten transactions first, so that PostgreSQL has switched to its cached generic plan: a trigger attached then
+    must make it plan again, and so check, before the statement runs (one for UPDATE, then one for DELETE)."""
+    _owned_table(pair, mallory)
+    s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"])
+    w = s.start()
+    try:
+        pair.publisher.execute("INSERT INTO t SELECT g, 'x' FROM generate_series(1, 30) g")
+        for i in range(1, 11):  # one transaction each
+            pair.publisher.execute("UPDATE t SET v = 'u' WHERE id = %s", (i,))
+            pair.publisher.execute("DELETE FROM t WHERE id = %s", (i + 10,))
+        wait_for_catchup(pair.publisher, pair.name, timeout=60)
+        for event, change in (("UPDATE", "UPDATE t SET v = 'evil' WHERE id = 21"), ("DELETE", "DELETE FROM t WHERE id = 22")):  # fmt: skip
+            _evil_trigger(pair, mallory, f"BEFORE {event}")
+            pair.publisher.execute(change)
+            e = _refused(s, "public.t", "trigger evil", f"owned by role {mallory}")
+            assert e["message_type"] == event
+            assert not _superuser(pair, mallory)
+            pair.target.execute("DROP TRIGGER evil ON t")
+            pair.target.execute("DROP FUNCTION public.evil()")
+            wait_for_catchup(pair.publisher, pair.name, timeout=60)
+    finally:
+        w.stop()
+    assert pair.target.query("SELECT id, v FROM t ORDER BY id") == pair.publisher.query(
+        "SELECT id, v FROM t ORDER BY id"
+    )
+    assert not _superuser(pair, mallory)
+
+
 def test_default_of_a_column_the_publisher_does_not_send_is_refused(pair, mallory) -> None:
     """The owner's volatile function as the DEFAULT of a column only the target has."""
     _function(pair, mallory, "stamp()", "text", "'x'")
