@@ -216,7 +216,11 @@ class ApplyHousekeeping:
             # publisher asks, or many are owed): above 500 transactions a second, one select and one recv for
             # several rounds instead of each (issue 29). An error surfaces at that read, as before, and the apply
             # lag that the confirmations time (applier.apply.lag) reads at most that much high.
-            if reply_requested or pipeline.pending > RESULTS_OWED or now - self.last_results >= RESULTS_INTERVAL:
+            if (
+                reply_requested
+                or pipeline.pending > RESULTS_OWED
+                or now - self.last_results >= RESULTS_INTERVAL
+            ):
                 self.last_results = now
                 pipeline.poll()
             else:
