@@ -24,6 +24,9 @@ __all__ = ["CAUGHT_UP_BYTES", "Follower", "outcome", "watch"]
 
 #: ``start --cutover`` cuts over once every table is ready and the apply is this close to the source's position.
 CAUGHT_UP_BYTES = 1 << 20
+#: How often ``start --cutover`` looks whether it may cut over: every look is a few catalog reads on each server,
+#: and the wait between the last build and the first look is on the migration's critical path (was 1 s).
+CUTOVER_LOOK_S = 0.2
 
 
 class Follower:
@@ -34,6 +37,7 @@ class Follower:
         self.say = say
         self.stop = stop
         self.auto_error: str | None = None  # why start --cutover's cutover failed
+        self.slot = ""  # the migration's slot on the source (run() sets it)
 
     def run(self, m: store.Migration) -> int:
         """The apply loop (``applier run``'s) in the foreground until a cutover completes or a signal stops it.
@@ -43,6 +47,7 @@ class Follower:
         the automatic cutover), stops the worker as a first signal would, with a clean exit status."""
         from applier import runner
 
+        self.slot = m.slot
         self.summary()
         if self.stop.is_set():
             return 0
@@ -94,7 +99,7 @@ class Follower:
         self.stop.set()  # done (or failed): the worker stops now, not at its next look at the catalog
 
     def _wait_caught_up(self, finished: threading.Event) -> int | None:
-        """Look once a second (:func:`~applier.migrate.cutover.ready_for_cutover`) until the migration may cut
+        """Look every :data:`CUTOVER_LOOK_S` (:func:`~applier.migrate.cutover.ready_for_cutover`) until the migration may cut
         over: its lag then, or None when following ended first. One connection to each server serves every look
         (one that fails, e.g. a target restarting, is opened again at the next); both are closed before the
         cutover, whose fence ends the source's sessions."""
@@ -102,7 +107,7 @@ class Follower:
 
         conns: dict[str, psycopg.Connection[Any]] = {}
         try:
-            while not finished.wait(1.0):
+            while not finished.wait(CUTOVER_LOOK_S):
                 try:
                     self._connect(conns)
                     lag = ready_for_cutover(
@@ -111,7 +116,7 @@ class Follower:
                 except Exception:  # noqa: BLE001 - a server may be restarting: try again
                     _close_all(conns)
                     continue
-                if lag is not None:
+                if lag is not None and _streaming(conns["source"], self.slot):
                     return lag
             return None
         finally:
@@ -122,6 +127,15 @@ class Follower:
         for side, dsn in (("target", self.opts.target), ("source", self.opts.source)):
             if side not in conns or conns[side].closed or conns[side].broken:
                 conns[side] = psycopg.connect(dsn, autocommit=True, connect_timeout=5)
+
+
+def _streaming(source: psycopg.Connection[Any], slot: str) -> bool:
+    """Whether the apply worker streams from the migration's slot (a walsender holds it). Every table may be ready
+    before the worker has started (two-phase from the start, :func:`applier.migrate.setup.two_phase_from_the_start`),
+    and the lag then reads small against the slot's position on an idle source: a fence then would wait for the
+    worker's start within the write downtime."""
+    row = source.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
+    return bool(row and row[0])
 
 
 def _close_all(conns: dict[str, psycopg.Connection[Any]]) -> None:
