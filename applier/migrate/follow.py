@@ -8,7 +8,6 @@ resumed after the copy begins here, and the set-up's connections and snapshot ar
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -161,11 +160,36 @@ def outcome(target: psycopg.Connection[Any], name: str, status: int, say: Callab
     return status
 
 
+#: How often the watch looks at the migration's phase. A cutover marks the migration done and then waits for the
+#: worker to let go of the slot, which it does once told to stop by this look (or at its next catalog re-read, up
+#: to a second later): that wait is on ``start --cutover``'s path to its exit. One kept connection serves the looks.
+WATCH_S = 0.1
+
+
 def watch(target: str, name: str, stop: threading.Event, finished: threading.Event) -> None:
     """Set ``stop`` when the migration is done (a cutover completed) or failed (aborted), as another shell decides;
     return when ``finished`` is set first. Runs through the set-up too: an abort during the copy stops it."""
-    while not finished.wait(0.5):
-        with contextlib.suppress(Exception), psycopg.connect(target, autocommit=True) as c:
-            if store.phase_of(c, name) in ("done", "failed"):
+    conns: dict[str, psycopg.Connection[Any]] = {}
+    try:
+        while not finished.wait(WATCH_S):
+            phase = _phase(conns, target, name)
+            if phase is None:
+                finished.wait(0.5)  # the target may be restarting: look again a little later
+            elif phase in ("done", "failed"):
                 stop.set()
                 return
+    finally:
+        _close_all(conns)
+
+
+def _phase(conns: dict[str, psycopg.Connection[Any]], target: str, name: str) -> str | None:
+    """The migration's phase, read through the kept connection (opened again when missing or lost); None when the
+    target cannot be read now."""
+    try:
+        conn = conns.get("target")
+        if conn is None or conn.closed or conn.broken:
+            conn = conns["target"] = psycopg.connect(target, autocommit=True, connect_timeout=5)
+        return store.phase_of(conn, name)
+    except Exception:  # noqa: BLE001
+        _close_all(conns)
+        return None
