@@ -98,28 +98,32 @@ class Follower:
         self.stop.set()  # done (or failed): the worker stops now, not at its next look at the catalog
 
     def _wait_caught_up(self, finished: threading.Event) -> int | None:
-        """Look every :data:`CUTOVER_LOOK_S` (:func:`~applier.migrate.cutover.ready_for_cutover`) until the migration may cut
-        over: its lag then, or None when following ended first. One connection to each server serves every look
-        (one that fails, e.g. a target restarting, is opened again at the next); both are closed before the
-        cutover, whose fence ends the source's sessions."""
-        from applier.migrate.cutover import ready_for_cutover
-
+        """Look every :data:`CUTOVER_LOOK_S` (:meth:`_look`) until the migration may cut over: its lag then, or
+        None when following ended first. One connection to each server serves every look (one that fails, e.g. a
+        target restarting, is opened again at the next); both are closed before the cutover, whose fence ends the
+        source's sessions."""
         conns: dict[str, psycopg.Connection[Any]] = {}
         try:
             while not finished.wait(CUTOVER_LOOK_S):
                 try:
-                    self._connect(conns)
-                    lag = ready_for_cutover(
-                        conns["target"], conns["source"], self.opts.name, caught_up=CAUGHT_UP_BYTES
-                    )
+                    lag = self._look(conns)
                 except Exception:  # noqa: BLE001 - a server may be restarting: try again
                     _close_all(conns)
                     continue
-                if lag is not None and _streaming(conns["source"], self.slot):
+                if lag is not None:
                     return lag
             return None
         finally:
             _close_all(conns)
+
+    def _look(self, conns: dict[str, psycopg.Connection[Any]]) -> int | None:
+        """The lag when the migration may cut over now (:func:`~applier.migrate.cutover.ready_for_cutover`) and the
+        worker streams (:func:`_streaming`), else None."""
+        from applier.migrate.cutover import ready_for_cutover
+
+        self._connect(conns)
+        lag = ready_for_cutover(conns["target"], conns["source"], self.opts.name, caught_up=CAUGHT_UP_BYTES)
+        return lag if lag is not None and _streaming(conns["source"], self.slot) else None
 
     def _connect(self, conns: dict[str, psycopg.Connection[Any]]) -> None:
         """(Re)open the auto-cutover's connection to the target and to the source where it is missing or lost."""
