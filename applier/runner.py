@@ -2,7 +2,9 @@
 
 Why processes (``spawn``) and not threads: a worker decodes and applies in Python, so subscriptions side by side
 only use more than one core as separate processes; one that dies (or leaks) cannot take the others with it; and
-``spawn`` starts each from a clean interpreter, so no connection or lock is ever inherited across a fork.
+``spawn`` starts each from a clean interpreter, so no connection or lock is ever inherited across a fork. (``migrate
+start`` forks its worker from a fork server instead, a clean interpreter that has only imported this module:
+:func:`prefork`.)
 
 Each worker first takes the subscription's advisory lock on the target (:class:`~applier.subscriptions.SubscriptionLock`)
 and keeps it until it exits, so a second ``run`` of the same subscription is refused with the holder's name, and
