@@ -375,8 +375,6 @@ class ReplicationConnection:
         self.ran_dry = False
         #: served while :meth:`read` waits (:class:`WaitingPeer`): set by the apply worker to the target's pipeline
         self.peer: WaitingPeer | None = None
-        self._wake_fd: int | None = None
-        self._woken = False
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     @classmethod
@@ -428,14 +426,6 @@ class ReplicationConnection:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._fd, selectors.EVENT_READ)
         return self
-
-    def wake_on(self, fd: int | None) -> None:
-        """Let ``fd`` becoming readable end :meth:`read`'s wait (it returns ``None``, as at a timeout): the worker's
-        stop event (:class:`~applier.signals.WakingEvent`), so that a stop is seen at once."""
-        if fd is None or self._selector is None:
-            return
-        self._wake_fd = fd
-        self._selector.register(fd, selectors.EVENT_READ)
 
     def close(self) -> None:
         """Close the connection (idempotent). Safe in any state, including mid-stream."""
@@ -619,17 +609,33 @@ class ReplicationConnection:
             remaining = deadline - now
             wanted = self.peer.io_wanted() if self.peer is not None and remaining > 0 else None
             if wanted is not None:
-                if not _wait_with_peer(self, remaining, grace, *wanted):
+                if not self._wait_with_peer(remaining, grace, *wanted):
                     grace = 0.0
                     continue  # the peer was served (or the wait timed out: the next turn sees that)
             elif remaining <= 0:
                 if not select.select([self._fd], [], [], 0)[0]:
                     return None
-            elif not _publisher_ready(self, self._selector.select(remaining)):  # type: ignore[union-attr]
-                return None
-            if self._woken:  # told to stop: the round ends here (what arrived is read at the next start)
+            elif not self._selector.select(remaining):  # type: ignore[union-attr]
                 return None
             self._consume_input()
+
+    def _wait_with_peer(self, timeout: float, grace: float, fd: int, writing: bool) -> bool:
+        """Wait for the publisher's socket and :attr:`peer`'s (for reading, and for writing while it has output);
+        serve the peer when its socket is ready. True when the publisher's socket is readable.
+
+        The publisher alone first, for ``grace`` seconds: under a load its next message comes sooner, and the
+        target's answers are read by the round's poll as they always were, so a busy loop makes no system call
+        more than before. Only a wait that lasts longer watches both, with one ``select``."""
+        if grace > 0:
+            if self._selector.select(min(grace, timeout)):  # type: ignore[union-attr]
+                return True
+            if timeout <= grace:
+                return False
+            timeout -= grace
+        readable, writable, _ = select.select([self._fd, fd], [fd] if writing else [], [], timeout)
+        if fd in readable or writable:
+            self.peer.serve(fd in readable)  # type: ignore[union-attr]
+        return self._fd in readable
 
     def read_undecoded(
         self, into: list[bytes], limit: int, wanted: bytes, *, refill: bool = False
@@ -750,40 +756,3 @@ class ReplicationConnection:
         return ReplicationConnectionError(
             f"replication connection to the publisher ({self._display}) was lost: {detail}"
         )
-
-
-def _publisher_ready(conn: ReplicationConnection, events: list[tuple[selectors.SelectorKey, int]]) -> bool:
-    """Whether the publisher's socket is among ``events`` (what a wait of ``conn``'s selector returned); notes a
-    wake-up (:meth:`ReplicationConnection.wake_on`) in ``conn``."""
-    ready = False
-    for key, _ in events:
-        if key.fd == conn._fd:
-            ready = True
-        else:
-            conn._woken = True
-    return ready
-
-
-def _wait_with_peer(
-    conn: ReplicationConnection, timeout: float, grace: float, fd: int, writing: bool
-) -> bool:
-    """Wait for ``conn``'s publisher socket and its :attr:`~ReplicationConnection.peer`'s (for reading, and for
-    writing while it has output); serve the peer when its socket is ready. True when the publisher's socket is
-    readable, or a wake-up came (:meth:`ReplicationConnection.wake_on`).
-
-    The publisher alone first, for ``grace`` seconds: under a load its next message comes sooner, and the
-    target's answers are read by the round's poll as they always were, so a busy loop makes no system call
-    more than before. Only a wait that lasts longer watches both, with one ``select``."""
-    if grace > 0:
-        if events := conn._selector.select(min(grace, timeout)):  # type: ignore[union-attr]
-            return _publisher_ready(conn, events) or conn._woken
-        if timeout <= grace:
-            return False
-        timeout -= grace
-    wake = [] if conn._wake_fd is None else [conn._wake_fd]
-    readable, writable, _ = select.select([conn._fd, fd, *wake], [fd] if writing else [], [], timeout)
-    if fd in readable or writable:
-        conn.peer.serve(fd in readable)  # type: ignore[union-attr]
-    if conn._wake_fd is not None and conn._wake_fd in readable:
-        conn._woken = True
-    return conn._fd in readable or conn._woken

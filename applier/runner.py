@@ -53,7 +53,7 @@ from applier.errors import ApplierError
 from applier.logs import configure_logging
 from applier.metrics import WorkerMetrics
 from applier.retry import max_retry_interval_default, retry_delay
-from applier.signals import WakingEvent, set_once
+from applier.signals import set_once
 from applier.subscriptions import (
     SubscriptionBusy,
     SubscriptionError,
@@ -373,7 +373,7 @@ def worker_main(
     """Entry point of a worker process (spawned: it imports everything afresh)."""
     configure_logging(target, log_level)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    stop = WakingEvent()  # its set() also ends the apply loop's wait for the publisher
+    stop = threading.Event()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, set_once(stop))  # a second SIGTERM inside the first must not deadlock
     threading.Thread(target=_orphan_watch, args=(stop,), name="orphan-watch", daemon=True).start()

@@ -11,33 +11,11 @@ worker can get two SIGTERMs a few microseconds apart. It then hung for good (a p
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Callable
 from types import FrameType
 
-__all__ = ["WakingEvent", "set_once"]
-
-
-class WakingEvent(threading.Event):
-    """An event that can also be waited on with ``select``: once set, :attr:`wake_fd` is readable (a byte in a
-    pipe). A worker's stop event is one, so that the apply loop's wait for the publisher (up to a second while the
-    stream is idle) ends at once when the worker is told to stop, instead of at its timeout: that wait was on
-    ``migrate start --cutover``'s critical path between the cutover and start's exit (0.8 s)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._read, self._write = os.pipe()
-        os.set_blocking(self._write, False)
-
-    @property
-    def wake_fd(self) -> int:
-        return self._read
-
-    def set(self) -> None:
-        super().set()
-        with contextlib.suppress(OSError):  # full (set before) or closed: readable already, or nobody waits
-            os.write(self._write, b"x")
+__all__ = ["set_once"]
 
 
 def set_once(

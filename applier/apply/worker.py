@@ -295,9 +295,6 @@ class ApplyWorker:
         held.tracker = tracker = FeedbackTracker(start_lsn)
         two_phase = stream_two_phase(sub.subtwophasestate, tables.table_states())
         held.repl = repl = self._connect_publisher(sub, start_lsn, two_phase)
-        repl.wake_on(
-            getattr(self.stop, "wake_fd", None)
-        )  # a WakingEvent (applier run's): a stop ends the wait
         repl.peer = target.pipeline  # its results and notices are read while the loop waits on the publisher
         tables.keepalive = lambda: repl.send_status(*dataclasses.astuple(tracker.last_sent))
         if two_phase and sub.subtwophasestate == TwoPhaseState.PENDING:

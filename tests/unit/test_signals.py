@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from applier.signals import WakingEvent, set_once
+from applier.signals import set_once
 
 _CHILD = r"""
 import signal, sys, threading
@@ -87,23 +87,3 @@ def test_then_runs_once_after_the_event_is_set_and_what_it_raises_is_dropped() -
     handler(signal.SIGTERM, None)
     handler(signal.SIGINT, None)
     assert stop.is_set() and calls == [(signal.SIGTERM, True)]
-
-
-def test_a_waking_event_ends_a_select_on_its_fd_when_set_from_a_signal_handler() -> None:
-    """The worker's stop (applier run): its handler sets the event, and the apply loop's wait for the publisher,
-    which watches ``wake_fd`` too, returns at once instead of at its timeout."""
-    stop = WakingEvent()
-    with selectors.DefaultSelector() as sel:
-        sel.register(stop.wake_fd, selectors.EVENT_READ)
-        assert sel.select(0) == []
-        previous = signal.signal(signal.SIGUSR1, set_once(stop))
-        try:
-            threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGUSR1)).start()
-            started = time.monotonic()
-            ready = sel.select(5.0)
-            assert [k.fd for k, _ in ready] == [stop.wake_fd] and time.monotonic() - started < 2.0
-        finally:
-            signal.signal(signal.SIGUSR1, previous)
-    assert stop.is_set()
-    stop.set()  # again: nothing to add, no error
-    assert stop.wait(0)
