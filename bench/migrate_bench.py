@@ -50,6 +50,14 @@ every source table, the number of valid indexes per table, the number of validat
 unique, foreign, check) and every sequence's ``last_value`` must equal the source's. A run that fails it is reported
 and left out of the medians.
 
+Critical-path floor (issue 28; ``--no-floor`` skips it): no migration can end before its slowest table is copied
+and indexed. Once per run of the bench, before the tools and outside their timed runs, each of the
+:data:`FLOOR_CANDIDATES` largest tables is measured alone: one ``COPY`` of it from the source into an empty table of
+a scratch target database (a Python relay of ``COPY TO STDOUT`` into ``COPY FROM STDIN``, text format), then its
+indexes built as a migration chains them (costliest first, ``--jobs`` at once, GIN at ours' 4MB
+``maintenance_work_mem``, ``synchronous_commit = off``). The floor is the slowest table's copy plus its builds; the
+report prints it and ours' median against it (goal ours <= 1.1x the floor), the JSON keeps it under ``floor``.
+
 Peak memory: the highest sum of ``Pss`` (``/proc/<pid>/smaps_rollup``: private pages plus a share of the shared
 ones) over the tool's process tree (the process the bench starts and all its descendants; for ours the Spark JVM
 too), sampled every 0.1 s (processes shorter than that may be missed). ``VmRSS`` summed the same way counts a page
@@ -612,6 +620,111 @@ def pgcopydb_unavailable() -> str | None:
     return None
 
 
+# --- the critical-path floor ------------------------------------------------------------------------------------
+
+#: How many of the largest tables (heap and indexes together) the floor measures; it is the slowest of them.
+FLOOR_CANDIDATES = 2
+#: The goal for ours against the floor (issue 28): at most this multiple of it.
+GOAL_VS_FLOOR = 1.1
+#: ``maintenance_work_mem`` of a GIN build, as ours builds it (applier.migrate.postdata.GIN_MAINTENANCE_WORK_MEM).
+FLOOR_GIN_MEMORY = "4MB"
+FLOOR_DB = "floor"
+_FLOOR_METHOD_FACTOR = {"gin": 4.0, "gist": 3.0, "spgist": 3.0, "brin": 0.2}  # as applier.migrate.postdata's
+
+
+@dataclass
+class FloorTable:
+    """One table measured alone: its COPY between the two servers, then its index builds, ``jobs`` at a time."""
+
+    table: str
+    copy_s: float
+    indexes_s: float
+    indexes: list[tuple[str, float]]  # (index, seconds of its build), in the order they started
+
+    @property
+    def seconds(self) -> float:
+        return self.copy_s + self.indexes_s
+
+
+def measure_floor(ctx: Context) -> dict[str, Any]:
+    """The critical-path floor of the dataset (issue 28): for each of the :data:`FLOOR_CANDIDATES` largest tables,
+    one COPY of it alone from the source into an empty table of a scratch target database, then its indexes built
+    as a migration would chain them (costliest first, ``--jobs`` at once, GIN at ours' 4MB); the floor is the
+    slowest such table. No migration can finish before that table is copied and indexed. Outside every tool's timed
+    run; the scratch database is dropped afterwards."""
+    with ctx.src.connect(SOURCE_DB) as s:
+        tables = [r[0] for r in s.execute(
+            "SELECT format('%%I.%%I', n.nspname, c.relname) FROM pg_class c JOIN pg_namespace n"
+            " ON n.oid = c.relnamespace WHERE c.relkind = 'r' AND n.nspname = ANY(%s)"
+            " ORDER BY pg_total_relation_size(c.oid) DESC LIMIT %s",
+            (user_schemas(s), FLOOR_CANDIDATES),
+        )]  # fmt: skip
+    measured = []
+    for table in tables:
+        ctx.tgt.create_database(FLOOR_DB)
+        try:
+            with ctx.src.connect() as s, ctx.tgt.connect() as t:
+                s.execute("CHECKPOINT")
+                t.execute("CHECKPOINT")
+            measured.append(_floor_of(ctx, table))
+        finally:
+            ctx.tgt.drop_database(FLOOR_DB)
+    slowest = max(measured, key=lambda m: m.seconds)
+    return {"seconds": round(slowest.seconds, 2), "table": slowest.table, "jobs": ctx.jobs,
+            "tables": [asdict(m) | {"seconds": round(m.seconds, 2)} for m in measured]}  # fmt: skip
+
+
+def _floor_of(ctx: Context, table: str) -> FloorTable:
+    """Copy ``table`` alone (one COPY stream, text format, into a table made from the source's column list), then
+    build its indexes; each timed."""
+    with ctx.src.connect(SOURCE_DB) as s, ctx.tgt.connect(FLOOR_DB) as t:
+        columns = s.execute(
+            "SELECT string_agg(format('%%I %%s%%s', attname, format_type(atttypid, atttypmod),"
+            " CASE WHEN attnotnull THEN ' NOT NULL' ELSE '' END), ', ' ORDER BY attnum)"
+            " FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped",
+            (table,),
+        ).fetchone()[0]  # type: ignore[index]
+        indexes = s.execute(
+            "SELECT c.relname, pg_get_indexdef(i.indexrelid), am.amname, pg_relation_size(i.indexrelid)"
+            " FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_am am ON am.oid = c.relam"
+            " WHERE i.indrelid = %s::regclass",
+            (table,),
+        ).fetchall()
+        schema = table.partition(".")[0]
+        t.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.SQL(schema)))
+        t.execute(sql.SQL("CREATE TABLE {} ({})").format(sql.SQL(table), sql.SQL(columns)))
+        started = time.monotonic()
+        with s.cursor().copy(sql.SQL("COPY {} TO STDOUT").format(sql.SQL(table))) as out, \
+                t.cursor().copy(sql.SQL("COPY {} FROM STDIN").format(sql.SQL(table))) as into:  # fmt: skip
+            for chunk in out:
+                into.write(chunk)
+        copy_s = time.monotonic() - started
+    order = sorted(indexes, key=lambda r: -r[3] * _FLOOR_METHOD_FACTOR.get(r[2], 1.0))
+    indexes_s, builds = _build_chained(ctx, [(name, ddl, am) for name, ddl, am, _ in order])
+    return FloorTable(table, round(copy_s, 2), round(indexes_s, 2), builds)
+
+
+def _build_chained(ctx: Context, order: list[tuple[str, str, str]]) -> tuple[float, list[tuple[str, float]]]:
+    """Build the indexes in ``order`` on the scratch database, ``ctx.jobs`` at a time (the next starts when one
+    ends), each in its own session as ours' post-data does; the wall time of all, and each build's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def build(ddl: str, am: str) -> float:
+        with ctx.tgt.connect(FLOOR_DB) as t:
+            t.execute("SET synchronous_commit = off")
+            if am == "gin":
+                t.execute("SELECT set_config('maintenance_work_mem', %s, false)", (FLOOR_GIN_MEMORY,))
+            began = time.monotonic()
+            t.execute(ddl)
+            return time.monotonic() - began
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=max(1, ctx.jobs)) as pool:
+        futures = [(name, pool.submit(build, ddl, am)) for name, ddl, am in order]
+        builds = [(name, round(f.result(), 2)) for name, f in futures]
+    return time.monotonic() - started, builds
+
+
 # --- one run and the report -------------------------------------------------------------------------------------
 
 
@@ -727,7 +840,7 @@ def summarize(tool: str, results: list[RunResult], unavailable: str | None) -> T
     )
 
 
-def render(summaries: list[ToolSummary], header: str) -> str:
+def render(summaries: list[ToolSummary], header: str, floor: dict[str, Any] | None = None) -> str:
     by = {s.tool: s for s in summaries}
     ours = by.get("ours")
     lines = [
@@ -757,11 +870,30 @@ def render(summaries: list[ToolSummary], header: str) -> str:
             "",
             "Goal ours <= 0.75x pgcopydb: not measured (" + (ours.unavailable or "see above") + ").",
         ]
+    lines += render_floor(floor, ours)
     lines += render_writes(by.get("ours_load"))
     problems = [f"{s.tool}: {e}" for s in summaries for e in s.errors]
     if problems:
         lines += ["", "Problems:"] + [f"- {p}" for p in problems]
     return "\n".join(lines)
+
+
+def render_floor(floor: dict[str, Any] | None, ours: ToolSummary | None) -> list[str]:
+    """The critical-path floor (:func:`measure_floor`), each table measured, and ours against it."""
+    if floor is None:
+        return []
+    parts = "; ".join(
+        f"{m['table']}: copy {m['copy_s']:.2f} s + its indexes {m['indexes_s']:.2f} s = {m['seconds']:.2f} s"
+        for m in floor["tables"]
+    )
+    lines = ["", f"Critical-path floor {floor['seconds']:.2f} s ({floor['table']}; each table alone, "
+             f"index builds {floor['jobs']} at a time: {parts})."]  # fmt: skip
+    if ours is not None and ours.median_s:
+        r = ours.median_s / floor["seconds"]
+        verdict = "met" if r <= GOAL_VS_FLOOR else "NOT met"
+        lines.append(f"Goal ours <= {GOAL_VS_FLOOR}x the floor: {r:.2f}x ({ours.median_s - floor['seconds']:.1f} s "
+                     f"beyond it), {verdict}.")  # fmt: skip
+    return lines
 
 
 def render_writes(s: ToolSummary | None) -> list[str]:
@@ -836,6 +968,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--code-rev", metavar="REV", help="ours from `git archive REV` of --ours-code, not its files"
     )
+    ap.add_argument("--no-floor", action="store_true", help="do not measure the critical-path floor")
     ap.add_argument("--json", type=Path, default=OUT_DIR / "migrate_bench.json", help="raw results")
     ap.add_argument(
         "--markdown", type=Path, default=OUT_DIR / "migrate_bench.md", help="the table as Markdown"
@@ -869,6 +1002,7 @@ def main(argv: list[str] | None = None) -> int:
     os.chmod(scratch, 0o755)
     ctx: Context | None = None
     results: list[RunResult] = []
+    floor: dict[str, Any] | None = None
     try:
         if "ours" in args.tools or "ours_load" in args.tools:
             ours_code = prepare_ours_code(args.ours_code.resolve(), args.code_rev)
@@ -897,6 +1031,11 @@ def main(argv: list[str] | None = None) -> int:
         ctx = Context(src, tgt, bindir, args.jobs, args.timeout, scratch / "work", ours_code,
                       dict(os.environ, PYTHONPATH=str(ours_code or ""), PYSPARK_PYTHON=sys.executable),
                       args.write_rate)  # fmt: skip
+        if not args.no_floor:
+            floor = measure_floor(ctx)
+            print(f"  critical-path floor {floor['seconds']:.2f}s: " + "; ".join(
+                f"{m['table']} copy {m['copy_s']:.2f}s + indexes {m['indexes_s']:.2f}s" for m in floor["tables"]),
+                file=sys.stderr, flush=True)  # fmt: skip
         tools = [t for t in args.tools if t not in unavailable]
         for rep in range(args.repeat):
             for tool in rotation(tools, rep):
@@ -921,7 +1060,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.ours_code} at {ours_rev or '-'}; bench at {git_rev(ROOT)}; {os.cpu_count()} CPUs; load average "
         f"at start {load_at_start[0]:.1f}, at end {load_at_end[0]:.1f}"
     )  # fmt: skip
-    report = render(summaries, header)
+    report = render(summaries, header, floor)
     print("\n" + report)
     for path in (args.json, args.markdown):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -931,6 +1070,7 @@ def main(argv: list[str] | None = None) -> int:
         "postgresql": version, "jobs": args.jobs, "ours_code": str(args.ours_code), "ours_rev": ours_rev,
         "bench_rev": git_rev(ROOT), "python": platform.python_version(), "cpus": os.cpu_count(),
         "load_at_start": load_at_start, "load_at_end": load_at_end, "expected": expected,
+        "floor": floor,
         "summaries": [asdict(s) for s in summaries], "results": [asdict(r) for r in results],
     }, indent=2, default=str))  # fmt: skip
     ok = all(s.failed == 0 and s.median_s is not None for s in summaries if not s.unavailable)

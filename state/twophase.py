@@ -33,6 +33,7 @@ __all__ = [
     "check_skip_lsn",
     "gid_for",
     "initial_two_phase",
+    "ready_at_slot_snapshot",
     "restart_for_two_phase_message",
     "should_restart_for_two_phase",
     "stream_two_phase",
@@ -111,6 +112,34 @@ def initial_two_phase(
     if not copy_data and create_slot and has_tables:
         return TwoPhaseState.ENABLED, True
     return TwoPhaseState.PENDING, False
+
+
+def ready_at_slot_snapshot(
+    tables: Iterable[tuple[SyncState | str, int | None]], slot_lsn: int | None
+) -> bool:
+    """Whether every table, given as (state, LSN), was copied at the slot's own exported snapshot: each is ``s``
+    at exactly the slot's consistent point ``slot_lsn``. Then the tables may become ``r`` and two-phase ``e``
+    before any stream starts (``applier migrate start``; docs/differences.md, "Two-phase from the start of a
+    migration's stream").
+
+    Why that is safe, against the reasons for ``p`` (behaviours 55-59): ``p`` exists because each native table
+    sync copies its table at its own LSN and catches up without two-phase (behaviour 70), so a transaction
+    prepared before a table is ready would reach that table at PREPARE, where the table skips it, and never
+    again. Here no table has its own LSN: every row was read at the snapshot of the slot the stream starts from,
+    so every change the stream sends is one the copy did not see. A transaction committed before the point is in
+    the copy and is never sent; one prepared after it arrives at PREPARE and applies to every table, as it does
+    in ``e``; one prepared before the point and committed after is not in the copy (it was still open) and
+    arrives once, whole, at its COMMIT PREPARED (behaviour 59: Begin Prepare with its earlier prepare LSN, then
+    Commit Prepared). That last one is why the tables must be ``r`` and not ``s`` at the point: a ``s`` table
+    would skip a prepare LSN before its own (behaviour 75). Any other table (copied again at a later snapshot
+    after a resume, not yet copied) says no: then ``p`` and the restart of behaviour 57, as before."""
+    listed = list(tables)
+    return (
+        slot_lsn is not None
+        and slot_lsn > 0
+        and bool(listed)
+        and all(SyncState(state) is SyncState.SYNCDONE and lsn == slot_lsn for state, lsn in listed)
+    )
 
 
 def stream_two_phase(state: TwoPhaseState | str, tables: Iterable[TableState | SyncState | str]) -> bool:

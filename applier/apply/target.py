@@ -50,9 +50,13 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Session settings of the apply session (behaviours 1 and 51).
+#: Session settings of the apply session (behaviours 1 and 51). ``jit`` off: nothing the session runs is worth
+#: compiling, but the local-table lookup (``_LOCAL_TABLES``, recursive type walks) is planned costly enough to be
+#: JIT-compiled, which took 0.25-0.34 s of its 0.29-0.36 s for 25 tables on PostgreSQL 15 (0.02-0.03 s without),
+#: before the worker's first stream (``preload_local_tables``) and at a table's first use after.
 SESSION_SETTINGS: tuple[tuple[str, str], ...] = (
     ("session_replication_role", "replica"),
+    ("jit", "off"),
     ("synchronous_commit", "off"),
     ("datestyle", "ISO"),
     ("intervalstyle", "postgres"),

@@ -8,7 +8,6 @@ resumed after the copy begins here, and the set-up's connections and snapshot ar
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -24,6 +23,9 @@ __all__ = ["CAUGHT_UP_BYTES", "Follower", "outcome", "watch"]
 
 #: ``start --cutover`` cuts over once every table is ready and the apply is this close to the source's position.
 CAUGHT_UP_BYTES = 1 << 20
+#: How often ``start --cutover`` looks whether it may cut over: every look is a few catalog reads on each server,
+#: and the wait between the last build and the first look is on the migration's critical path (was 1 s).
+CUTOVER_LOOK_S = 0.2
 
 
 class Follower:
@@ -34,6 +36,7 @@ class Follower:
         self.say = say
         self.stop = stop
         self.auto_error: str | None = None  # why start --cutover's cutover failed
+        self.slot = ""  # the migration's slot on the source (run() sets it)
 
     def run(self, m: store.Migration) -> int:
         """The apply loop (``applier run``'s) in the foreground until a cutover completes or a signal stops it.
@@ -43,6 +46,7 @@ class Follower:
         the automatic cutover), stops the worker as a first signal would, with a clean exit status."""
         from applier import runner
 
+        self.slot = m.slot
         self.summary()
         if self.stop.is_set():
             return 0
@@ -94,20 +98,15 @@ class Follower:
         self.stop.set()  # done (or failed): the worker stops now, not at its next look at the catalog
 
     def _wait_caught_up(self, finished: threading.Event) -> int | None:
-        """Look once a second (:func:`~applier.migrate.cutover.ready_for_cutover`) until the migration may cut
-        over: its lag then, or None when following ended first. One connection to each server serves every look
-        (one that fails, e.g. a target restarting, is opened again at the next); both are closed before the
-        cutover, whose fence ends the source's sessions."""
-        from applier.migrate.cutover import ready_for_cutover
-
+        """Look every :data:`CUTOVER_LOOK_S` (:meth:`_look`) until the migration may cut over: its lag then, or
+        None when following ended first. One connection to each server serves every look (one that fails, e.g. a
+        target restarting, is opened again at the next); both are closed before the cutover, whose fence ends the
+        source's sessions."""
         conns: dict[str, psycopg.Connection[Any]] = {}
         try:
-            while not finished.wait(1.0):
+            while not finished.wait(CUTOVER_LOOK_S):
                 try:
-                    self._connect(conns)
-                    lag = ready_for_cutover(
-                        conns["target"], conns["source"], self.opts.name, caught_up=CAUGHT_UP_BYTES
-                    )
+                    lag = self._look(conns)
                 except Exception:  # noqa: BLE001 - a server may be restarting: try again
                     _close_all(conns)
                     continue
@@ -117,11 +116,29 @@ class Follower:
         finally:
             _close_all(conns)
 
+    def _look(self, conns: dict[str, psycopg.Connection[Any]]) -> int | None:
+        """The lag when the migration may cut over now (:func:`~applier.migrate.cutover.ready_for_cutover`) and the
+        worker streams (:func:`_streaming`), else None."""
+        from applier.migrate.cutover import ready_for_cutover
+
+        self._connect(conns)
+        lag = ready_for_cutover(conns["target"], conns["source"], self.opts.name, caught_up=CAUGHT_UP_BYTES)
+        return lag if lag is not None and _streaming(conns["source"], self.slot) else None
+
     def _connect(self, conns: dict[str, psycopg.Connection[Any]]) -> None:
         """(Re)open the auto-cutover's connection to the target and to the source where it is missing or lost."""
         for side, dsn in (("target", self.opts.target), ("source", self.opts.source)):
             if side not in conns or conns[side].closed or conns[side].broken:
                 conns[side] = psycopg.connect(dsn, autocommit=True, connect_timeout=5)
+
+
+def _streaming(source: psycopg.Connection[Any], slot: str) -> bool:
+    """Whether the apply worker streams from the migration's slot (a walsender holds it). Every table may be ready
+    before the worker has started (two-phase from the start, :func:`applier.migrate.setup.two_phase_from_the_start`),
+    and the lag then reads small against the slot's position on an idle source: a fence then would wait for the
+    worker's start within the write downtime."""
+    row = source.execute("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
+    return bool(row and row[0])
 
 
 def _close_all(conns: dict[str, psycopg.Connection[Any]]) -> None:
@@ -147,11 +164,36 @@ def outcome(target: psycopg.Connection[Any], name: str, status: int, say: Callab
     return status
 
 
+#: How often the watch looks at the migration's phase. A cutover marks the migration done and then waits for the
+#: worker to let go of the slot, which it does once told to stop by this look (or at its next catalog re-read, up
+#: to a second later): that wait is on ``start --cutover``'s path to its exit. One kept connection serves the looks.
+WATCH_S = 0.1
+
+
 def watch(target: str, name: str, stop: threading.Event, finished: threading.Event) -> None:
     """Set ``stop`` when the migration is done (a cutover completed) or failed (aborted), as another shell decides;
     return when ``finished`` is set first. Runs through the set-up too: an abort during the copy stops it."""
-    while not finished.wait(0.5):
-        with contextlib.suppress(Exception), psycopg.connect(target, autocommit=True) as c:
-            if store.phase_of(c, name) in ("done", "failed"):
+    conns: dict[str, psycopg.Connection[Any]] = {}
+    try:
+        while not finished.wait(WATCH_S):
+            phase = _phase(conns, target, name)
+            if phase is None:
+                finished.wait(0.5)  # the target may be restarting: look again a little later
+            elif phase in ("done", "failed"):
                 stop.set()
                 return
+    finally:
+        _close_all(conns)
+
+
+def _phase(conns: dict[str, psycopg.Connection[Any]], target: str, name: str) -> str | None:
+    """The migration's phase, read through the kept connection (opened again when missing or lost); None when the
+    target cannot be read now."""
+    try:
+        conn = conns.get("target")
+        if conn is None or conn.closed or conn.broken:
+            conn = conns["target"] = psycopg.connect(target, autocommit=True, connect_timeout=5)
+        return store.phase_of(conn, name)
+    except Exception:  # noqa: BLE001
+        _close_all(conns)
+        return None

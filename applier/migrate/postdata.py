@@ -369,7 +369,7 @@ def run_steps(
     copy_running: Callable[[], bool],
     stop: threading.Event,
     say: Callable[[str], None],
-    poll: float = 0.3,
+    poll: float = 0.1,
     cost: Mapping[str, float] | None = None,
 ) -> bool:
     """Run every step as soon as it is ready, ``jobs`` at a time, until all are done (True) or ``stop`` is set

@@ -86,6 +86,12 @@ def test_bench_runs_every_installed_tool_and_verifies_it(tmp_path: Path) -> None
     # 5 pgbench/big tables (pgbench_* and big) + 3 small ones, all counted on the source
     assert len(data["expected"]["rows"]) == 8
     assert data["expected"]["indexes"]["public.big"] == 4  # primary key + three secondary, one GIN
+    # the critical-path floor: the 2 largest tables measured alone, the slowest is the floor; ours against it
+    floor = data["floor"]
+    assert len(floor["tables"]) == 2 and floor["seconds"] == max(t["seconds"] for t in floor["tables"]) > 0
+    assert all(len(t["indexes"]) >= 1 for t in floor["tables"]), floor
+    report = (tmp_path / "r.md").read_text()
+    assert "Critical-path floor" in report and (by_tool["ours"]["unavailable"] or "the floor:" in report)
     assert res.returncode == (1 if any(s["failed"] for s in data["summaries"]) else 0), res.stderr[-3000:]
 
 

@@ -133,9 +133,12 @@ def test_a_gid_in_use_on_the_target_fails_clearly_then_recovers(pair, procs, tmp
     assert exit_status(proc, log) == 1
 
 
-def test_carry_refuses_a_transaction_prepared_before_two_phase_was_on(pair, procs, tmp_path) -> None:  # noqa: F811
-    """Prepared while a table was still being copied (two-phase pending), it reaches the target only at COMMIT
-    PREPARED: it cannot be carried, the cutover says so and unfences."""
+def test_a_transaction_prepared_during_the_copy_is_carried(pair, procs, tmp_path) -> None:  # noqa: F811
+    """Prepared on the source after the slot's snapshot, while the tables are still being copied: every table is
+    copied at that one snapshot, so the stream has two-phase on from its start (no pending state, no restart;
+    state.twophase.ready_at_slot_snapshot) and the transaction arrives at its PREPARE, once, and is carried. (A
+    stream that had two-phase off while it was prepared, after a start resumed mid-copy, gets it only at COMMIT
+    PREPARED; the cutover then refuses to carry it: applier.migrate.carry.)"""
     pub, tgt = pair.publisher, pair.target
     pub.execute(SCHEMA)
     log = tmp_path / "start.log"
@@ -144,23 +147,16 @@ def test_carry_refuses_a_transaction_prepared_before_two_phase_was_on(pair, proc
     wait_until(lambda: phase(tgt, "mig") == "copy" or proc.poll() is not None, timeout=120, what="phase copy")
     _prepare(pub, "early", "INSERT INTO acc (v) VALUES (5005)")  # no seed row has it
     wait_phase(tgt, "mig", "following", proc, log)
-    wait_until(lambda: _two_phase_on(tgt), timeout=60, what="two-phase on")
-    if "early" in _prepared(tgt):
-        pytest.skip("the stream had two-phase on before the transaction was prepared")
-    res = migrate(tgt, "cutover", "mig", "--prepared", "carry", "--timeout", "60")
-    assert (
-        res.returncode == 1
-        and "early were prepared before the migration's stream had two-phase on" in res.stderr
-    )
-    assert "the source is unfenced" in res.stderr
-    pub.execute("COMMIT PREPARED 'early'")
-    wait_until(
-        lambda: tgt.scalar("SELECT count(*) FROM acc WHERE v = 5005") == 1, timeout=60, what="committed"
-    )
+    assert _two_phase_on(tgt)  # from the set-up's end, before the worker's first stream
+    assert {r[0] for r in tgt.query("SELECT srsubstate FROM applier.subscription_rel")} == {"r"}
+    wait_until(lambda: "early" in _prepared(tgt), timeout=60, what="prepared on the target at its PREPARE")
+    assert "will restart so that two_phase can be enabled" not in log.read_text()
     res = migrate(tgt, "cutover", "mig", "--prepared", "carry", "--timeout", "60")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "nothing to carry" in res.stdout
+    assert "prepared: 1 transaction(s) carried" in res.stdout
     assert exit_status(proc, log) == 0
+    tgt.execute("COMMIT PREPARED 'early'")
+    assert tgt.scalar("SELECT count(*) FROM acc WHERE v = 5005") == 1  # once
     with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
         pub.execute("INSERT INTO acc (v) VALUES (6)")
 

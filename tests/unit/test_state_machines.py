@@ -50,6 +50,7 @@ from state.twophase import (
     check_refresh_publication,
     check_skip_lsn,
     initial_two_phase,
+    ready_at_slot_snapshot,
     should_restart_for_two_phase,
     stream_two_phase,
 )
@@ -1166,3 +1167,14 @@ def test_set_gid_format_is_parsed_and_checked() -> None:
     assert parse_set_options(["gid_format=Original"]) == {"gid_format": "original"}
     with pytest.raises(SubscriptionError, match='unrecognized gid_format value: "pub"'):
         parse_set_options(["gid_format=pub"])
+
+
+def test_ready_at_slot_snapshot_only_when_every_table_was_copied_at_the_slots_own_point() -> None:
+    """applier migrate start: two-phase on from the stream's start only when no table has an LSN of its own."""
+    x = 0x9DF5A90
+    assert ready_at_slot_snapshot([("s", x), (SyncState.SYNCDONE, x)], x)
+    assert not ready_at_slot_snapshot([("s", x), ("s", x + 8)], x)  # one copied again at a later snapshot
+    assert not ready_at_slot_snapshot([("s", x), ("f", None)], x)  # one not settled
+    assert not ready_at_slot_snapshot([("s", x), ("r", x)], x)  # already streaming: behaviour 57's restart
+    assert not ready_at_slot_snapshot([("s", x)], None)  # no slot point known
+    assert not ready_at_slot_snapshot([], x)  # no table: stays pending (behaviour 55)
