@@ -31,6 +31,7 @@ from applier.catalog import sql as catalog_sql
 from applier.catalog.store import origin_name
 from applier.lsn import parse_lsn
 from applier.migrate import carry as carrying
+from applier.migrate import counts as counting
 from applier.migrate import fence as fencing
 from applier.migrate import reverse as reversing
 from applier.migrate import store
@@ -305,6 +306,7 @@ class _Cutover:
         self.opts = opts
         self.say = say
         self.deadline = time.monotonic() + opts.timeout
+        self.baseline: counting.Baseline | None = None  # the counts before the fence (--verify counts)
 
     def left(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
@@ -360,18 +362,19 @@ class _Cutover:
         """The migrated tables, schema-qualified and quoted."""
         return [r[0] for r in target.execute(catalog_sql.SUBSCRIPTION_TABLE_NAMES, (subname,))]
 
-    def counts(self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], subname: str) -> None:
-        tables = self.tables(target, subname)
-        wrong = []
-        for t in tables:
-            q = sql.SQL("SELECT count(*) FROM {}").format(sql.SQL(t))
-            a = src.execute(q).fetchone()[0]  # type: ignore[index]
-            b = target.execute(q).fetchone()[0]  # type: ignore[index]
-            if a != b:
-                wrong.append(f"{t}: {a} rows on the source, {b} on the target")
+    def counts(
+        self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], m: store.Migration, endpos: str
+    ) -> None:
+        """Row counts of every table (:mod:`applier.migrate.counts`): those unchanged since the count before the
+        fence as counted then, the others counted again now; what was counted when goes into the notes."""
+        verified, wrong = counting.after_fence(
+            src, target, self.tables(target, m.subname), self.baseline, m.publication, endpos
+        )
+        with contextlib.suppress(Exception):
+            store.add_notes(target, m.name, {"verify": verified.to_json()})
         if wrong:
             raise MigrationError("verification failed: " + "; ".join(wrong))
-        self.say(f"verify: row counts of {len(tables)} table(s) equal")
+        self.say(verified.line())
 
     def objects(
         self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], m: store.Migration
@@ -422,6 +425,10 @@ class _Cutover:
         with psycopg.connect(self.opts.target, autocommit=True) as target:
             m, sub = self._check_can_start(target)
             store.set_phase(target, m.name, "cutover")
+            if self.opts.verify == "counts":
+                self.baseline = counting.before_fence(
+                    m.source, self.opts.target, sub[1], self.tables(target, m.subname), self.say
+                )
             src = fencing.open_source(m.source)
             progress = _Progress()
             try:
@@ -440,6 +447,7 @@ class _Cutover:
                 f"cutover done: write downtime {downtime:.2f}s (from the fence); the source stays read-only"
             )
             slot_gone = self._drop_on_source(src, m, sub[1])
+            counting.drop_slot(src, counting.slot_name(sub[1]))
             # only now: until start has stopped streaming, a write let through would still reach the new server
             progress.release()
             if progress.fence is not None and progress.fence.held_off:
@@ -492,12 +500,12 @@ class _Cutover:
         """Everything between the fence and ``done``, in order; any exception leaves it to :meth:`_back_out`
         (``progress`` tells it how far this got). Returns the write downtime."""
         fenced_at = self._fence(target, src, m, progress)
-        self._catch_up(target, src, sub, progress)
+        endpos = self._catch_up(target, src, sub, progress)
         n = self.sequences(target, src, m)
         self.say(f"sequences: {n} set from the source")
         self.objects(target, src, m)
         if self.opts.verify == "counts":
-            self.counts(target, src, m.subname)
+            self.counts(target, src, m, endpos)
         elif self.opts.verify == "full":
             self.full(m)
         if self.opts.reverse:
@@ -553,9 +561,9 @@ class _Cutover:
         src: psycopg.Connection[Any],
         sub: tuple[int, str],
         progress: _Progress,
-    ) -> None:
+    ) -> str:
         """Wait until the target has applied the fenced source's last position (``--prepared carry``: and its
-        prepared transactions are prepared on the target, into ``progress.carried``)."""
+        prepared transactions are prepared on the target, into ``progress.carried``); that position."""
         origin = origin_name(sub[0])
         endpos = src.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]  # type: ignore[index]
         self.say(f"end position {endpos}: waiting for the target to apply it")
@@ -569,6 +577,7 @@ class _Cutover:
                 lambda pos: self.wait_applied(target, src, origin, sub[1], pos),
             )
             self.say(carrying.carried_message(progress.carried))
+        return str(endpos)
 
     @staticmethod
     def _back_out(
@@ -586,6 +595,7 @@ class _Cutover:
                 reversing.undo(target, src, m.name)
         with contextlib.suppress(Exception):
             fencing.unfence(src)
+        counting.drop_slot(src, counting.slot_name(m.slot))
         with contextlib.suppress(Exception):
             store.set_phase(target, m.name, "following", error=error)
         src.close()
@@ -683,6 +693,7 @@ def abort(target_conninfo: str, name: str, say: Callable[[str], None], *, patien
             say("source unfenced")
             if m.slot_created:
                 drop_slot(src, m.slot, patience=patience, say=say)
+            counting.drop_slot(src, counting.slot_name(m.slot))
             if m.pub_created:
                 src.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(m.publication)))
                 say(f"publication {m.publication} dropped from the source")
