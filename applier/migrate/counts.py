@@ -18,7 +18,10 @@ counted again:
 
 A table no transaction changed after C has, on the source, its count at C as its final count; on the target,
 nothing the stream applied after the pre-fence count touched it, so its count then is final too: the two counts
-are compared as they are. Every other table is counted again on both servers after the fence. Anything that goes
+are compared as they are. Every other table is counted again on the target after the fence; its final count on
+the source is derived, exactly, from its count at C and the Insert and Delete messages the ``_count`` slot decodes
+for it (an UPDATE changes no count; a row moved to another partition is a Delete and an Insert), so the source
+scans nothing under the fence; after a TRUNCATE the source is counted again too. Anything that goes
 wrong before the fence (no free slot or WAL sender, a prepared transaction on the source, which would hold the
 slot's creation, a target that does not reach C in time) only means that every table is counted after the fence,
 as before; the report and the migration's notes say which.
@@ -51,7 +54,9 @@ CREATE_SLOT_SECONDS = 10.0
 #: how long the target may take to confirm the slot's point before the fence
 REACH_SECONDS = 30.0
 _SUFFIX = "_count"
-_RELATION = 0x52  # pgoutput's Relation message ('R')
+# pgoutput's message types: Relation, Insert, Delete, Truncate
+_RELATION, _INSERT, _DELETE, _TRUNCATE = 0x52, 0x49, 0x44, 0x54
+_KINDS = (_RELATION, _INSERT, _DELETE, _TRUNCATE)
 
 
 def slot_name(slot: str) -> str:
@@ -80,6 +85,7 @@ class Verified:
     point: str | None = None  # C, when there was a pre-fence count
     end: str | None = None  # the end position the target had applied when counted after the fence
     fallback: str | None = None  # why every table was counted after the fence
+    derived: dict[str, tuple[int, int]] = field(default_factory=dict)  # source side: C's count + (ins, del)
     seconds_before: float = 0.0
     seconds_after: float = 0.0
 
@@ -89,6 +95,9 @@ class Verified:
             "counted_before_fence": len(self.before_fence),
             "before_fence_at": self.point,
             "counted_after_fence": self.after_fence,
+            # the source's count of these changed tables: the count at C plus the rows inserted, less the rows
+            # deleted by the transactions committed since (decoded by the _count slot), not counted again
+            "source_derived": {t: {"inserted": i, "deleted": d} for t, (i, d) in self.derived.items()},
             "after_fence_at": self.end,
             "fallback": self.fallback,
             "seconds_before_fence": round(self.seconds_before, 3),
@@ -101,7 +110,13 @@ class Verified:
             return f"{head}, all counted after the fence ({self.fallback})"
         return (
             f"{head}: {len(self.before_fence)} counted before the fence at {self.point} and unchanged since, "
-            f"{len(self.after_fence)} changed since and counted again after the fence (at {self.end})"
+            f"{len(self.after_fence)} changed since and counted again after the fence (at {self.end}"
+            + (
+                f"; on the source, {len(self.derived)} of them as their count at {self.point} plus the rows "
+                "inserted less those deleted since)"
+                if self.derived
+                else ")"
+            )
         )
 
 
@@ -230,23 +245,43 @@ def _count_both(
         counter.close()
 
 
-def changed_since(src: psycopg.Connection[Any], base: Baseline, publication: str) -> set[str]:
-    """The tables a transaction committed after C changed, up to now: the Relation messages of the ``_count``
-    slot's changes (read, not consumed), as ``format('%I.%I')`` names."""
+@dataclass
+class Changes:
+    """What the transactions committed after C did, per table (``format('%I.%I')`` names): the tables changed,
+    the rows inserted and deleted in each, and whether any table was truncated (then none is derived)."""
+
+    tables: set[str] = field(default_factory=set)
+    inserted: dict[str, int] = field(default_factory=dict)
+    deleted: dict[str, int] = field(default_factory=dict)
+    truncated: bool = False
+
+
+def changed_since(src: psycopg.Connection[Any], base: Baseline, publication: str) -> Changes:
+    """The ``_count`` slot's changes since C up to now (read, not consumed), counted on the source by message type
+    and relation: pgoutput's Relation, Insert and Delete messages carry the table's OID right after their type
+    byte; a Truncate message (its relations listed differently) only marks that there was one."""
     rows = src.execute(
-        "SELECT DISTINCT substr(data, 2, 4) FROM pg_logical_slot_peek_binary_changes(%s, NULL, NULL,"
-        " 'proto_version', '1', 'publication_names', %s) WHERE get_byte(data, 0) = %s",
-        (base.slot, publication, _RELATION),
+        "SELECT get_byte(data, 0), substr(data, 2, 4), count(*) FROM pg_logical_slot_peek_binary_changes(%s, NULL,"
+        " NULL, 'proto_version', '1', 'publication_names', %s) WHERE get_byte(data, 0) = ANY(%s) GROUP BY 1, 2",
+        (base.slot, publication, list(_KINDS)),
     ).fetchall()
-    relids = [int.from_bytes(bytes(r[0]), "big") for r in rows]
-    return {
-        r[0]
-        for r in src.execute(
-            "SELECT format('%%I.%%I', n.nspname, c.relname) FROM pg_class c"
+    by_oid = [(kind, int.from_bytes(bytes(oid), "big"), int(n)) for kind, oid, n in rows]
+    names = dict(
+        src.execute(
+            "SELECT c.oid::int8, format('%%I.%%I', n.nspname, c.relname) FROM pg_class c"
             " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = ANY(%s::oid[])",
-            (relids,),
-        )
-    }
+            ([oid for kind, oid, _ in by_oid if kind != _TRUNCATE],),
+        ).fetchall()
+    )
+    changes = Changes(truncated=any(kind == _TRUNCATE for kind, _, _ in by_oid))
+    for kind, oid, n in by_oid:
+        name = names.get(oid)
+        if kind == _RELATION and name is not None:
+            changes.tables.add(name)
+        elif kind in (_INSERT, _DELETE) and name is not None:
+            into = changes.inserted if kind == _INSERT else changes.deleted
+            into[name] = into.get(name, 0) + n
+    return changes
 
 
 def after_fence(
@@ -257,25 +292,35 @@ def after_fence(
     publication: str,
     end: str,
 ) -> tuple[Verified, list[str]]:
-    """Under the fence, the target having applied ``end``: count again what changed after C (everything without a
-    baseline) on both servers at once; what was verified, and each table whose counts differ."""
+    """Under the fence, the target having applied ``end``: count again on the target what changed after C
+    (everything, without a baseline), and derive the source's counts of those tables from C's and the rows
+    inserted and deleted since (counted again too after a truncate); what was verified, and each table whose
+    counts differ."""
     started = time.monotonic()
     result = Verified(len(tables), end=end)
     again: list[str] = list(tables)
+    derived: dict[str, int] = {}
     if base is not None:
         try:
-            changed = changed_since(src, base, publication)
+            changes = changed_since(src, base, publication)
         except psycopg.Error as exc:
             result.fallback = f"the changes since the count could not be read: {str(exc).strip()}"
         else:
-            again = [t for t in tables if t in changed or t not in base.source or t not in base.target]
+            again = [t for t in tables if t in changes.tables or t not in base.source or t not in base.target]
             result.point, result.seconds_before = base.point, base.seconds
             result.before_fence = [t for t in tables if t not in again]
+            if not changes.truncated:
+                derived = {
+                    t: base.source[t] + changes.inserted.get(t, 0) - changes.deleted.get(t, 0)
+                    for t in again
+                    if t in base.source
+                }
+                result.derived = {t: (changes.inserted.get(t, 0), changes.deleted.get(t, 0)) for t in derived}
     else:
         result.fallback = "no count before the fence"
     result.after_fence = again
     with ThreadPoolExecutor(1) as pool:
-        on_source = pool.submit(lambda: {t: _count(src, t) for t in again})
+        on_source = pool.submit(lambda: {t: derived[t] if t in derived else _count(src, t) for t in again})
         on_target = {t: _count(target, t) for t in again}
         counts = on_source.result()
     wrong = [

@@ -100,6 +100,10 @@ def test_the_report_says_what_was_counted_before_and_after_the_fence(pair, procs
     assert notes["tables"] == 3 and notes["fallback"] is None, notes
     assert notes["counted_before_fence"] == 1 and notes["before_fence_at"], notes
     assert sorted(notes["counted_after_fence"]) == ["public.acc", "public.log"], notes
+    # the source's counts of acc and log: the counts at the point plus the rows inserted since (none deleted)
+    derived = notes["source_derived"]
+    assert sorted(derived) == ["public.acc", "public.log"] and derived["public.acc"]["inserted"] > 0, notes
+    assert derived["public.acc"]["deleted"] == 0, notes
     line = f"1 counted before the fence at {notes['before_fence_at']} and unchanged since, 2 changed since"
     assert line in res.stdout, res.stdout
     for table in ("acc", "log", "quiet"):
@@ -129,4 +133,45 @@ def test_a_prepared_transaction_on_the_source_means_counting_after_the_fence(pai
     assert notes["before_fence_at"] is None and notes["counted_before_fence"] == 0 and notes["fallback"], (
         notes
     )
+    assert exit_status(proc, log) == 0, log.read_text()
+
+
+def test_rows_deleted_and_inserted_after_the_count_are_derived_exactly(pair, procs, tmp_path) -> None:  # noqa: F811
+    """Deletes, inserts and updates between the count's point and the fence: the source's count of the table is
+    its count at the point plus the inserts less the deletes, which must equal the target's, counted again."""
+    pub, tgt = pair.publisher, pair.target
+    pub.execute(SCHEMA + QUIET)
+    log = tmp_path / "start.log"
+    proc = start(pair, "mig", log=log)
+    procs.append(proc)
+    wait_phase(tgt, "mig", "following", proc, log)
+    locker = tgt.connect()
+    locker.execute("BEGIN")
+    locker.execute("LOCK TABLE quiet IN ACCESS EXCLUSIVE MODE")
+    cut = subprocess.Popen([*APPLIER_CUTOVER, "--target", tgt.dsn, "--timeout", "60"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        wait_until(
+            lambda: (
+                pub.scalar("SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE '%\\_count'") == 1
+                and tgt.scalar(
+                    "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'quiet'::regclass"
+                )
+                == 1
+            ),
+            timeout=60,
+            what="the cutover's count before the fence, waiting for quiet",
+        )
+        pub.execute("DELETE FROM log WHERE id <= 10")
+        pub.execute("INSERT INTO log (note) VALUES ('a'), ('b'), ('c')")
+        pub.execute("UPDATE log SET note = 'u' WHERE id BETWEEN 20 AND 30")
+    finally:
+        locker.rollback()
+        locker.close()
+    out, _ = cut.communicate(timeout=120)
+    assert cut.returncode == 0, out
+    notes = json.loads(migrate(tgt, "status", "mig", "--json").stdout)["notes"]["verify"]
+    assert notes["counted_after_fence"] == ["public.log"], notes
+    assert notes["source_derived"] == {"public.log": {"inserted": 3, "deleted": 10}}, notes
+    assert tgt.scalar("SELECT count(*) FROM log") == pub.scalar("SELECT count(*) FROM log") == 493
     assert exit_status(proc, log) == 0, log.read_text()
