@@ -356,6 +356,7 @@ def worker_main(
     stop = threading.Event()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, set_once(stop))  # a second SIGTERM inside the first must not deadlock
+    _wake_on_signals()
     threading.Thread(target=_orphan_watch, args=(stop,), name="orphan-watch", daemon=True).start()
     wlog = logging.getLogger(f"applier.worker.{subname}")
     try:
@@ -375,6 +376,19 @@ def worker_main(
     report.send(outcome)
     report.close()
     sys.exit(0 if outcome.ok else 1)
+
+
+def _wake_on_signals() -> None:
+    """A signal (SIGTERM) also ends the stream's wait for the publisher (:func:`applier.replication.set_wakeup_fd`):
+    the loop sees the stop event at once, not after its idle wait of up to a second (``migrate start`` stops its
+    worker this way once the cutover is done)."""
+    from applier import replication
+
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    replication.set_wakeup_fd(read)
 
 
 def _orphan_watch(stop: threading.Event) -> None:

@@ -251,6 +251,9 @@ class CutoverOptions:
     verify: str = "counts"  # counts | full | none
     prepared: str = "wait"  # wait | carry
     reverse: bool = False
+    #: called once the migration is done, before the slot is dropped: ``start --cutover`` stops its worker then
+    #: (the slot is dropped once the worker has let go of it), not when its watch next looks at the phase
+    on_done: Callable[[], None] | None = None
 
 
 _OWNED_SEQUENCES = """
@@ -442,6 +445,8 @@ class _Cutover:
                         f"{exc}; the source is unfenced, the migration goes on following"
                     ) from None
                 raise
+            if self.opts.on_done is not None:
+                self.opts.on_done()
             self._note_fence(target, m, progress)
             self.say(
                 f"cutover done: write downtime {downtime:.2f}s (from the fence); the source stays read-only"
@@ -658,7 +663,7 @@ def drop_slot(
         say(f"slot {slot} dropped from the source")
         return True
 
-    done = slots.drop_when_idle(look, drop, patience=patience, poll=0.1)
+    done = slots.drop_when_idle(look, drop, patience=patience, poll=0.02)
     if done.holder is not None:
         say(
             f"WARNING: slot {slot} is still in use on the source; drop it once start has stopped: "
