@@ -243,6 +243,10 @@ def format_status(doc: dict[str, Any]) -> str:
 # --- cutover -------------------------------------------------------------------------------------------------
 
 
+#: how long the cutover lets the target catch up again after the count before the fence
+SETTLE_SECONDS = 10.0
+
+
 @dataclass(frozen=True)
 class CutoverOptions:
     name: str
@@ -432,6 +436,7 @@ class _Cutover:
                 self.baseline = counting.before_fence(
                     m.source, self.opts.target, sub[1], self.tables(target, m.subname), self.say
                 )
+                self._settle(target, m, sub)
             src = fencing.open_source(m.source)
             progress = _Progress()
             try:
@@ -468,6 +473,15 @@ class _Cutover:
                     self.say(line)
             src.close()
         return 0
+
+    def _settle(self, target: psycopg.Connection[Any], m: store.Migration, sub: tuple[int, str]) -> None:
+        """Before the fence, after the count (the target may have fallen behind while both servers counted): let it
+        apply the source's current position again, for up to :data:`SETTLE_SECONDS`, so that the catch-up under the
+        fence has little left to do."""
+        with contextlib.suppress(psycopg.Error), psycopg.connect(m.source, autocommit=True) as src:
+            now = src.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]  # type: ignore[index]
+            timeout = min(SETTLE_SECONDS, self.left())
+            verify.wait_applied(target, src, origin_name(sub[0]), sub[1], now, timeout=timeout)
 
     @staticmethod
     def _note_fence(target: psycopg.Connection[Any], m: store.Migration, progress: _Progress) -> None:
