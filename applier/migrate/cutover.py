@@ -260,36 +260,6 @@ class CutoverOptions:
     on_done: Callable[[], None] | None = None
 
 
-_OWNED_SEQUENCES = """
-SELECT format('%I.%I', sn.nspname, s.relname), format('%I.%I', tn.nspname, t.relname), a.attname
-FROM pg_depend d
-JOIN pg_class s ON s.oid = d.objid AND s.relkind = 'S' JOIN pg_namespace sn ON sn.oid = s.relnamespace
-JOIN pg_class t ON t.oid = d.refobjid JOIN pg_namespace tn ON tn.oid = t.relnamespace
-JOIN pg_attribute a ON a.attrelid = t.oid AND a.attnum = d.refobjsubid
-WHERE d.classid = 'pg_class'::regclass AND d.refclassid = 'pg_class'::regclass AND d.deptype IN ('a', 'i')
-"""
-
-
-def _check_ahead_of_column(
-    target: psycopg.Connection[Any], seq: str, owner: tuple[str, str], following: int, inc: int
-) -> None:
-    """Refuse the cutover if the sequence's next value (``following``) is already in the column that owns it (a
-    table not migrated is not checked): the first insert on the new server would fail."""
-    table, column = owner
-    if target.execute("SELECT to_regclass(%s)", (table,)).fetchone()[0] is None:  # type: ignore[index]
-        return
-    top = target.execute(
-        sql.SQL("SELECT {} FROM {}").format(
-            sql.SQL("max({})" if inc > 0 else "min({})").format(sql.Identifier(column)),
-            sql.SQL(table),
-        )
-    ).fetchone()[0]  # type: ignore[index]
-    if top is not None and (following <= top if inc > 0 else following >= top):
-        raise MigrationError(
-            f"sequence {seq} would next give {following}, but {table}.{column} already holds {top}"
-        )
-
-
 @dataclass
 class _Progress:
     """How far a cutover got, for what follows it: the prepared transactions carried to the target, the statements
@@ -337,8 +307,10 @@ class _Cutover:
     def sequences(
         self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], m: store.Migration
     ) -> int:
-        """Every sequence of the migrated schemas, from the source; each must be past its column's largest value."""
+        """Every sequence of the migrated schemas, from the source; each must be past its column's largest value
+        (:mod:`applier.migrate.sequences`)."""
         from applier.migrate.selection import Selection
+        from applier.migrate.sequences import set_from_source
 
         sel = Selection.of(m.selection["schemas"], m.selection["tables"], m.selection["exclude_tables"])
         seqs = [
@@ -348,20 +320,7 @@ class _Cutover:
             )
             if sel.covers_schema(r[1])
         ]
-        owned = {r[0]: (r[1], r[2]) for r in src.execute(_OWNED_SEQUENCES)}
-        with target.transaction():
-            for seq in seqs:
-                last, called, inc = src.execute(
-                    sql.SQL(
-                        "SELECT last_value, is_called, (SELECT seqincrement FROM pg_sequence WHERE seqrelid = "
-                        "{}::regclass) FROM {}"
-                    ).format(sql.Literal(seq), sql.SQL(seq))
-                ).fetchone()  # type: ignore[misc]
-                if target.execute("SELECT to_regclass(%s)", (seq,)).fetchone()[0] is None:  # type: ignore[index]
-                    continue  # a sequence of a table not migrated
-                target.execute("SELECT setval(%s::regclass, %s, %s)", (seq, last, called))
-                if seq in owned:
-                    _check_ahead_of_column(target, seq, owned[seq], last + inc if called else last, inc)
+        set_from_source(target, src, seqs)
         return len(seqs)
 
     @staticmethod
