@@ -375,7 +375,24 @@ def worker_main(
         outcome = WorkerOutcome(subname, False, f"internal error: {type(exc).__name__}: {exc}")
     report.send(outcome)
     report.close()
-    sys.exit(0 if outcome.ok else 1)
+    _exit(0 if outcome.ok else 1)
+
+
+def _exit(status: int) -> None:
+    """End the worker process without the interpreter's teardown (0.1-0.3 s of collecting a worker's heap, while
+    ``migrate start`` waits for the worker to exit, and ``applier run`` on SIGTERM): the non-daemon threads are
+    joined, and the exit handlers (logging's flush, the metrics directory's removal, multiprocessing's) and the
+    standard streams' flush still run."""
+    import atexit
+
+    for thread in threading.enumerate():  # as the interpreter would: its non-daemon threads end first
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
 
 
 def _wake_on_signals() -> None:
