@@ -216,6 +216,15 @@ def _before_fence(
     return Baseline(name, point, counts[0], counts[1], seconds)
 
 
+def _count_in_snapshot(counter: psycopg.Connection[Any], tables: Sequence[str]) -> dict[str, int]:
+    """The source's counts in the transaction that imported the snapshot, ended at once: its locks would hold
+    off a TRUNCATE or DDL on the source until the target's count is over too."""
+    try:
+        return {t: _count(counter, t) for t in tables}
+    finally:
+        counter.execute("COMMIT")
+
+
 def _count_both(
     src: psycopg.Connection[Any],
     repl: ReplicationConnection,
@@ -234,7 +243,7 @@ def _count_both(
         counter.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot)))
         repl.close()  # the snapshot is imported: its exporter may go
         with ThreadPoolExecutor(1) as pool:
-            on_source = pool.submit(lambda: {t: _count(counter, t) for t in tables})
+            on_source = pool.submit(_count_in_snapshot, counter, tables)
             if not _reached(src, slot, point, time.monotonic() + REACH_SECONDS):
                 on_source.result()
                 return None
