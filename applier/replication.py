@@ -15,6 +15,7 @@ own messages are scrubbed of the password's text as well (a malformed conninfo m
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import re
@@ -356,6 +357,30 @@ class WaitingPeer(Protocol):
         ...
 
 
+#: The read end of this process's signal wake-up pipe (:func:`set_wakeup_fd`), at most one.
+_WAKEUP: list[int] = []
+
+
+def set_wakeup_fd(fd: int | None) -> None:
+    """A descriptor that, once readable, ends an idle wait in :meth:`ReplicationConnection.read` as its timeout
+    would: the apply worker's ``signal.set_wakeup_fd`` pipe, so that SIGTERM stops it at once instead of after the
+    idle wait (up to a second). A wait that also serves the target's pipeline (:class:`WaitingPeer`) ignores it."""
+    _WAKEUP[:] = [] if fd is None else [fd]
+
+
+def _wait_socket(selector: selectors.BaseSelector, fd: int, timeout: float) -> bool:
+    """Wait until the publisher's socket ``fd`` is readable (True) or ``timeout``; with a wake-up descriptor, until
+    that one is readable too (drained, False: the apply loop then looks at its stop event)."""
+    if not _WAKEUP:
+        return bool(selector.select(timeout))
+    ready = select.select([fd, _WAKEUP[0]], [], [], timeout)[0]
+    if _WAKEUP[0] in ready:
+        with contextlib.suppress(OSError):
+            os.read(_WAKEUP[0], 512)
+        return False
+    return bool(ready)
+
+
 class ReplicationConnection:
     """A logical-replication connection to a publisher (``replication=database``).
 
@@ -615,7 +640,7 @@ class ReplicationConnection:
             elif remaining <= 0:
                 if not select.select([self._fd], [], [], 0)[0]:
                     return None
-            elif not self._selector.select(remaining):  # type: ignore[union-attr]
+            elif not _wait_socket(self._selector, self._fd, remaining):  # type: ignore[arg-type]
                 return None
             self._consume_input()
 

@@ -376,6 +376,7 @@ def worker_main(
     stop = threading.Event()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, set_once(stop))  # a second SIGTERM inside the first must not deadlock
+    _wake_on_signals()
     threading.Thread(target=_orphan_watch, args=(stop,), name="orphan-watch", daemon=True).start()
     wlog = logging.getLogger(f"applier.worker.{subname}")
     try:
@@ -394,7 +395,37 @@ def worker_main(
         outcome = WorkerOutcome(subname, False, f"internal error: {type(exc).__name__}: {exc}")
     report.send(outcome)
     report.close()
-    sys.exit(0 if outcome.ok else 1)
+    _exit(0 if outcome.ok else 1)
+
+
+def _exit(status: int) -> None:
+    """End the worker process without the interpreter's teardown (0.1-0.3 s of collecting a worker's heap, while
+    ``migrate start`` waits for the worker to exit, and ``applier run`` on SIGTERM): the non-daemon threads are
+    joined, and the exit handlers (logging's flush, the metrics directory's removal, multiprocessing's) and the
+    standard streams' flush still run."""
+    import atexit
+
+    for thread in threading.enumerate():  # as the interpreter would: its non-daemon threads end first
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
+
+
+def _wake_on_signals() -> None:
+    """A signal (SIGTERM) also ends the stream's wait for the publisher (:func:`applier.replication.set_wakeup_fd`):
+    the loop sees the stop event at once, not after its idle wait of up to a second (``migrate start`` stops its
+    worker this way once the cutover is done)."""
+    from applier import replication
+
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    replication.set_wakeup_fd(read)
 
 
 def _orphan_watch(stop: threading.Event) -> None:

@@ -31,6 +31,7 @@ from applier.catalog import sql as catalog_sql
 from applier.catalog.store import origin_name
 from applier.lsn import parse_lsn
 from applier.migrate import carry as carrying
+from applier.migrate import counts as counting
 from applier.migrate import fence as fencing
 from applier.migrate import reverse as reversing
 from applier.migrate import store
@@ -242,6 +243,10 @@ def format_status(doc: dict[str, Any]) -> str:
 # --- cutover -------------------------------------------------------------------------------------------------
 
 
+#: how long the cutover lets the target catch up again after the count before the fence
+SETTLE_SECONDS = 10.0
+
+
 @dataclass(frozen=True)
 class CutoverOptions:
     name: str
@@ -250,36 +255,9 @@ class CutoverOptions:
     verify: str = "counts"  # counts | full | none
     prepared: str = "wait"  # wait | carry
     reverse: bool = False
-
-
-_OWNED_SEQUENCES = """
-SELECT format('%I.%I', sn.nspname, s.relname), format('%I.%I', tn.nspname, t.relname), a.attname
-FROM pg_depend d
-JOIN pg_class s ON s.oid = d.objid AND s.relkind = 'S' JOIN pg_namespace sn ON sn.oid = s.relnamespace
-JOIN pg_class t ON t.oid = d.refobjid JOIN pg_namespace tn ON tn.oid = t.relnamespace
-JOIN pg_attribute a ON a.attrelid = t.oid AND a.attnum = d.refobjsubid
-WHERE d.classid = 'pg_class'::regclass AND d.refclassid = 'pg_class'::regclass AND d.deptype IN ('a', 'i')
-"""
-
-
-def _check_ahead_of_column(
-    target: psycopg.Connection[Any], seq: str, owner: tuple[str, str], following: int, inc: int
-) -> None:
-    """Refuse the cutover if the sequence's next value (``following``) is already in the column that owns it (a
-    table not migrated is not checked): the first insert on the new server would fail."""
-    table, column = owner
-    if target.execute("SELECT to_regclass(%s)", (table,)).fetchone()[0] is None:  # type: ignore[index]
-        return
-    top = target.execute(
-        sql.SQL("SELECT {} FROM {}").format(
-            sql.SQL("max({})" if inc > 0 else "min({})").format(sql.Identifier(column)),
-            sql.SQL(table),
-        )
-    ).fetchone()[0]  # type: ignore[index]
-    if top is not None and (following <= top if inc > 0 else following >= top):
-        raise MigrationError(
-            f"sequence {seq} would next give {following}, but {table}.{column} already holds {top}"
-        )
+    #: called once the migration is done, before the slot is dropped: ``start --cutover`` stops its worker then
+    #: (the slot is dropped once the worker has let go of it), not when its watch next looks at the phase
+    on_done: Callable[[], None] | None = None
 
 
 @dataclass
@@ -305,6 +283,7 @@ class _Cutover:
         self.opts = opts
         self.say = say
         self.deadline = time.monotonic() + opts.timeout
+        self.baseline: counting.Baseline | None = None  # the counts before the fence (--verify counts)
 
     def left(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
@@ -328,8 +307,10 @@ class _Cutover:
     def sequences(
         self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], m: store.Migration
     ) -> int:
-        """Every sequence of the migrated schemas, from the source; each must be past its column's largest value."""
+        """Every sequence of the migrated schemas, from the source; each must be past its column's largest value
+        (:mod:`applier.migrate.sequences`)."""
         from applier.migrate.selection import Selection
+        from applier.migrate.sequences import set_from_source
 
         sel = Selection.of(m.selection["schemas"], m.selection["tables"], m.selection["exclude_tables"])
         seqs = [
@@ -339,20 +320,7 @@ class _Cutover:
             )
             if sel.covers_schema(r[1])
         ]
-        owned = {r[0]: (r[1], r[2]) for r in src.execute(_OWNED_SEQUENCES)}
-        with target.transaction():
-            for seq in seqs:
-                last, called, inc = src.execute(
-                    sql.SQL(
-                        "SELECT last_value, is_called, (SELECT seqincrement FROM pg_sequence WHERE seqrelid = "
-                        "{}::regclass) FROM {}"
-                    ).format(sql.Literal(seq), sql.SQL(seq))
-                ).fetchone()  # type: ignore[misc]
-                if target.execute("SELECT to_regclass(%s)", (seq,)).fetchone()[0] is None:  # type: ignore[index]
-                    continue  # a sequence of a table not migrated
-                target.execute("SELECT setval(%s::regclass, %s, %s)", (seq, last, called))
-                if seq in owned:
-                    _check_ahead_of_column(target, seq, owned[seq], last + inc if called else last, inc)
+        set_from_source(target, src, seqs)
         return len(seqs)
 
     @staticmethod
@@ -360,18 +328,19 @@ class _Cutover:
         """The migrated tables, schema-qualified and quoted."""
         return [r[0] for r in target.execute(catalog_sql.SUBSCRIPTION_TABLE_NAMES, (subname,))]
 
-    def counts(self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], subname: str) -> None:
-        tables = self.tables(target, subname)
-        wrong = []
-        for t in tables:
-            q = sql.SQL("SELECT count(*) FROM {}").format(sql.SQL(t))
-            a = src.execute(q).fetchone()[0]  # type: ignore[index]
-            b = target.execute(q).fetchone()[0]  # type: ignore[index]
-            if a != b:
-                wrong.append(f"{t}: {a} rows on the source, {b} on the target")
+    def counts(
+        self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], m: store.Migration, endpos: str
+    ) -> None:
+        """Row counts of every table (:mod:`applier.migrate.counts`): those unchanged since the count before the
+        fence as counted then, the others counted again now; what was counted when goes into the notes."""
+        verified, wrong = counting.after_fence(
+            src, target, self.tables(target, m.subname), self.baseline, m.publication, endpos
+        )
+        with contextlib.suppress(Exception):
+            store.add_notes(target, m.name, {"verify": verified.to_json()})
         if wrong:
             raise MigrationError("verification failed: " + "; ".join(wrong))
-        self.say(f"verify: row counts of {len(tables)} table(s) equal")
+        self.say(verified.line())
 
     def objects(
         self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], m: store.Migration
@@ -422,6 +391,11 @@ class _Cutover:
         with psycopg.connect(self.opts.target, autocommit=True) as target:
             m, sub = self._check_can_start(target)
             store.set_phase(target, m.name, "cutover")
+            if self.opts.verify == "counts":
+                self.baseline = counting.before_fence(
+                    m.source, self.opts.target, sub[1], self.tables(target, m.subname), self.say
+                )
+                self._settle(target, m, sub)
             src = fencing.open_source(m.source)
             progress = _Progress()
             try:
@@ -435,11 +409,14 @@ class _Cutover:
                         f"{exc}; the source is unfenced, the migration goes on following"
                     ) from None
                 raise
+            if self.opts.on_done is not None:
+                self.opts.on_done()
             self._note_fence(target, m, progress)
             self.say(
                 f"cutover done: write downtime {downtime:.2f}s (from the fence); the source stays read-only"
             )
             slot_gone = self._drop_on_source(src, m, sub[1])
+            counting.drop_slot(src, counting.slot_name(sub[1]))
             # only now: until start has stopped streaming, a write let through would still reach the new server
             progress.release()
             if progress.fence is not None and progress.fence.held_off:
@@ -455,6 +432,15 @@ class _Cutover:
                     self.say(line)
             src.close()
         return 0
+
+    def _settle(self, target: psycopg.Connection[Any], m: store.Migration, sub: tuple[int, str]) -> None:
+        """Before the fence, after the count (the target may have fallen behind while both servers counted): let it
+        apply the source's current position again, for up to :data:`SETTLE_SECONDS`, so that the catch-up under the
+        fence has little left to do."""
+        with contextlib.suppress(psycopg.Error), psycopg.connect(m.source, autocommit=True) as src:
+            now = src.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]  # type: ignore[index]
+            timeout = min(SETTLE_SECONDS, self.left())
+            verify.wait_applied(target, src, origin_name(sub[0]), sub[1], now, timeout=timeout)
 
     @staticmethod
     def _note_fence(target: psycopg.Connection[Any], m: store.Migration, progress: _Progress) -> None:
@@ -492,12 +478,12 @@ class _Cutover:
         """Everything between the fence and ``done``, in order; any exception leaves it to :meth:`_back_out`
         (``progress`` tells it how far this got). Returns the write downtime."""
         fenced_at = self._fence(target, src, m, progress)
-        self._catch_up(target, src, sub, progress)
+        endpos = self._catch_up(target, src, sub, progress)
         n = self.sequences(target, src, m)
         self.say(f"sequences: {n} set from the source")
         self.objects(target, src, m)
         if self.opts.verify == "counts":
-            self.counts(target, src, m.subname)
+            self.counts(target, src, m, endpos)
         elif self.opts.verify == "full":
             self.full(m)
         if self.opts.reverse:
@@ -553,9 +539,9 @@ class _Cutover:
         src: psycopg.Connection[Any],
         sub: tuple[int, str],
         progress: _Progress,
-    ) -> None:
+    ) -> str:
         """Wait until the target has applied the fenced source's last position (``--prepared carry``: and its
-        prepared transactions are prepared on the target, into ``progress.carried``)."""
+        prepared transactions are prepared on the target, into ``progress.carried``); that position."""
         origin = origin_name(sub[0])
         endpos = src.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]  # type: ignore[index]
         self.say(f"end position {endpos}: waiting for the target to apply it")
@@ -569,6 +555,7 @@ class _Cutover:
                 lambda pos: self.wait_applied(target, src, origin, sub[1], pos),
             )
             self.say(carrying.carried_message(progress.carried))
+        return str(endpos)
 
     @staticmethod
     def _back_out(
@@ -586,6 +573,7 @@ class _Cutover:
                 reversing.undo(target, src, m.name)
         with contextlib.suppress(Exception):
             fencing.unfence(src)
+        counting.drop_slot(src, counting.slot_name(m.slot))
         with contextlib.suppress(Exception):
             store.set_phase(target, m.name, "following", error=error)
         src.close()
@@ -648,7 +636,7 @@ def drop_slot(
         say(f"slot {slot} dropped from the source")
         return True
 
-    done = slots.drop_when_idle(look, drop, patience=patience, poll=0.1)
+    done = slots.drop_when_idle(look, drop, patience=patience, poll=0.02)
     if done.holder is not None:
         say(
             f"WARNING: slot {slot} is still in use on the source; drop it once start has stopped: "
@@ -683,6 +671,7 @@ def abort(target_conninfo: str, name: str, say: Callable[[str], None], *, patien
             say("source unfenced")
             if m.slot_created:
                 drop_slot(src, m.slot, patience=patience, say=say)
+            counting.drop_slot(src, counting.slot_name(m.slot))
             if m.pub_created:
                 src.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(m.publication)))
                 say(f"publication {m.publication} dropped from the source")

@@ -1,8 +1,9 @@
 """Fencing the source for a cutover: new transactions read-only, sessions ended, prepared ones decided.
 
 ``ALTER DATABASE … SET default_transaction_read_only = on`` makes every *new* session's transactions read-only;
-sessions already connected keep their setting, so they are ended: idle ones at once, ones inside a transaction
-when it finishes or at the timeout. Prepared transactions are not sessions and need no write permission to be
+sessions already connected keep their setting, so they are ended: at once, unless inside a transaction that has
+written (it has an xid), which is let finish (or ended at the timeout), looked at every 10 ms: a session that
+commits one transaction after another is ended between two of them. Prepared transactions are not sessions and need no write permission to be
 decided: ``COMMIT PREPARED``/``ROLLBACK PREPARED`` still work under the fence, so ``--prepared wait`` can wait for
 the application's transaction manager to finish them.
 
@@ -143,19 +144,22 @@ def end_sessions(
     say: Callable[[str], None],
     tables: Sequence[str] = (),
 ) -> FenceReport:
-    """End the sessions connected before the fence: idle ones now, the others when their transaction is over or at
-    ``deadline`` (``time.monotonic()``). Sessions that cannot be ended are not waited for: they are sorted into the
+    """End the sessions connected before the fence: at once, unless inside a transaction that has written (an xid),
+    which is let finish (its commit reaches the target) and then ended, or ended at ``deadline``
+    (``time.monotonic()``); then wait until they have exited. Sessions that cannot be ended are not waited for: they are sorted into the
     report's ``left`` (cannot write ``tables``) and ``held_off`` (could: the caller locks the tables,
     :func:`hold_off`)."""
     report = FenceReport()
     refused: set[int] = set()
+    writing: dict[int, str] = {}  # a busy session's transaction that has written: its xid, when first seen
     told = False
     while True:
         found = sessions(conn, tables)
         done = {s.pid for s in report.ended}  # ended, maybe still on its way out
         endable = [s for s in found if s.can_end and s.pid not in refused and s.pid not in done]
-        busy = [s for s in endable if s.busy]
-        ready = [s for s in endable if not s.busy] + (busy if time.monotonic() >= deadline else [])
+        still = _still_writing(conn, [s.pid for s in endable if s.busy], writing)
+        busy = [s for s in endable if s.pid in still]
+        ready = [s for s in endable if s not in busy] + (busy if time.monotonic() >= deadline else [])
         for s in ready:
             try:
                 conn.execute("SELECT pg_terminate_backend(%s)", (s.pid,))
@@ -169,14 +173,40 @@ def end_sessions(
         if not told:
             say(f"fence: waiting for {len(busy)} transaction(s) in progress on the source")
             told = True
-        time.sleep(0.05)
+        time.sleep(0.01)
     ended = {s.pid for s in report.ended}
+    _gone(conn, ended, deadline)
     for s in sessions(conn, tables):
         if s.pid in ended or (s.can_end and s.pid not in refused):
             continue  # still on its way out, or connected since (read-only: the fence is up)
         s = Session(s.pid, s.role, s.busy, s.superuser, False, s.can_write)
         (report.held_off if s.can_write else report.left).append(s)
     return report
+
+
+def _still_writing(conn: psycopg.Connection[Any], pids: list[int], seen: dict[int, str]) -> set[int]:
+    """Of ``pids`` (sessions inside a transaction), those still inside the transaction first seen writing
+    (``seen``: pid to that transaction's xid, kept from one look to the next). The others may be ended at once:
+    a transaction that has written nothing yet loses nothing, and one that began after the first seen has not
+    committed (ending it rolls it back, as the fence would refuse its writes anyway)."""
+    if not pids:
+        return set()
+    rows = conn.execute(
+        "SELECT pid, backend_xid::text FROM pg_stat_activity WHERE pid = ANY(%s)", (pids,)
+    ).fetchall()
+    return {pid for pid, xid in rows if xid is not None and seen.setdefault(pid, xid) == xid}
+
+
+def _gone(conn: psycopg.Connection[Any], pids: set[int], deadline: float) -> None:
+    """Until the ended sessions have exited (a commit in flight when it was ended is then over, before the
+    cutover reads its end position), or ``deadline``."""
+    while pids and time.monotonic() < deadline:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(%s)", (list(pids),)
+        ).fetchone()
+        if not row or not row[0]:
+            return
+        time.sleep(0.005)
 
 
 def hold_off(conninfo: str, tables: Sequence[str], deadline: float) -> psycopg.Connection[Any]:

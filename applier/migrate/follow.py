@@ -92,7 +92,7 @@ class Follower:
             return
         self.say(f"caught up (lag {lag} bytes): cutting over")
         try:
-            co.cutover(co.CutoverOptions(self.opts.name, self.opts.target), self.say)
+            co.cutover(co.CutoverOptions(self.opts.name, self.opts.target, on_done=self.stop.set), self.say)
         except Exception as exc:  # noqa: BLE001 - reported by run(), start exits 1
             self.auto_error = str(exc)
         self.stop.set()  # done (or failed): the worker stops now, not at its next look at the catalog

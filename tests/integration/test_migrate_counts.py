@@ -1,0 +1,191 @@
+"""The cutover's row counts before the fence (issue 28, :mod:`applier.migrate.counts`): a table changed after the
+pre-fence count is counted again after the fence, so a difference that arises after that count is still found; and
+the cutover's output and the migration's notes say which tables were counted before the fence (at which position)
+and which after it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+
+import pytest
+from test_migrate_cutover import SCHEMA, Writer, migrate
+from test_migrate_start import exit_status, phase, procs, start, wait_phase  # noqa: F401 - procs is a fixture
+
+from applier.testing import wait_until
+from tests.support.cli import APPLIER
+
+pytestmark = pytest.mark.core
+
+APPLIER_CUTOVER = [*APPLIER, "migrate", "cutover", "mig"]
+QUIET = "CREATE TABLE quiet (id int PRIMARY KEY); INSERT INTO quiet SELECT generate_series(1, 300);"
+
+
+def test_a_table_changed_after_the_count_before_the_fence_is_counted_again(pair, procs, tmp_path) -> None:  # noqa: F811
+    """A row the target loses after the pre-fence count (a trigger swallows it there) must fail the verification:
+    both servers' counts before the fence agree, so only counting the changed table again after the fence can
+    see it."""
+    pub, tgt = pair.publisher, pair.target
+    pub.execute(SCHEMA + QUIET)
+    log = tmp_path / "start.log"
+    proc = start(pair, "mig", log=log)
+    procs.append(proc)
+    wait_phase(tgt, "mig", "following", proc, log)
+    # on the target only: a trigger that fires for the apply too (ENABLE ALWAYS) and drops one marked row
+    tgt.execute(
+        "CREATE FUNCTION lose() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RETURN NULL; END $$;"
+        "CREATE TRIGGER lose BEFORE INSERT ON log FOR EACH ROW WHEN (NEW.note = 'lost') EXECUTE FUNCTION lose();"
+        "ALTER TABLE log ENABLE ALWAYS TRIGGER lose"
+    )
+    # hold the cutover between its count point and the fence: its count of quiet (the last table) waits for this
+    locker = tgt.connect()
+    locker.execute("BEGIN")
+    locker.execute("LOCK TABLE quiet IN ACCESS EXCLUSIVE MODE")
+    cut = subprocess.Popen([*APPLIER_CUTOVER, "--target", tgt.dsn, "--timeout", "60"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        wait_until(
+            lambda: (
+                pub.scalar("SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE '%\\_count'") == 1
+                and tgt.scalar(
+                    "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'quiet'::regclass"
+                )
+                == 1
+            ),
+            timeout=60,
+            what="the cutover's count before the fence, waiting for quiet",
+        )
+        pub.execute("INSERT INTO log (note) VALUES ('lost')")  # after the count's point, before the fence
+        wait_until(
+            lambda: pub.scalar(
+                "SELECT confirmed_flush_lsn >= pg_current_wal_lsn() FROM pg_replication_slots WHERE slot_name = 'mig'"
+            ),
+            timeout=60,
+            what="the row applied (and lost) on the target",
+        )
+    finally:
+        locker.rollback()
+        locker.close()
+    out, _ = cut.communicate(timeout=120)
+    assert cut.returncode == 1, out
+    assert "verification failed: public.log: 501 rows on the source, 500 on the target" in out, out
+    assert "the source is unfenced" in out
+    assert phase(tgt, "mig") == "following"
+    notes = json.loads(migrate(tgt, "status", "mig", "--json").stdout)["notes"]["verify"]
+    assert "public.log" in notes["counted_after_fence"] and "public.quiet" not in notes["counted_after_fence"]
+    assert pub.scalar("SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE '%\\_count'") == 0
+    assert migrate(tgt, "abort", "mig").returncode == 0
+    assert exit_status(proc, log) == 1
+
+
+def test_the_report_says_what_was_counted_before_and_after_the_fence(pair, procs, tmp_path) -> None:  # noqa: F811
+    """Under writes to acc and log (not quiet): quiet's counts are those from before the fence, acc and log are
+    counted again after it; the output and ``status --json``'s notes say so, with the count's position."""
+    pub, tgt = pair.publisher, pair.target
+    pub.execute(SCHEMA + QUIET)
+    writer = Writer(pub, pause=0.01)
+    writer.start()
+    log = tmp_path / "start.log"
+    proc = start(pair, "mig", log=log)
+    procs.append(proc)
+    wait_phase(tgt, "mig", "following", proc, log)
+    wait_until(lambda: len(writer.committed) >= 20, timeout=60, what="some writes")
+    res = migrate(tgt, "cutover", "mig", "--timeout", "60")
+    assert res.returncode == 0, res.stdout + res.stderr
+    writer.halt.set()
+    writer.join(timeout=30)
+    assert exit_status(proc, log) == 0, log.read_text()
+    notes = json.loads(migrate(tgt, "status", "mig", "--json").stdout)["notes"]["verify"]
+    assert notes["tables"] == 3 and notes["fallback"] is None, notes
+    assert notes["counted_before_fence"] == 1 and notes["before_fence_at"], notes
+    assert sorted(notes["counted_after_fence"]) == ["public.acc", "public.log"], notes
+    # the source's counts of acc and log: the counts at the point plus the rows inserted since (none deleted)
+    derived = notes["source_derived"]
+    assert sorted(derived) == ["public.acc", "public.log"] and derived["public.acc"]["inserted"] > 0, notes
+    assert derived["public.acc"]["deleted"] == 0, notes
+    line = f"1 counted before the fence at {notes['before_fence_at']} and unchanged since, 2 changed since"
+    assert line in res.stdout, res.stdout
+    for table in ("acc", "log", "quiet"):
+        query = f"SELECT count(*) FROM {table}"  # noqa: S608 - our own table names
+        assert tgt.scalar(query) == pub.scalar(query)
+    assert pub.scalar("SELECT count(*) FROM pg_replication_slots") == 0
+
+
+def test_a_prepared_transaction_on_the_source_means_counting_after_the_fence(pair, procs, tmp_path) -> None:  # noqa: F811
+    """A prepared transaction would hold the count slot's creation: every table is counted after the fence, and
+    the notes say why."""
+    pub, tgt = pair.publisher, pair.target
+    pub.execute(SCHEMA)
+    log = tmp_path / "start.log"
+    proc = start(pair, "mig", log=log)
+    procs.append(proc)
+    wait_phase(tgt, "mig", "following", proc, log)
+    with pub.connect() as c:
+        c.execute("BEGIN")
+        c.execute("INSERT INTO acc (v) VALUES (777)")
+        c.execute("PREPARE TRANSACTION 'app_tx_2'")
+    threading.Timer(3.0, lambda: pub.execute("COMMIT PREPARED 'app_tx_2'")).start()
+    res = migrate(tgt, "cutover", "mig", "--timeout", "60")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "all counted after the fence" in res.stdout, res.stdout
+    notes = json.loads(migrate(tgt, "status", "mig", "--json").stdout)["notes"]["verify"]
+    assert notes["before_fence_at"] is None and notes["counted_before_fence"] == 0 and notes["fallback"], (
+        notes
+    )
+    assert exit_status(proc, log) == 0, log.read_text()
+
+
+@pytest.mark.parametrize("truncate", [False, True], ids=["dml", "truncate"])
+def test_rows_deleted_and_inserted_after_the_count_are_derived_exactly(
+    pair,
+    procs,  # noqa: F811
+    tmp_path,
+    truncate,
+) -> None:
+    """Deletes, inserts and updates between the count's point and the fence: the source's count of the table is
+    its count at the point plus the inserts less the deletes, which must equal the target's, counted again. After
+    a TRUNCATE nothing is derived: the source counts again."""
+    pub, tgt = pair.publisher, pair.target
+    pub.execute(SCHEMA + QUIET)
+    log = tmp_path / "start.log"
+    proc = start(pair, "mig", log=log)
+    procs.append(proc)
+    wait_phase(tgt, "mig", "following", proc, log)
+    locker = tgt.connect()
+    locker.execute("BEGIN")
+    locker.execute("LOCK TABLE quiet IN ACCESS EXCLUSIVE MODE")
+    cut = subprocess.Popen([*APPLIER_CUTOVER, "--target", tgt.dsn, "--timeout", "60"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        wait_until(
+            lambda: (
+                pub.scalar("SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE '%\\_count'") == 1
+                and tgt.scalar(
+                    "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'quiet'::regclass"
+                )
+                == 1
+            ),
+            timeout=60,
+            what="the cutover's count before the fence, waiting for quiet",
+        )
+        if truncate:
+            pub.execute("TRUNCATE log")
+        pub.execute("DELETE FROM log WHERE id <= 10")
+        pub.execute("INSERT INTO log (note) VALUES ('a'), ('b'), ('c')")
+        pub.execute("UPDATE log SET note = 'u' WHERE id BETWEEN 20 AND 30")
+    finally:
+        locker.rollback()
+        locker.close()
+    out, _ = cut.communicate(timeout=120)
+    assert cut.returncode == 0, out
+    notes = json.loads(migrate(tgt, "status", "mig", "--json").stdout)["notes"]["verify"]
+    assert notes["counted_after_fence"] == ["public.log"], notes
+    derived = {} if truncate else {"public.log": {"inserted": 3, "deleted": 10}}
+    assert notes["source_derived"] == derived, notes
+    assert (
+        tgt.scalar("SELECT count(*) FROM log")
+        == pub.scalar("SELECT count(*) FROM log")
+        == (3 if truncate else 493)
+    )
+    assert exit_status(proc, log) == 0, log.read_text()
