@@ -5,21 +5,52 @@ and which after it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import threading
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from test_migrate_cutover import SCHEMA, Writer, migrate
 from test_migrate_start import exit_status, phase, procs, start, wait_phase  # noqa: F401 - procs is a fixture
 
 from applier.testing import wait_until
+from applier.testing.cluster import Database
 from tests.support.cli import APPLIER
 
 pytestmark = pytest.mark.core
 
 APPLIER_CUTOVER = [*APPLIER, "migrate", "cutover", "mig"]
 QUIET = "CREATE TABLE quiet (id int PRIMARY KEY); INSERT INTO quiet SELECT generate_series(1, 300);"
+
+
+@contextlib.contextmanager
+def _held_before_the_fence(pub: Database, tgt: Database) -> Iterator[subprocess.Popen[str]]:
+    """A cutover held between its count's point and the fence (its count of ``quiet`` waits for a lock) while
+    the block runs; released at the block's end."""
+    locker = tgt.connect()
+    locker.execute("BEGIN")
+    locker.execute("LOCK TABLE quiet IN ACCESS EXCLUSIVE MODE")
+    cut = subprocess.Popen([*APPLIER_CUTOVER, "--target", tgt.dsn, "--timeout", "60"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        wait_until(
+            lambda: (
+                pub.scalar("SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE '%\\_count'") == 1
+                and tgt.scalar(
+                    "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'quiet'::regclass"
+                )
+                == 1
+            ),
+            timeout=60,
+            what="the cutover's count before the fence, waiting for quiet",
+        )
+        yield cut
+    finally:
+        locker.rollback()
+        locker.close()
 
 
 def test_a_table_changed_after_the_count_before_the_fence_is_counted_again(pair, procs, tmp_path) -> None:  # noqa: F811
@@ -39,23 +70,7 @@ def test_a_table_changed_after_the_count_before_the_fence_is_counted_again(pair,
         "ALTER TABLE log ENABLE ALWAYS TRIGGER lose"
     )
     # hold the cutover between its count point and the fence: its count of quiet (the last table) waits for this
-    locker = tgt.connect()
-    locker.execute("BEGIN")
-    locker.execute("LOCK TABLE quiet IN ACCESS EXCLUSIVE MODE")
-    cut = subprocess.Popen([*APPLIER_CUTOVER, "--target", tgt.dsn, "--timeout", "60"],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    try:
-        wait_until(
-            lambda: (
-                pub.scalar("SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE '%\\_count'") == 1
-                and tgt.scalar(
-                    "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'quiet'::regclass"
-                )
-                == 1
-            ),
-            timeout=60,
-            what="the cutover's count before the fence, waiting for quiet",
-        )
+    with _held_before_the_fence(pub, tgt) as cut:
         pub.execute("INSERT INTO log (note) VALUES ('lost')")  # after the count's point, before the fence
         wait_until(
             lambda: pub.scalar(
@@ -64,9 +79,6 @@ def test_a_table_changed_after_the_count_before_the_fence_is_counted_again(pair,
             timeout=60,
             what="the row applied (and lost) on the target",
         )
-    finally:
-        locker.rollback()
-        locker.close()
     out, _ = cut.communicate(timeout=120)
     assert cut.returncode == 1, out
     assert "verification failed: public.log: 501 rows on the source, 500 on the target" in out, out
@@ -112,6 +124,72 @@ def test_the_report_says_what_was_counted_before_and_after_the_fence(pair, procs
     assert pub.scalar("SELECT count(*) FROM pg_replication_slots") == 0
 
 
+UPDATED = """
+CREATE TABLE upd (id int PRIMARY KEY, v int NOT NULL);
+CREATE TABLE trg (id int PRIMARY KEY, v int NOT NULL);
+INSERT INTO upd SELECT g, 0 FROM generate_series(1, 100) g;
+INSERT INTO trg SELECT g, 0 FROM generate_series(1, 100) g;
+"""
+
+
+def _update_both(conn: Any) -> int:
+    """One transaction updating a row of ``upd`` and one of ``trg`` (ids 1-50; no row in or out)."""
+    (i,) = conn.execute("SELECT 1 + floor(random() * 50)::int").fetchone()
+    conn.execute("UPDATE upd SET v = v + 1 WHERE id = %s", (i,))
+    conn.execute("UPDATE trg SET v = v + 1 WHERE id = %s", (i,))
+    return int(i)
+
+
+def test_tables_only_updated_after_the_count_keep_their_counts_from_before_the_fence(
+    pair,
+    procs,  # noqa: F811
+    tmp_path,
+) -> None:
+    """Tables that the writes after C only update are not counted again under the fence (an UPDATE moves no
+    count), yet still verified: a row the target lacks is found by the counts from before the fence (the first
+    cutover fails); a table whose ALWAYS trigger on the target fires for the apply is counted again after it."""
+    pub, tgt = pair.publisher, pair.target
+    pub.execute(UPDATED + QUIET)
+    log = tmp_path / "start.log"
+    proc = start(pair, "mig", log=log)
+    procs.append(proc)
+    wait_phase(tgt, "mig", "following", proc, log)
+    tgt.execute(
+        "CREATE FUNCTION keep() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RETURN NEW; END $$;"
+        "CREATE TRIGGER keep BEFORE UPDATE ON trg FOR EACH ROW EXECUTE FUNCTION keep();"
+        "ALTER TABLE trg ENABLE ALWAYS TRIGGER keep;"
+        "DELETE FROM upd WHERE id = 100"  # a row the target lost, before the count's point
+    )
+    writer = Writer(pub, write=_update_both, pause=0.01)
+    writer.start()
+    try:
+        wait_until(lambda: len(writer.committed) >= 20, timeout=60, what="some updates")
+        res = migrate(tgt, "cutover", "mig", "--timeout", "60")
+        assert res.returncode == 1, res.stdout + res.stderr
+        out = res.stdout + res.stderr
+        assert "public.upd: 100 rows on the source, 99 on the target (both at" in out, out
+        assert phase(tgt, "mig") == "following"
+    finally:
+        writer.halt.set()
+        writer.join(timeout=30)
+    tgt.execute("INSERT INTO upd VALUES (100, 0)")
+    with _held_before_the_fence(pub, tgt) as cut:  # the first cutover's fence ended the writer: update here
+        with pub.connect() as conn:
+            for _ in range(10):
+                _update_both(conn)
+    out, _ = cut.communicate(timeout=120)
+    assert cut.returncode == 0, out
+    assert exit_status(proc, log) == 0, log.read_text()
+    notes = json.loads(migrate(tgt, "status", "mig", "--json").stdout)["notes"]["verify"]
+    assert notes["fallback"] is None and notes["before_fence_at"], notes
+    assert notes["updated_only_since"] == ["public.upd"], notes
+    assert notes["counted_after_fence"] == ["public.trg"], notes
+    assert "(or only updated: 1)" in out, out
+    for table in ("upd", "trg"):
+        query = f"SELECT count(*), sum(v) FROM {table}"  # noqa: S608 - our own table names
+        assert tgt.query(query) == pub.query(query)
+
+
 def test_a_prepared_transaction_on_the_source_means_counting_after_the_fence(pair, procs, tmp_path) -> None:  # noqa: F811
     """A prepared transaction would hold the count slot's creation: every table is counted after the fence, and
     the notes say why."""
@@ -152,31 +230,12 @@ def test_rows_deleted_and_inserted_after_the_count_are_derived_exactly(
     proc = start(pair, "mig", log=log)
     procs.append(proc)
     wait_phase(tgt, "mig", "following", proc, log)
-    locker = tgt.connect()
-    locker.execute("BEGIN")
-    locker.execute("LOCK TABLE quiet IN ACCESS EXCLUSIVE MODE")
-    cut = subprocess.Popen([*APPLIER_CUTOVER, "--target", tgt.dsn, "--timeout", "60"],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    try:
-        wait_until(
-            lambda: (
-                pub.scalar("SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE '%\\_count'") == 1
-                and tgt.scalar(
-                    "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'quiet'::regclass"
-                )
-                == 1
-            ),
-            timeout=60,
-            what="the cutover's count before the fence, waiting for quiet",
-        )
+    with _held_before_the_fence(pub, tgt) as cut:
         if truncate:
             pub.execute("TRUNCATE log")
         pub.execute("DELETE FROM log WHERE id <= 10")
         pub.execute("INSERT INTO log (note) VALUES ('a'), ('b'), ('c')")
         pub.execute("UPDATE log SET note = 'u' WHERE id BETWEEN 20 AND 30")
-    finally:
-        locker.rollback()
-        locker.close()
     out, _ = cut.communicate(timeout=120)
     assert cut.returncode == 0, out
     notes = json.loads(migrate(tgt, "status", "mig", "--json").stdout)["notes"]["verify"]
