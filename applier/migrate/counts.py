@@ -11,10 +11,13 @@ counted again:
   reports a position as flushed only once its commit came back from the target (:mod:`applier.apply.feedback`), so
   every transaction up to C is then visible to the count. (The replication origin's progress is not used here: it
   moves inside the commit, before the transaction is visible to others.)
-- **what changed after C**: after the fence, once the target has applied the end position, the ``_count`` slot is
-  read (``pg_logical_slot_peek_binary_changes`` with the migration's publication, the Relation messages only):
-  pgoutput sends a Relation message before the first change of each table in that decoding, so these name every
-  table a transaction committed after C changed, up to the moment of the read (past the end position).
+- **what changed after C**: right after the fence (while the target still applies the end position), the
+  ``_count`` slot is read (``pg_logical_slot_peek_binary_changes`` with the migration's publication; its Relation,
+  Insert, Delete, Truncate and Commit messages): pgoutput sends a Relation message before the first change of each
+  table in that decoding, so these name every table a transaction committed after C changed, up to the moment of
+  the read (past the end position). The last Commit's position is where the target's replication origin will be
+  once it has applied them all: the cutover waits for that, not for the slot to confirm the end position, which
+  comes only after the target flushed its WAL and the worker reported it (about 0.4 s more).
 
 A table no transaction changed after C has, on the source, its count at C as its final count; on the target,
 nothing the stream applied after the pre-fence count touched it, so its count then is final too: the two counts
@@ -51,16 +54,27 @@ from psycopg import sql
 from applier.lsn import format_lsn
 from applier.replication import ReplicationConnection, ReplicationConnectionError
 
-__all__ = ["Baseline", "Verified", "after_fence", "before_fence", "drop_slot", "slot_name"]
+__all__ = [
+    "Baseline",
+    "Changes",
+    "Verified",
+    "after_fence",
+    "before_fence",
+    "drop_slot",
+    "read_changes",
+    "slot_name",
+]
 
 #: how long the ``_count`` slot's creation may wait for the source's running transactions
 CREATE_SLOT_SECONDS = 10.0
 #: how long the target may take to confirm the slot's point before the fence
 REACH_SECONDS = 30.0
+#: a table whose counts differ under the fence is counted again on the target after this many seconds
+RECOUNT_AFTER = 0.1
 _SUFFIX = "_count"
-# pgoutput's message types: Relation, Insert, Delete, Truncate
-_RELATION, _INSERT, _DELETE, _TRUNCATE = 0x52, 0x49, 0x44, 0x54
-_KINDS = (_RELATION, _INSERT, _DELETE, _TRUNCATE)
+# pgoutput's message types: Relation, Insert, Delete, Truncate, Commit
+_RELATION, _INSERT, _DELETE, _TRUNCATE, _COMMIT = 0x52, 0x49, 0x44, 0x54, 0x43
+_KINDS = (_RELATION, _INSERT, _DELETE, _TRUNCATE, _COMMIT)
 
 
 def slot_name(slot: str) -> str:
@@ -273,18 +287,41 @@ class Changes:
     inserted: dict[str, int] = field(default_factory=dict)
     deleted: dict[str, int] = field(default_factory=dict)
     truncated: bool = False
+    #: the end of the last published transaction's commit record after C (None: none committed since C). The
+    #: target's replication origin reaches exactly this position when the worker commits that transaction.
+    last_commit: str | None = None
+    error: str | None = (
+        None  # why the changes could not be read (then every table is counted after the fence)
+    )
+
+
+def read_changes(src: psycopg.Connection[Any], base: Baseline | None, publication: str) -> Changes | None:
+    """:func:`changed_since` under the fence, or None without a baseline; an error reading them is kept in
+    ``error``, not raised: the cutover then waits and counts as without a baseline."""
+    if base is None:
+        return None
+    try:
+        return changed_since(src, base, publication)
+    except psycopg.Error as exc:
+        return Changes(error=f"the changes since the count could not be read: {str(exc).strip()}")
 
 
 def changed_since(src: psycopg.Connection[Any], base: Baseline, publication: str) -> Changes:
     """The ``_count`` slot's changes since C up to now (read, not consumed), counted on the source by message type
     and relation: pgoutput's Relation, Insert and Delete messages carry the table's OID right after their type
-    byte; a Truncate message (its relations listed differently) only marks that there was one."""
+    byte; a Truncate message (its relations listed differently) only marks that there was one. The greatest LSN
+    of a Commit message is the end of the last commit record (``commit_cb_wrapper`` sets the write location to
+    ``txn->end_lsn``)."""
     rows = src.execute(
-        "SELECT get_byte(data, 0), substr(data, 2, 4), count(*) FROM pg_logical_slot_peek_binary_changes(%s, NULL,"
-        " NULL, 'proto_version', '1', 'publication_names', %s) WHERE get_byte(data, 0) = ANY(%s) GROUP BY 1, 2",
-        (base.slot, publication, list(_KINDS)),
+        "SELECT get_byte(data, 0), CASE WHEN get_byte(data, 0) <> %s THEN substr(data, 2, 4) END, count(*),"
+        " max(lsn)::text FROM pg_logical_slot_peek_binary_changes(%s, NULL, NULL, 'proto_version', '1',"
+        " 'publication_names', %s) WHERE get_byte(data, 0) = ANY(%s) GROUP BY 1, 2",
+        (_COMMIT, base.slot, publication, list(_KINDS)),
     ).fetchall()
-    by_oid = [(kind, int.from_bytes(bytes(oid), "big"), int(n)) for kind, oid, n in rows]
+    last_commit = next((str(lsn) for kind, _, _, lsn in rows if kind == _COMMIT), None)
+    by_oid = [
+        (kind, int.from_bytes(bytes(oid), "big"), int(n)) for kind, oid, n, _ in rows if kind != _COMMIT
+    ]
     names = dict(
         src.execute(
             "SELECT c.oid::int8, format('%%I.%%I', n.nspname, c.relname) FROM pg_class c"
@@ -292,7 +329,7 @@ def changed_since(src: psycopg.Connection[Any], base: Baseline, publication: str
             ([oid for kind, oid, _ in by_oid if kind != _TRUNCATE],),
         ).fetchall()
     )
-    changes = Changes(truncated=any(kind == _TRUNCATE for kind, _, _ in by_oid))
+    changes = Changes(truncated=any(kind == _TRUNCATE for kind, _, _ in by_oid), last_commit=last_commit)
     for kind, oid, n in by_oid:
         name = names.get(oid)
         if kind == _RELATION and name is not None:
@@ -318,27 +355,46 @@ def _firing_for_the_apply(target: psycopg.Connection[Any], tables: set[str]) -> 
     return {r[0] for r in rows}
 
 
+def _count_again(
+    src: psycopg.Connection[Any], target: psycopg.Connection[Any], again: list[str], derived: dict[str, int]
+) -> list[str]:
+    """Count ``again`` on both servers (the source's count taken from ``derived`` where it is there); each table
+    whose counts differ. A difference is counted once more on the target after :data:`RECOUNT_AFTER`: the
+    replication origin moves inside the worker's commit, a moment before its rows are visible to others."""
+    with ThreadPoolExecutor(1) as pool:
+        on_source = pool.submit(lambda: {t: derived[t] if t in derived else _count(src, t) for t in again})
+        on_target = {t: _count(target, t) for t in again}
+        counts = on_source.result()
+    differ = [t for t in again if counts[t] != on_target[t]]
+    if differ:
+        time.sleep(RECOUNT_AFTER)
+        on_target |= {t: _count(target, t) for t in differ}
+    return [
+        f"{t}: {counts[t]} rows on the source, {on_target[t]} on the target"
+        for t in differ
+        if counts[t] != on_target[t]
+    ]
+
+
 def after_fence(
     src: psycopg.Connection[Any],
     target: psycopg.Connection[Any],
     tables: Sequence[str],
     base: Baseline | None,
-    publication: str,
+    changes: Changes | None,
     end: str,
 ) -> tuple[Verified, list[str]]:
     """Under the fence, the target having applied ``end``: count again on the target what changed after C
-    (everything, without a baseline), and derive the source's counts of those tables from C's and the rows
-    inserted and deleted since (counted again too after a truncate); what was verified, and each table whose
-    counts differ."""
+    (``changes``, read by :func:`read_changes` under the fence; everything without a baseline), and derive the
+    source's counts of those tables from C's and the rows inserted and deleted since (counted again too after a
+    truncate); what was verified, and each table whose counts differ."""
     started = time.monotonic()
     result = Verified(len(tables), end=end)
     again: list[str] = list(tables)
     derived: dict[str, int] = {}
-    if base is not None:
-        try:
-            changes = changed_since(src, base, publication)
-        except psycopg.Error as exc:
-            result.fallback = f"the changes since the count could not be read: {str(exc).strip()}"
+    if base is not None and changes is not None:
+        if changes.error is not None:
+            result.fallback = changes.error
         else:
             counted = {
                 t
@@ -360,15 +416,7 @@ def after_fence(
     else:
         result.fallback = "no count before the fence"
     result.after_fence = again
-    with ThreadPoolExecutor(1) as pool:
-        on_source = pool.submit(lambda: {t: derived[t] if t in derived else _count(src, t) for t in again})
-        on_target = {t: _count(target, t) for t in again}
-        counts = on_source.result()
-    wrong = [
-        f"{t}: {counts[t]} rows on the source, {on_target[t]} on the target"
-        for t in again
-        if counts[t] != on_target[t]
-    ]
+    wrong = _count_again(src, target, again, derived)
     if base is not None:
         wrong += [
             f"{t}: {base.source[t]} rows on the source, {base.target[t]} on the target (both at {base.point}, "

@@ -34,6 +34,7 @@ from applier.migrate import carry as carrying
 from applier.migrate import counts as counting
 from applier.migrate import fence as fencing
 from applier.migrate import reverse as reversing
+from applier.migrate import sequences as seqs
 from applier.migrate import store
 from applier.migrate.state import MigrationError
 from applier.migrate.steps import CUTOVER_KINDS, StepKind
@@ -284,6 +285,8 @@ class _Cutover:
         self.say = say
         self.deadline = time.monotonic() + opts.timeout
         self.baseline: counting.Baseline | None = None  # the counts before the fence (--verify counts)
+        self.owned = seqs.Owned([])  # the sequences to set, read before the fence
+        self.extremes: seqs.Extremes | None = None  # their owning columns' extremes before the fence
 
     def left(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
@@ -295,33 +298,40 @@ class _Cutover:
         origin: str,
         slot: str,
         endpos: str,
+        last_commit: str | None = None,
     ) -> None:
         """Until the target has applied the source up to ``endpos`` (:func:`applier.verify.wait_applied`), within
         the cutover's timeout."""
-        if not verify.wait_applied(target, src, origin, slot, endpos, timeout=self.left()):
+        if not verify.wait_applied(
+            target, src, origin, slot, endpos, timeout=self.left(), last_commit=last_commit
+        ):
             raise MigrationError(
                 f"the target did not apply the source's changes up to {endpos} in time "
                 "(is applier migrate start running?)"
             )
 
-    def sequences(
+    def sequences_before(
         self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], m: store.Migration
-    ) -> int:
-        """Every sequence of the migrated schemas, from the source; each must be past its column's largest value
-        (:mod:`applier.migrate.sequences`)."""
+    ) -> None:
+        """Before the fence: the migrated schemas' sequences and the columns that own them, and (with a count
+        before the fence) those columns' extremes on the target (:mod:`applier.migrate.sequences`)."""
         from applier.migrate.selection import Selection
-        from applier.migrate.sequences import set_from_source
 
         sel = Selection.of(m.selection["schemas"], m.selection["tables"], m.selection["exclude_tables"])
-        seqs = [
-            r[0]
-            for r in src.execute(
-                "SELECT format('%I.%I', schemaname, sequencename), schemaname FROM pg_sequences ORDER BY 1"
-            )
-            if sel.covers_schema(r[1])
-        ]
-        set_from_source(target, src, seqs)
-        return len(seqs)
+        self.owned = seqs.list_source(src, sel.covers_schema)
+        self.extremes = seqs.extremes(target, self.owned) if self.baseline is not None else None
+
+    def sequences(
+        self,
+        target: psycopg.Connection[Any],
+        values: list[tuple[str, int, bool, int]],
+        changes: counting.Changes | None,
+    ) -> None:
+        """Every sequence of the migrated schemas set from the source's ``values``; each must be past its column's
+        largest value, read again only for the tables ``changes`` says changed since the count."""
+        changed = changes.tables if changes is not None and changes.error is None else None
+        seqs.set_on_target(target, self.owned, values, self.extremes, changed)
+        self.say(f"sequences: {len(values)} set from the source")
 
     @staticmethod
     def tables(target: psycopg.Connection[Any], subname: str) -> list[str]:
@@ -329,12 +339,17 @@ class _Cutover:
         return [r[0] for r in target.execute(catalog_sql.SUBSCRIPTION_TABLE_NAMES, (subname,))]
 
     def counts(
-        self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], m: store.Migration, endpos: str
+        self,
+        target: psycopg.Connection[Any],
+        src: psycopg.Connection[Any],
+        m: store.Migration,
+        changes: counting.Changes | None,
+        endpos: str,
     ) -> None:
         """Row counts of every table (:mod:`applier.migrate.counts`): those unchanged since the count before the
         fence as counted then, the others counted again now; what was counted when goes into the notes."""
         verified, wrong = counting.after_fence(
-            src, target, self.tables(target, m.subname), self.baseline, m.publication, endpos
+            src, target, self.tables(target, m.subname), self.baseline, changes, endpos
         )
         with contextlib.suppress(Exception):
             store.add_notes(target, m.name, {"verify": verified.to_json()})
@@ -477,13 +492,18 @@ class _Cutover:
     ) -> float:
         """Everything between the fence and ``done``, in order; any exception leaves it to :meth:`_back_out`
         (``progress`` tells it how far this got). Returns the write downtime."""
+        self.sequences_before(target, src, m)
         fenced_at = self._fence(target, src, m, progress)
-        endpos = self._catch_up(target, src, sub, progress)
-        n = self.sequences(target, src, m)
-        self.say(f"sequences: {n} set from the source")
+        endpos = str(src.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
+        # read while the target catches up: what changed since the count (and so the last commit to wait for),
+        # the sequences (frozen: nextval is refused in a read-only transaction)
+        changes = counting.read_changes(src, self.baseline, m.publication)
+        values = seqs.read_values(src, self.owned.seqs)
+        self._catch_up(target, src, sub, progress, endpos, changes)
+        self.sequences(target, values, changes)
         self.objects(target, src, m)
         if self.opts.verify == "counts":
-            self.counts(target, src, m, endpos)
+            self.counts(target, src, m, changes, endpos)
         elif self.opts.verify == "full":
             self.full(m)
         if self.opts.reverse:
@@ -539,13 +559,19 @@ class _Cutover:
         src: psycopg.Connection[Any],
         sub: tuple[int, str],
         progress: _Progress,
-    ) -> str:
-        """Wait until the target has applied the fenced source's last position (``--prepared carry``: and its
-        prepared transactions are prepared on the target, into ``progress.carried``); that position."""
+        endpos: str,
+        changes: counting.Changes | None,
+    ) -> None:
+        """Wait until the target has applied the fenced source's last position ``endpos`` (``--prepared carry``:
+        and its prepared transactions are prepared on the target, into ``progress.carried``). With the changes
+        since the count, the wait is for the origin to reach their last commit (nothing committed since: the
+        target had confirmed the count's point already)."""
         origin = origin_name(sub[0])
-        endpos = src.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]  # type: ignore[index]
+        last_commit = None
+        if changes is not None and changes.error is None:
+            last_commit = changes.last_commit or "0/0"
         self.say(f"end position {endpos}: waiting for the target to apply it")
-        self.wait_applied(target, src, origin, sub[1], endpos)
+        self.wait_applied(target, src, origin, sub[1], endpos, last_commit)
         if self.opts.prepared == "carry":
             progress.carried = carrying.settle(
                 target,
@@ -555,7 +581,6 @@ class _Cutover:
                 lambda pos: self.wait_applied(target, src, origin, sub[1], pos),
             )
             self.say(carrying.carried_message(progress.carried))
-        return str(endpos)
 
     @staticmethod
     def _back_out(
