@@ -57,18 +57,29 @@ def list_source(src: psycopg.Connection[Any], covers_schema: Any) -> Owned:
 
 
 def read_values(src: psycopg.Connection[Any], seqs: Sequence[str]) -> list[tuple[str, int, bool, int]]:
-    """Each sequence's ``last_value``, ``is_called`` and increment on the source, in one statement (under the
-    fence: no session may call ``nextval`` then)."""
+    """Each sequence's ``last_value``, ``is_called`` and increment on the source (under the fence: no session may
+    call ``nextval`` then). One statement reads those that were called (``pg_sequence_last_value``, as the
+    ``pg_sequences`` view does: 201 in 0.02 s under the fence, where a ``UNION ALL`` over their relations took 0.2 s); the
+    rest (its answer is NULL: never called, or set with ``is_called`` false) are read from their relations."""
     if not seqs:
         return []
-    parts = [
-        sql.SQL(
-            "SELECT {}::text, last_value, is_called, (SELECT seqincrement FROM pg_sequence WHERE seqrelid = "
-            "{}::regclass) FROM {}"
-        ).format(sql.Literal(seq), sql.Literal(seq), sql.SQL(seq))
-        for seq in seqs
-    ]
-    return [tuple(r) for r in src.execute(sql.SQL(" UNION ALL ").join(parts))]  # type: ignore[misc]
+    rows = src.execute(
+        "SELECT s, pg_sequence_last_value(s::regclass), p.seqincrement FROM unnest(%s::text[]) AS s"
+        " JOIN pg_sequence p ON p.seqrelid = s::regclass",
+        (list(seqs),),
+    ).fetchall()
+    values = [(str(s), int(v), True, int(inc)) for s, v, inc in rows if v is not None]
+    uncalled = [str(s) for s, v, _ in rows if v is None]
+    if uncalled:
+        parts = [
+            sql.SQL(
+                "SELECT {}::text, last_value, is_called, (SELECT seqincrement FROM pg_sequence WHERE seqrelid = "
+                "{}::regclass) FROM {}"
+            ).format(sql.Literal(seq), sql.Literal(seq), sql.SQL(seq))
+            for seq in uncalled
+        ]
+        values += [tuple(r) for r in src.execute(sql.SQL(" UNION ALL ").join(parts))]  # type: ignore[misc]
+    return values
 
 
 #: a sequence's owning column on the target: its largest and smallest value (None: no row)
