@@ -59,8 +59,9 @@ def list_source(src: psycopg.Connection[Any], covers_schema: Any) -> Owned:
 def read_values(src: psycopg.Connection[Any], seqs: Sequence[str]) -> list[tuple[str, int, bool, int]]:
     """Each sequence's ``last_value``, ``is_called`` and increment on the source (under the fence: no session may
     call ``nextval`` then). One statement reads those that were called (``pg_sequence_last_value``, as the
-    ``pg_sequences`` view does: 201 in 0.02 s under the fence, where a ``UNION ALL`` over their relations took 0.2 s); the
-    rest (its answer is NULL: never called, or set with ``is_called`` false) are read from their relations."""
+    ``pg_sequences`` view does: 201 in 0.02 s under the fence, where a ``UNION ALL`` over their relations took
+    0.2 s); the rest (its answer is NULL: never called, or set with ``is_called`` false) are read from their
+    relations."""
     if not seqs:
         return []
     rows = src.execute(
