@@ -312,22 +312,22 @@ class _Context:
 
 
 def wait_applied(target: psycopg.Connection[Any], publisher: psycopg.Connection[Any], origin: str, slot: str,
-                 lsn: str, *, timeout: float, last_commit: str | None = None) -> bool:  # fmt: skip
+                 lsn: str, *, timeout: float, origin_at: str | None = None) -> bool:  # fmt: skip
     """Wait until the target has applied everything the publisher had committed at ``lsn``: its replication
     ``origin`` is past it, or the publisher's ``slot`` confirmed it (a worker that applied and acknowledged it
     before its origin's progress was flushed). False after ``timeout`` seconds. One rule for ``verify``'s settling
     and ``migrate cutover``'s catch-up.
 
-    ``last_commit``, when the caller knows it: the end of the last published commit record at or before ``lsn``
-    (the cutover reads it from its ``_count`` slot). The origin only ever moves to a commit's end, and ``lsn`` (the
-    WAL's insert position) usually lies past the last one (an abort, a catalog change), so without it the wait
-    ends only when the slot confirms ``lsn``: after the target flushed its WAL and the worker reported it, about
-    0.4 s more (issue 28)."""
+    ``origin_at``, when the caller knows it: where the origin will be once the target has applied everything up to
+    ``lsn``: the end of the stream's last event (commit, prepare, commit or rollback prepared) at or before it (the
+    cutover reads it from its ``_count`` slot). The origin only ever moves to such an end, and ``lsn`` (the WAL's
+    insert position) usually lies past the last one (an abort, a catalog change), so without it the wait ends only
+    when the slot confirms ``lsn``: after the target flushed its WAL and the worker reported it, about 0.4 s more (issue 28)."""
     deadline = time.monotonic() + timeout
     while True:
         done = target.execute(
             "SELECT coalesce(pg_replication_origin_progress(%s, false) >= %s::pg_lsn, false)",
-            (origin, last_commit or lsn),
+            (origin, origin_at or lsn),
         ).fetchone()
         if done and done[0]:
             return True

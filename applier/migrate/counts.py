@@ -75,6 +75,8 @@ _SUFFIX = "_count"
 # pgoutput's message types: Relation, Insert, Delete, Truncate, Commit
 _RELATION, _INSERT, _DELETE, _TRUNCATE, _COMMIT = 0x52, 0x49, 0x44, 0x54, 0x43
 _KINDS = (_RELATION, _INSERT, _DELETE, _TRUNCATE, _COMMIT)
+# the messages that end a transaction in the stream: Commit, Prepare, Commit Prepared, Rollback Prepared
+_ENDS = (_COMMIT, 0x50, 0x4B, 0x72)
 
 
 def slot_name(slot: str) -> str:
@@ -287,23 +289,52 @@ class Changes:
     inserted: dict[str, int] = field(default_factory=dict)
     deleted: dict[str, int] = field(default_factory=dict)
     truncated: bool = False
-    #: the end of the last published transaction's commit record after C (None: none committed since C). The
-    #: target's replication origin reaches exactly this position when the worker commits that transaction.
+    #: the end of the last published transaction's commit record after C (None: none committed since C)
     last_commit: str | None = None
-    error: str | None = (
-        None  # why the changes could not be read (then every table is counted after the fence)
-    )
+    #: the end of the stream's last event after C: its last commit, prepare, commit prepared or rollback prepared
+    #: ("0/0": none since C; None: not known). The target's replication origin reaches exactly this position when
+    #: the worker has applied it, so once it is there the target has applied everything before the fence.
+    last_event: str | None = None
+    #: why the changes could not be read (then every table is counted after the fence)
+    error: str | None = None
 
 
 def read_changes(src: psycopg.Connection[Any], base: Baseline | None, publication: str) -> Changes | None:
     """:func:`changed_since` under the fence, or None without a baseline; an error reading them is kept in
-    ``error``, not raised: the cutover then waits and counts as without a baseline."""
+    ``error``, not raised: the cutover then waits and counts as without a baseline. Once per slot: the read for
+    :attr:`Changes.last_event` turns two-phase decoding on in the slot for good, and a read for the counts after it
+    would see a prepared transaction's changes at its PREPARE, even one rolled back later."""
     if base is None:
         return None
     try:
-        return changed_since(src, base, publication)
+        changes = changed_since(src, base, publication)
     except psycopg.Error as exc:
         return Changes(error=f"the changes since the count could not be read: {str(exc).strip()}")
+    changes.last_event = _last_event(src, base, publication, changes.last_commit)
+    return changes
+
+
+def _last_event(
+    src: psycopg.Connection[Any], base: Baseline, publication: str, last_commit: str | None
+) -> str | None:
+    """Where the stream's last event since C ends (see :attr:`Changes.last_event`). Without two-phase on the source
+    (``max_prepared_transactions`` = 0) that is the last commit. Otherwise a transaction prepared after C and rolled
+    back sends the stream a PREPARE and a ROLLBACK PREPARED that the counts' decoding does not show (it decodes a
+    prepared transaction only at its COMMIT PREPARED): the slot is read again with two-phase decoding, which
+    from then on it keeps, from C (``two_phase_at``); its PREPARE, COMMIT PREPARED and ROLLBACK PREPARED messages
+    end where the stream's do. None when that cannot be read (a publisher before 15 has no two-phase pgoutput)."""
+    try:
+        row = src.execute("SELECT current_setting('max_prepared_transactions')::int").fetchone()
+        if row is not None and row[0] == 0:
+            return last_commit or "0/0"
+        row = src.execute(
+            "SELECT max(lsn)::text FROM pg_logical_slot_peek_binary_changes(%s, NULL, NULL, 'proto_version', '3',"
+            " 'two_phase', 'on', 'publication_names', %s) WHERE get_byte(data, 0) = ANY(%s)",
+            (base.slot, publication, list(_ENDS)),
+        ).fetchone()
+    except psycopg.Error:
+        return None
+    return str(row[0]) if row and row[0] is not None else "0/0"
 
 
 def changed_since(src: psycopg.Connection[Any], base: Baseline, publication: str) -> Changes:

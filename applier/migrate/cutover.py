@@ -298,12 +298,12 @@ class _Cutover:
         origin: str,
         slot: str,
         endpos: str,
-        last_commit: str | None = None,
+        origin_at: str | None = None,
     ) -> None:
         """Until the target has applied the source up to ``endpos`` (:func:`applier.verify.wait_applied`), within
         the cutover's timeout."""
         if not verify.wait_applied(
-            target, src, origin, slot, endpos, timeout=self.left(), last_commit=last_commit
+            target, src, origin, slot, endpos, timeout=self.left(), origin_at=origin_at
         ):
             raise MigrationError(
                 f"the target did not apply the source's changes up to {endpos} in time "
@@ -564,14 +564,12 @@ class _Cutover:
     ) -> None:
         """Wait until the target has applied the fenced source's last position ``endpos`` (``--prepared carry``:
         and its prepared transactions are prepared on the target, into ``progress.carried``). With the changes
-        since the count, the wait is for the origin to reach their last commit (nothing committed since: the
-        target had confirmed the count's point already)."""
+        since the count, the wait is for the origin to reach the stream's last event since then (nothing since:
+        the target had confirmed the count's point already)."""
         origin = origin_name(sub[0])
-        last_commit = None
-        if changes is not None and changes.error is None:
-            last_commit = changes.last_commit or "0/0"
+        last_event = changes.last_event if changes is not None else None
         self.say(f"end position {endpos}: waiting for the target to apply it")
-        self.wait_applied(target, src, origin, sub[1], endpos, last_commit)
+        self.wait_applied(target, src, origin, sub[1], endpos, last_event)
         if self.opts.prepared == "carry":
             progress.carried = carrying.settle(
                 target,

@@ -12,10 +12,13 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import psycopg
 import pytest
 from test_migrate_cutover import SCHEMA, Writer, migrate
 from test_migrate_start import exit_status, phase, procs, start, wait_phase  # noqa: F401 - procs is a fixture
 
+from applier.lsn import parse_lsn as lsn_int
+from applier.migrate import counts as counting
 from applier.testing import wait_until
 from applier.testing.cluster import Database
 from tests.support.cli import APPLIER
@@ -204,8 +207,22 @@ def test_a_prepared_transaction_on_the_source_means_counting_after_the_fence(pai
         c.execute("BEGIN")
         c.execute("INSERT INTO acc (v) VALUES (777)")
         c.execute("PREPARE TRANSACTION 'app_tx_2'")
-    threading.Timer(3.0, lambda: pub.execute("COMMIT PREPARED 'app_tx_2'")).start()
+
+    def commit_once_fenced() -> None:  # the cutover (--prepared wait) waits for it under the fence
+        wait_until(
+            lambda: pub.scalar(
+                "SELECT count(*) FROM pg_db_role_setting s JOIN pg_database d ON d.oid = s.setdatabase"
+                " WHERE d.datname = current_database() AND 'default_transaction_read_only=on' = ANY(s.setconfig)"
+            ),
+            timeout=60,
+            what="the cutover's fence",
+        )
+        pub.execute("COMMIT PREPARED 'app_tx_2'")
+
+    committer = threading.Thread(target=commit_once_fenced)
+    committer.start()
     res = migrate(tgt, "cutover", "mig", "--timeout", "60")
+    committer.join()
     assert res.returncode == 0, res.stdout + res.stderr
     assert "all counted after the fence" in res.stdout, res.stdout
     notes = json.loads(migrate(tgt, "status", "mig", "--json").stdout)["notes"]["verify"]
@@ -245,3 +262,38 @@ def test_rows_deleted_and_inserted_after_the_count_are_derived_exactly(
         == (3 if truncate else 493)
     )
     assert exit_status(proc, log) == 0, log.read_text()
+
+
+def test_the_last_event_since_the_count_includes_a_rolled_back_prepared_transaction(pair) -> None:
+    """The cutover waits for the target's origin to reach the stream's last event since C: a transaction prepared
+    after C and rolled back is not in the counts' decoding, yet its PREPARE and ROLLBACK PREPARED reach the
+    target, so the last event lies past the last commit (waiting only for that could leave the PREPARE applied
+    and its ROLLBACK PREPARED not)."""
+    pub = pair.publisher
+    pub.execute("CREATE TABLE t (id int PRIMARY KEY); CREATE PUBLICATION p FOR TABLE t")
+    quiet, point = (
+        counting.Baseline(
+            name, pub.scalar("SELECT lsn::text FROM pg_create_logical_replication_slot(%s, 'pgoutput')", (name,)),
+            {}, {}, 0.0,
+        )
+        for name in ("quiet", "busy")
+    )  # fmt: skip
+    with psycopg.connect(pub.dsn, autocommit=True) as src:
+        src.execute("INSERT INTO t VALUES (1)")
+        committed = src.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]
+        src.execute("BEGIN")
+        src.execute("INSERT INTO t VALUES (2)")
+        src.execute("PREPARE TRANSACTION 'undone'")
+        src.execute("ROLLBACK PREPARED 'undone'")
+        end = src.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]
+        changes = counting.read_changes(
+            src, point, "p"
+        )  # once per slot, as the cutover does (see read_changes)
+        assert changes is not None and changes.error is None
+        assert changes.tables == {"public.t"} and changes.inserted == {"public.t": 1}, changes
+        assert changes.last_commit is not None and changes.last_event is not None
+        lsn = [lsn_int(x) for x in (point.point, changes.last_commit, committed, changes.last_event, end)]
+        assert lsn[0] < lsn[1] <= lsn[2] < lsn[3] <= lsn[4], (point, changes, committed, end)
+        src.execute("SELECT pg_replication_slot_advance('quiet', pg_current_wal_lsn())")  # C after all of it
+        nothing = counting.read_changes(src, quiet, "p")
+        assert nothing is not None and nothing.last_commit is None and nothing.last_event == "0/0", nothing
