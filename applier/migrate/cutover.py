@@ -495,7 +495,7 @@ class _Cutover:
         self.sequences_before(target, src, m)
         fenced_at = self._fence(target, src, m, progress)
         endpos = str(src.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
-        # read while the target catches up: what changed since the count (and so the last commit to wait for),
+        # read while the target catches up: what changed since the count (and so the last event to wait for),
         # the sequences (frozen: nextval is refused in a read-only transaction)
         changes = counting.read_changes(src, self.baseline, m.publication)
         values = seqs.read_values(src, self.owned.seqs)
