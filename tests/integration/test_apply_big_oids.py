@@ -149,6 +149,7 @@ def test_changes_one_by_one_with_types_above_2_31(big_pair: ReplicationPair) -> 
     assert pair.target.query("SELECT id, dr::text FROM d") == [(1, "(2,ok)")]
 
 
+@pytest.mark.anyversion  # our bulk path's array types; the high OIDs' reading is the one-by-one test's
 def test_backlog_in_bulk_with_types_above_2_31(big_pair: ReplicationPair) -> None:
     """A backlog of small transactions committed before the worker starts is applied in bulk: inserts, updates
     and deletes of ``r`` travel as arrays of the local array types (OIDs above 2^31); the transactions that also

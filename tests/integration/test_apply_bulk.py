@@ -102,6 +102,7 @@ def test_backlog_with_awkward_values_equals_the_publisher(pair):
     assert {r[0] for r in pair.target.query("SELECT DISTINCT note FROM h")} == set(AWKWARD) | {None}
 
 
+@pytest.mark.anyversion  # our bulk path's conflicts
 def test_missing_rows_are_one_conflict_per_update_message(pair, caplog):
     """Keys 1-5 exist on the publisher only: each of their Updates, applied in bulk, is logged and counted as an
     update_missing conflict with its own remote transaction, as the message-by-message path would."""
@@ -134,6 +135,7 @@ def test_missing_rows_are_one_conflict_per_update_message(pair, caplog):
     assert pair.target.scalar("SELECT count(*) FROM h") == 1000
 
 
+@pytest.mark.anyversion  # our bulk path's ordering
 def test_deletes_and_reinserts_of_one_key_keep_their_order(pair, caplog):
     """Deletes by key in bulk: a key deleted and inserted again inside one transaction and across transactions ends
     as on the publisher; keys the target lacks are one delete_missing conflict per Delete message."""
@@ -185,6 +187,7 @@ def test_unchanged_toast_values_are_kept_inside_bulk_runs(pair):
     assert_tables_equal(pair.publisher, pair.target, "public.doc", "public.h")
 
 
+@pytest.mark.anyversion  # our bulk path's ordering
 def test_tables_with_always_triggers_keep_the_publisher_order(pair):
     """A trigger enabled ALWAYS on the target sees every change in the publisher's order, across tables: such a
     table is never applied in bulk, nor is a transaction that touches it."""
@@ -214,6 +217,7 @@ def test_tables_with_always_triggers_keep_the_publisher_order(pair):
     assert_tables_equal(pair.publisher, pair.target, "public.a", "public.b")
 
 
+@pytest.mark.anyversion  # our bulk path's re-check
 def test_a_trigger_enabled_always_while_running_is_noticed(pair):
     """The first backlog goes in bulk; then a trigger is enabled ALWAYS on the target while the worker runs: once
     the worker has looked again (about once a second while idle), the next backlog reaches the trigger in the

@@ -102,6 +102,7 @@ def test_backoff_grows_while_the_same_transaction_fails_and_status_says_how_to_s
 
 
 @pytest.mark.core
+@pytest.mark.anyversion  # our catalog's upgrade
 def test_old_catalog_upgrades_itself_and_status_reads_it(pair) -> None:
     """A catalog of version 1 (no retry columns) is read by status as it is, and upgraded by run/create."""
     make_tables(pair, "t1")

@@ -110,6 +110,7 @@ def test_syncdone_table_skips_what_its_copy_holds_then_enables_two_phase(pair):
         w.stop()
 
 
+@pytest.mark.anyversion  # our re-read of the catalog
 def test_worker_returns_when_the_subscription_is_disabled_or_dropped(pair):
     """``maybe_reread_subscription`` (behaviour 52): a disabled or removed subscription ends ``run()`` cleanly."""
     both(pair, "CREATE TABLE t (id int PRIMARY KEY)")

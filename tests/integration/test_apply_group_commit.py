@@ -39,7 +39,8 @@ def _schema(pair) -> None:
     pair.publisher.execute(SMALL_TXNS)
 
 
-@pytest.mark.parametrize("group_commit", [True, False])
+# False: the message-by-message path every other apply test takes on this version (anyversion)
+@pytest.mark.parametrize("group_commit", [True, pytest.param(False, marks=pytest.mark.anyversion)])
 def test_backlog_of_small_transactions(pair, group_commit):
     """A backlog of 2,000 small transactions: all applied, in order; grouped only when asked to."""
     _schema(pair)
@@ -73,6 +74,7 @@ def test_backlog_of_small_transactions(pair, group_commit):
         assert commits >= 2005
 
 
+@pytest.mark.anyversion  # our grouping and error context
 def test_error_in_the_middle_of_a_group_names_that_transaction(pair):
     """A unique violation in remote transaction 150 of a backlog: with disable_on_error the subscription is disabled
     with the error recorded for exactly that transaction (its xid and finish LSN), transactions 1-149 are committed
@@ -123,6 +125,7 @@ def test_error_in_the_middle_of_a_group_names_that_transaction(pair):
         w.stop()
 
 
+@pytest.mark.anyversion  # our retry one by one
 def test_deferred_constraint_failing_at_a_group_commit_is_retried_one_by_one(pair):
     """An error at the COMMIT of a group (a deferred constraint) cannot be pinned on one of its transactions: the
     worker applies them one by one, and the error it records names the transaction that really fails."""
@@ -201,6 +204,7 @@ def test_kill9_in_the_middle_of_groups_applies_each_transaction_once(pair):
     s.catalog.engine.dispose()
 
 
+@pytest.mark.anyversion  # our grouping and error context
 def test_error_in_a_copy_spanning_grouped_transactions(pair):
     """Grouped transactions' inserts into one table continue one COPY; a unique violation in it (transaction 6 of
     10, 300 rows each) still ends with transactions 1-5 committed and the error recorded for transaction 6."""
@@ -248,7 +252,10 @@ def test_feedback_holds_while_a_group_commit_is_deferred():
     assert t.positions(1000).flush == 400  # durable, nothing pending any more: everything received
 
 
-@pytest.mark.parametrize("ahead", [False, True], ids=["in-group", "written-ahead"])
+# written-ahead: the same record by our other write path (anyversion)
+@pytest.mark.parametrize(
+    "ahead", [False, pytest.param(True, marks=pytest.mark.anyversion)], ids=["in-group", "written-ahead"]
+)
 def test_prepared_xact_record_rides_in_a_group_commit_and_survives_a_restart(pair, monkeypatch, ahead):
     """A prepared transaction right after a group of plain ones: its ``applier.prepared_xact`` record (what
     ROLLBACK PREPARED compares, behaviour 65) is committed with the group, before the PREPARE, so it is there while

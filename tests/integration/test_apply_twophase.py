@@ -256,6 +256,7 @@ def test_target_two_phase_statements_share_pipeline_segments(pair):
         target.close()
 
 
+@pytest.mark.anyversion  # our pipeline's pushes; what the server's pipeline does with 2PC statements stays in test_target_two_phase_statements_share_pipeline_segments
 def test_prepare_and_commit_prepared_reach_the_target_without_a_poll(pair):
     """``Target.prepare`` and ``Target.finish_prepared`` write their statements to the socket themselves
     (``Pipeline.push``): the target runs them while the apply loop goes on with what else it read, instead of when
@@ -293,6 +294,7 @@ def test_prepare_and_commit_prepared_reach_the_target_without_a_poll(pair):
         target.close()
 
 
+@pytest.mark.anyversion  # our catalog's records, one statement
 def test_records_of_several_prepared_transactions_are_written_in_one_statement(pair):
     """``Target.record_prepared_many`` (records written ahead for a batch of BEGIN PREPAREs): one transaction, every
     record as ``record_prepared`` writes it, and a record already there (a transaction prepared again after a
@@ -319,6 +321,7 @@ def test_records_of_several_prepared_transactions_are_written_in_one_statement(p
         target.close()
 
 
+@pytest.mark.anyversion  # our queueing of the records' removal
 def test_records_of_finished_prepared_transactions_are_removed_in_pipeline_order(pair):
     """``Target.catalog.reconcile_prepared`` is queued behind what the apply session already sent, without a drain:
     a record whose PREPARE TRANSACTION was sent before it is kept even if that PREPARE has not run when the

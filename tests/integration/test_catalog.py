@@ -18,6 +18,7 @@ def _create(cat: Catalog, name: str):
     )  # fmt: skip
 
 
+@pytest.mark.anyversion  # our catalog's versioning
 def test_catalog_is_created_once_and_versioned(pair):
     cat = Catalog.connect(pair.target.dsn)
     assert not cat.exists()
@@ -29,6 +30,7 @@ def test_catalog_is_created_once_and_versioned(pair):
         cat.ensure()
 
 
+@pytest.mark.anyversion  # our catalog's ids
 def test_subids_are_unique_across_the_cluster(pair, target_cluster):
     other = target_cluster.create_database(pair.name + "_b")
     try:

@@ -18,6 +18,7 @@ def walsender_pid(publisher: Database, name: str) -> int | None:
     )
 
 
+@pytest.mark.anyversion  # our checks (the publication and slot look-ups create's tests run on every version) and our worker's reconnect
 def test_alter_connection_checks_the_new_publisher_then_the_worker_reconnects(
     pair, start_run: StartRun
 ) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from tests.support.cli import applier, fails, make_tables, ok
 
-pytestmark = pytest.mark.core
+pytestmark = [pytest.mark.core, pytest.mark.anyversion]  # our help, usage errors and PG* environment
 
 
 # --- the command line itself -----------------------------------------------------------------------------------

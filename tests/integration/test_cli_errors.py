@@ -48,6 +48,7 @@ def _subid(pair, name: str) -> int:
 # --- create ------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.anyversion  # our conninfo parsing and password scrubbing
 def test_bad_publisher_conninfo_is_refused_without_echoing_the_password(pair) -> None:
     make_tables(pair, "t1")
     err = fails(
@@ -62,6 +63,7 @@ def test_bad_publisher_conninfo_is_refused_without_echoing_the_password(pair) ->
     assert pair.target.scalar("SELECT to_regnamespace('applier')") is None  # not even the catalog
 
 
+@pytest.mark.anyversion  # our scrubbing of the stored conninfo
 def test_the_password_is_never_stored(pair) -> None:
     make_tables(pair, "t1")
     res = applier(pair.target, "create", "s", "--publisher", pair.publisher.dsn + " password=s3cr3t",
@@ -110,6 +112,7 @@ def test_no_create_slot_needs_the_slot(pair) -> None:
         pair.publisher.execute("SELECT pg_drop_replication_slot('physical')")
 
 
+@pytest.mark.anyversion  # our check of the name, before the server is asked
 def test_invalid_slot_name(pair) -> None:
     make_tables(pair, "t1")
     err = fails(
@@ -258,6 +261,7 @@ def test_interrupting_create_leaves_nothing_behind(pair) -> None:
                what="the half-created slot to vanish")  # fmt: skip
 
 
+@pytest.mark.anyversion  # our catalog's unique name
 def test_duplicate_subscription_name(pair) -> None:
     make_tables(pair, "t1")
     create(pair, "s")
@@ -269,6 +273,7 @@ def test_duplicate_subscription_name(pair) -> None:
 # --- alter -------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.anyversion  # our catalog's rule
 def test_two_phase_can_only_change_while_disabled(pair) -> None:
     make_tables(pair, "t1")
     create(pair, "s", "--two-phase")
@@ -277,6 +282,7 @@ def test_two_phase_can_only_change_while_disabled(pair) -> None:
     assert "applier alter s --disable" in err
 
 
+@pytest.mark.anyversion  # our advisory lock
 def test_two_phase_cannot_change_while_a_worker_holds_the_subscription(pair) -> None:
     make_tables(pair, "t1")
     create(pair, "s", "--two-phase", "--disabled")
@@ -287,6 +293,7 @@ def test_two_phase_cannot_change_while_a_worker_holds_the_subscription(pair) -> 
     assert catalog_row(pair.target, "s")["subtwophasestate"] == "d"
 
 
+@pytest.mark.anyversion  # our GIDs in pg_prepared_xacts; the slot is not touched in p
 def test_two_phase_off_refused_while_prepared_transactions_exist_unless_forced(pair) -> None:
     """Checked in ``p`` as well as ``e`` (the slot is not two-phase yet in ``p``, so this runs on any publisher; the
     slot's ALTER is in the lifecycle test)."""
@@ -402,6 +409,7 @@ def test_refresh_adds_tables_to_copy_while_two_phase_is_pending(pair) -> None:
     assert catalog_tables(pair.target, "s") == [("t1", "i"), ("t2", "i"), ("t3", "i")]
 
 
+@pytest.mark.anyversion  # our check against the origin's position
 def test_skip_lsn_must_not_be_behind_the_origin(pair) -> None:
     make_tables(pair, "t1")
     create(pair, "s")
@@ -416,6 +424,7 @@ def test_skip_lsn_must_not_be_behind_the_origin(pair) -> None:
     assert catalog_row(pair.target, "s")["skip"] is None
 
 
+@pytest.mark.anyversion  # our catalog's rule
 def test_enable_needs_a_slot_name(pair) -> None:
     make_tables(pair, "t1")
     create(pair, "s", "--disabled")
@@ -424,6 +433,7 @@ def test_enable_needs_a_slot_name(pair) -> None:
     assert 'cannot enable subscription "s": it has no slot name' in err
 
 
+@pytest.mark.anyversion  # our catalog lookup
 def test_unknown_subscription(pair) -> None:
     make_tables(pair, "t1")
     create(pair, "s")
@@ -434,6 +444,7 @@ def test_unknown_subscription(pair) -> None:
 # --- run -----------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.anyversion  # our advisory lock
 def test_run_refuses_a_subscription_another_process_runs(pair) -> None:
     make_tables(pair, "t1")
     create(pair, "s", "--no-copy-data")
@@ -442,6 +453,7 @@ def test_run_refuses_a_subscription_another_process_runs(pair) -> None:
     assert 'subscription "s" is in use by another applier process: applier[4242@elsewhere] run s' in err
 
 
+@pytest.mark.anyversion  # our catalog's enabled flag
 def test_run_says_when_there_is_nothing_to_run(pair) -> None:
     make_tables(pair, "t1")
     create(pair, "s", "--disabled")
@@ -450,6 +462,7 @@ def test_run_says_when_there_is_nothing_to_run(pair) -> None:
     assert "subscription s is disabled" in err and "applier alter s --enable" in err
 
 
+@pytest.mark.anyversion  # our environment variable
 def test_run_refuses_a_bad_receive_buffer_setting(pair) -> None:
     make_tables(pair, "t1")
     create(pair, "s", "--no-copy-data")
@@ -460,6 +473,7 @@ def test_run_refuses_a_bad_receive_buffer_setting(pair) -> None:
 # --- drop --------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.anyversion  # our advisory lock
 def test_drop_refused_while_a_worker_runs(pair) -> None:
     make_tables(pair, "t1")
     create(pair, "s")
@@ -470,6 +484,7 @@ def test_drop_refused_while_a_worker_runs(pair) -> None:
     ok(pair.target, "drop", "s")
 
 
+@pytest.mark.anyversion  # our GIDs in pg_prepared_xacts
 def test_drop_refused_while_prepared_transactions_exist_unless_forced(pair) -> None:
     make_tables(pair, "t1")
     create(pair, "s", "--two-phase")
@@ -483,6 +498,7 @@ def test_drop_refused_while_prepared_transactions_exist_unless_forced(pair) -> N
     assert leftovers(pair, subid, "s") == NOTHING
 
 
+@pytest.mark.anyversion  # our handling of a failed connection
 def test_drop_with_the_publisher_unreachable(pair) -> None:
     make_tables(pair, "t1")
     create(pair, "s")

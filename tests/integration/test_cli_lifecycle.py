@@ -172,6 +172,7 @@ def test_one_run_per_subscription_and_side_by_side(pair, start_run: StartRun) ->
 
 
 @pytest.mark.core
+@pytest.mark.anyversion  # our status output
 def test_status_reports_prepared_transactions_and_the_last_error(pair) -> None:
     make_tables(pair, "t1")
     create(pair, "s", "--two-phase", "--no-copy-data")
@@ -233,6 +234,7 @@ def test_run_takes_its_lock_again_after_losing_the_session(pair, start_run: Star
 
 
 @pytest.mark.core
+@pytest.mark.anyversion  # our processes
 def test_a_worker_does_not_outlive_a_killed_run(pair, start_run: StartRun) -> None:
     """``kill -9`` of the run process alone must not leave its worker running as an orphan that holds the lock."""
     make_tables(pair, "t1")

@@ -189,6 +189,7 @@ def test_create_names_the_missing_grants_and_writes_nothing(pair, roles: Roles) 
 
 
 @pytest.mark.core
+@pytest.mark.anyversion  # our notice
 def test_a_superuser_apply_role_is_told_once_that_it_need_not_be(pair, start_run: StartRun) -> None:
     make_tables(pair, "t1")
     res = applier(pair.target, "create", "s", "--publisher", pair.publisher.dsn, "--publication", pair.name,

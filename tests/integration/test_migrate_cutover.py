@@ -67,6 +67,7 @@ def _acc_and_log(conn: Any) -> int:
     return int(i)
 
 
+@pytest.mark.anyversion  # our fence and switch; the cutover on this version is the older-source tests'
 def test_cutover_under_writes_loses_and_duplicates_nothing(pair, procs, tmp_path) -> None:  # noqa: F811
     pub, tgt = pair.publisher, pair.target
     pub.execute(SCHEMA)
@@ -134,6 +135,7 @@ def test_cutover_under_writes_loses_and_duplicates_nothing(pair, procs, tmp_path
     # (the fixture drops the fenced database from another one)
 
 
+@pytest.mark.anyversion  # our verification and unfence
 def test_a_failed_verification_unfences_and_keeps_following(pair, procs, tmp_path) -> None:  # noqa: F811
     pub, tgt = pair.publisher, pair.target
     pub.execute(SCHEMA)
@@ -240,6 +242,7 @@ def _an_older_source_into_this_target(pair, old, procs, tmp_path, before_cutover
             c.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(pair.name)))
 
 
+@pytest.mark.anyversion  # our chaining of start and cutover
 def test_start_with_cutover_does_the_whole_job_in_one_command(pair) -> None:
     pub, tgt = pair.publisher, pair.target
     pub.execute(SCHEMA)

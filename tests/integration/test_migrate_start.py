@@ -233,6 +233,7 @@ def test_a_kill_during_the_copy_resumes_without_copying_a_finished_table_twice(p
     assert tgt.scalar("SELECT bool_and(done) FROM applier.migration_step WHERE name = 'mig'")
 
 
+@pytest.mark.anyversion  # recovery after kill -9: ours, not the server version's
 def test_a_kill_during_post_data_builds_nothing_twice(pair, procs, tmp_path) -> None:
     """An index whose build is held (its expression takes a shared advisory lock per row, which the test holds
     exclusively): killed while it builds, the next start builds it again (its transaction rolled back) and only it;

@@ -217,6 +217,7 @@ def test_different_column_lists_fail_with_the_native_message(pair, spark):
 
 
 @pytest.mark.core
+@pytest.mark.anyversion  # our partition markers and generations
 def test_a_partition_is_copied_once_however_often_its_task_runs(pair, spark):
     both(pair, "CREATE TABLE nopk (id int, v text)")  # no key: a duplicate copy would show as extra rows
     pair.publisher.execute("INSERT INTO nopk SELECT g, md5(g::text) FROM generate_series(1, 30000) g")
@@ -290,6 +291,7 @@ def test_killed_copy_resumes_without_loss_or_duplicates(pair, spark, tmp_path):
 
 
 @pytest.mark.core
+@pytest.mark.anyversion  # our table states
 def test_finished_tables_are_left_alone_and_f_settles_by_the_stream_position(pair, spark):
     both(pair, "CREATE TABLE a (id int); CREATE TABLE b (id int); CREATE TABLE c (id int)")
     pair.publisher.execute(
@@ -320,6 +322,7 @@ def test_finished_tables_are_left_alone_and_f_settles_by_the_stream_position(pai
 
 
 @pytest.mark.core
+@pytest.mark.anyversion  # our stop and resume
 def test_stop_event_cancels_and_a_later_run_finishes(pair, spark):
     import threading
 
@@ -373,6 +376,7 @@ def hold_partitions(pair, subid: int, table: str, parts: range) -> psycopg.Conne
 
 
 @pytest.mark.core
+@pytest.mark.anyversion  # our stop and resume
 def test_stop_while_copying_keeps_finished_partitions_and_the_next_run_completes(pair, spark):
     import threading
 
@@ -412,6 +416,7 @@ def test_stop_while_copying_keeps_finished_partitions_and_the_next_run_completes
 
 
 @pytest.mark.core
+@pytest.mark.anyversion  # our error report and table states
 def test_a_failing_copy_reports_the_server_error_and_leaves_tables_to_redo(pair, spark):
     from tablesync import TablesyncError
 

@@ -238,6 +238,7 @@ def test_run_as_owner_trusts_the_owner(pair, mallory) -> None:
         w.stop()
 
 
+@pytest.mark.anyversion  # our alter and the worker's new session; run_as_owner's trust is test_run_as_owner_trusts_the_owner's
 def test_alter_run_as_owner_restarts_with_the_new_trust(pair, mallory) -> None:
     """``alter --set run_as_owner=true`` lets a refused change through (the worker restarts its session);
     ``=false`` refuses again; status says which."""
