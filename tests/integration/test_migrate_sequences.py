@@ -24,7 +24,8 @@ SCHEMA = (
 
 def _prepared(pair: Any) -> tuple[psycopg.Connection[Any], psycopg.Connection[Any], seqs.Owned]:
     """The schema on both servers; five rows in ``log``, ``free_seq`` at 42, ``unset_seq`` set to 7 not called,
-    ``down_seq`` three steps down on the source; the same rows on the target (as the copy left them): connections to both, and the source's sequences."""
+    ``down_seq`` three steps down on the source; the same rows on the target (as the copy left them): connections
+    to both, and the source's sequences."""
     for db in (pair.publisher, pair.target):
         db.execute(SCHEMA)
     pair.publisher.execute("INSERT INTO log (note) SELECT 'x' FROM generate_series(1, 5)")
