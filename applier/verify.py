@@ -322,7 +322,8 @@ def wait_applied(target: psycopg.Connection[Any], publisher: psycopg.Connection[
     ``lsn``: the end of the stream's last event (commit, prepare, commit or rollback prepared) at or before it (the
     cutover reads it from its ``_count`` slot). The origin only ever moves to such an end, and ``lsn`` (the WAL's
     insert position) usually lies past the last one (an abort, a catalog change), so without it the wait ends only
-    when the slot confirms ``lsn``: after the target flushed its WAL and the worker reported it, about 0.4 s more (issue 28)."""
+    when the slot confirms ``lsn``: after the target flushed its WAL and the worker reported it, about 0.4 s more
+    (issue 28)."""
     deadline = time.monotonic() + timeout
     while True:
         done = target.execute(
