@@ -54,8 +54,8 @@ Critical-path floor (issue 28; ``--no-floor`` skips it): no migration can end be
 and indexed. Once per run of the bench, before the tools and outside their timed runs, each of the
 :data:`FLOOR_CANDIDATES` largest tables is measured alone: one ``COPY`` of it from the source into an empty table of
 a scratch target database (a Python relay of ``COPY TO STDOUT`` into ``COPY FROM STDIN``, text format), then its
-indexes built as a migration chains them (costliest first, ``--jobs`` at once, GIN at ours' 4MB
-``maintenance_work_mem``, ``synchronous_commit = off``). The floor is the slowest table's copy plus its builds; the
+indexes built as a migration chains them (costliest first, ``--jobs`` at once, GIN with ours'
+``maintenance_work_mem``: 4MB before PostgreSQL 18, the server's from 18, ``synchronous_commit = off``). The floor is the slowest table's copy plus its builds; the
 report prints it and ours' median against it (goal ours <= 1.1x the floor), the JSON keeps it under ``floor``.
 
 Peak memory: the highest sum of ``Pss`` (``/proc/<pid>/smaps_rollup``: private pages plus a share of the shared
@@ -102,6 +102,7 @@ if __package__ in (None, ""):  # run as a script: make the project and the bench
 
 from _common import descendants, loadavg, median  # noqa: E402
 
+from applier.migrate.postdata import gin_maintenance_work_mem  # noqa: E402
 from applier.testing.cluster import PostgresCluster, find_binaries  # noqa: E402
 
 OUT_DIR = ROOT / "bench" / "out"
@@ -626,8 +627,6 @@ def pgcopydb_unavailable() -> str | None:
 FLOOR_CANDIDATES = 2
 #: The goal for ours against the floor (issue 28): at most this multiple of it.
 GOAL_VS_FLOOR = 1.1
-#: ``maintenance_work_mem`` of a GIN build, as ours builds it (applier.migrate.postdata.GIN_MAINTENANCE_WORK_MEM).
-FLOOR_GIN_MEMORY = "4MB"
 FLOOR_DB = "floor"
 _FLOOR_METHOD_FACTOR = {"gin": 4.0, "gist": 3.0, "spgist": 3.0, "brin": 0.2}  # as applier.migrate.postdata's
 
@@ -712,8 +711,10 @@ def _build_chained(ctx: Context, order: list[tuple[str, str, str]]) -> tuple[flo
     def build(ddl: str, am: str) -> float:
         with ctx.tgt.connect(FLOOR_DB) as t:
             t.execute("SET synchronous_commit = off")
-            if am == "gin":
-                t.execute("SELECT set_config('maintenance_work_mem', %s, false)", (FLOOR_GIN_MEMORY,))
+            # a GIN build's memory as ours sets it (before PostgreSQL 18 less than the server's: see there)
+            mem = gin_maintenance_work_mem(t.info.server_version)
+            if am == "gin" and mem is not None:
+                t.execute("SELECT set_config('maintenance_work_mem', %s, false)", (mem,))
             began = time.monotonic()
             t.execute(ddl)
             return time.monotonic() - began
