@@ -83,6 +83,14 @@ def read_values(src: psycopg.Connection[Any], seqs: Sequence[str]) -> list[tuple
     return values
 
 
+def _present(target: psycopg.Connection[Any], names: Sequence[str]) -> set[str]:
+    """Those of ``names`` (quoted, qualified relation names) the target has."""
+    rows = target.execute(
+        "SELECT n FROM unnest(%s::text[]) n WHERE to_regclass(n) IS NOT NULL", (list(names),)
+    )
+    return {r[0] for r in rows}
+
+
 #: a sequence's owning column on the target: its largest and smallest value (None: no row)
 Extremes = dict[str, tuple[int | None, int | None]]
 
@@ -93,13 +101,7 @@ def extremes(
     """The largest and smallest value of each owning column on the target (of ``tables`` only, if given), in one
     statement; tables the target does not have are left out."""
     mine = {seq: tc for seq, tc in owned.owned.items() if tables is None or tc[0] in tables}
-    present = {
-        r[0]
-        for r in target.execute(
-            "SELECT t FROM unnest(%s::text[]) t WHERE to_regclass(t) IS NOT NULL",
-            (sorted({tc[0] for tc in mine.values()}),),
-        )
-    }
+    present = _present(target, sorted({tc[0] for tc in mine.values()}))
     parts = [
         sql.SQL("SELECT {}::text, max({c})::numeric, min({c})::numeric FROM {}").format(
             sql.Literal(seq), sql.SQL(table), c=sql.Identifier(column)
@@ -141,13 +143,7 @@ def set_on_target(
     if not values:
         return
     with target.transaction():
-        present = {
-            r[0]
-            for r in target.execute(
-                "SELECT s FROM unnest(%s::text[]) s WHERE to_regclass(s) IS NOT NULL",
-                ([v[0] for v in values],),
-            )
-        }
+        present = _present(target, [v[0] for v in values])
         rows = [v for v in values if v[0] in present]  # the others: sequences of tables not migrated
         target.execute(
             "SELECT setval(s::regclass, v, c) FROM unnest(%s::text[], %s::int8[], %s::bool[]) AS u(s, v, c)",
