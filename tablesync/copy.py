@@ -53,9 +53,13 @@ log = logging.getLogger("applier.tablesync")
 
 #: ``part`` of the row through which a copy generation (one exported snapshot) claims a table.
 CLAIM_PART = -1
-#: SQLSTATE classes of errors a retry cannot cure: the target refuses the rows themselves (22 data exception, 23
-#: integrity constraint violation). A head-start stream that meets one reports it, and the copy fails at once.
-DEFINITE_SQLSTATE_CLASSES = ("22", "23")
+#: SQLSTATE classes of errors an immediate retry cannot cure: the target refuses the rows themselves (22 data
+#: exception, 23 integrity constraint violation), the statement (42: no privilege, e.g. the trust check's refusal
+#: of an owner's trigger, or a missing table or column) or what it needs (0A: not supported, e.g. row-level
+#: security for a non-superuser). A head-start stream that meets one reports it and the copy fails at once, into
+#: ``applier status`` and the subscription's retry with backoff, instead of starting Spark to meet it four more
+#: times.
+DEFINITE_SQLSTATE_CLASSES = ("0A", "22", "23", "42")
 #: Same value formats on both sides, so text COPY round-trips exactly (what the native worker sets, behaviour 1).
 SESSION_OPTIONS = "-c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3"
 #: How much of the COPY stream is gathered before it is handed to the target (fewer, larger writes): psycopg's
@@ -400,11 +404,20 @@ def _head_start_main(
             results.send(task.task_id)
 
 
+def refusal(exc: BaseException) -> str | None:
+    """What to report when ``exc`` is an error every attempt would meet (:data:`DEFINITE_SQLSTATE_CLASSES`):
+    ``psycopg.errors.Name: message``; None for an error a retry may cure."""
+    if isinstance(exc, psycopg.Error) and (exc.sqlstate or "")[:2] in DEFINITE_SQLSTATE_CLASSES:
+        return f"psycopg.errors.{type(exc).__name__}: {str(exc).strip()}"
+    return None
+
+
 def _give_up(exc: Exception, task: PartitionTask, results: Any) -> None:
     """The head start stops at a partition it could not copy: an error the target will give every attempt is
     reported (the copy fails with it); any other is left to the Spark job, which retries."""
-    if isinstance(exc, psycopg.Error) and (exc.sqlstate or "")[:2] in DEFINITE_SQLSTATE_CLASSES:
-        # the target refuses these rows: every Spark attempt would too (after a JVM start)
-        results.send(("failed", f"psycopg.errors.{type(exc).__name__}: {str(exc).strip()}", task.relname))
+    refused = refusal(exc)
+    if refused is not None:
+        # the target refuses these rows or this statement: every Spark attempt would too (after a JVM start)
+        results.send(("failed", refused, task.relname))
         return
     log.info("head start: %s part %d left to Spark (%s)", task.relname, task.part, exc)

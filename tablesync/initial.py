@@ -471,7 +471,7 @@ class InitialCopy:
         if "error" in outcome:
             raise TablesyncError(
                 f"initial copy of subscription {self.subname!r} failed: {_spark_error_summary(outcome['error'])}",
-                relation=unfinished,
+                relation=getattr(outcome["error"], "relname", None) or unfinished,
             ) from outcome["error"]
         if missing and not may_leave_rest:
             raise TablesyncError(

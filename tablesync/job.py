@@ -34,7 +34,8 @@ log = logging.getLogger("applier.tablesync")
 
 #: What a task returns to the driver.
 RESULT_SCHEMA = (
-    "task_id long, relname string, part int, rows long, bytes long, skipped boolean, seconds double"
+    "task_id long, relname string, part int, rows long, bytes long, skipped boolean, seconds double,"
+    " refused string"
 )
 #: Spark task attempts per partition in local mode (``local[N,F]``); each attempt also retries connection errors.
 LOCAL_MAX_FAILURES = 4
@@ -420,7 +421,7 @@ def run_partition_tasks(
     def copy_bins(batches: Iterator[Any]) -> Iterator[Any]:
         import pyarrow as pa
 
-        from tablesync.copy import PartitionCopier
+        from tablesync.copy import PartitionCopier, refusal
         from tablesync.planner import PartitionTask as Task
 
         schema = pa.schema(
@@ -432,13 +433,25 @@ def run_partition_tasks(
                 ("bytes", pa.int64()),
                 ("skipped", pa.bool_()),
                 ("seconds", pa.float64()),
+                ("refused", pa.string()),
             ]
         )
         with PartitionCopier(publisher_conninfo, target_conninfo) as copier:
             for batch in batches:
                 for bin_id in batch.column(0).to_pylist():
-                    results = [copier.copy(Task(**descriptors[i])) for i in groups[bin_id]]
-                    yield pa.RecordBatch.from_pylist([dataclasses.asdict(r) for r in results], schema=schema)
+                    rows = []
+                    for i in groups[bin_id]:
+                        task = Task(**descriptors[i])
+                        try:
+                            rows.append({**dataclasses.asdict(copier.copy(task)), "refused": None})
+                        except Exception as exc:
+                            refused = refusal(exc)
+                            if refused is None:
+                                raise  # Spark attempts the task again
+                            # every attempt would meet it: returned, not raised, so the job ends at once
+                            rows.append({**dataclasses.asdict(_nothing(task)), "refused": refused})
+                            break
+                    yield pa.RecordBatch.from_pylist(rows, schema=schema)
 
     classic = _classic_context(session)
     if tag is not None:
@@ -450,9 +463,25 @@ def run_partition_tasks(
         if tag is not None:
             with contextlib.suppress(Exception):
                 _untag_job(session, classic, tag)
+    refused = next((r for r in rows if r.refused), None)
+    if refused is not None:
+        raise PartitionRefused(refused.refused, refused.relname)
     return [
         PartitionResult(r.task_id, r.relname, r.part, r.rows, r.bytes, r.skipped, r.seconds) for r in rows
     ]
+
+
+class PartitionRefused(Exception):
+    """A task met an error every attempt would meet (:func:`tablesync.copy.refusal`): the job ends with it
+    after one attempt, instead of :data:`LOCAL_MAX_FAILURES`."""
+
+    def __init__(self, message: str, relname: str) -> None:
+        super().__init__(message)
+        self.relname = relname
+
+
+def _nothing(task: PartitionTask) -> PartitionResult:
+    return PartitionResult(task.task_id, task.relname, task.part, 0, 0, False, 0.0)
 
 
 def _tag_job(session: Any, classic: Any, tag: str) -> None:

@@ -280,9 +280,11 @@ def _apply_backend(pair: Any) -> int | None:
     )
 
 
-def _copy_refused(pair: Any, mallory: str, tmp_path: Any, env: dict[str, str]) -> None:
+def _copy_refused(pair: Any, mallory: str, tmp_path: Any, env: dict[str, str], never: str) -> None:
     """``applier create`` (with the copy) and ``applier run``: the copy into the owner's table with an ALWAYS
-    INSERT trigger fails, retried, with the refusal in status; run does not exit; the owner stays unprivileged."""
+    INSERT trigger fails, retried, with the refusal in status; run does not exit; the owner stays unprivileged.
+    The refusal ends each attempt at once: ``never`` (what a second try inside one attempt would log) is not in
+    the log."""
     import subprocess
 
     _owned_table(pair, mallory)
@@ -305,6 +307,7 @@ def _copy_refused(pair: Any, mallory: str, tmp_path: Any, env: dict[str, str]) -
         assert proc.poll() is None
         assert not _superuser(pair, mallory)
         assert pair.target.scalar("SELECT count(*) FROM t") == 0
+        assert never not in (tmp_path / "run.log").read_text(), (tmp_path / "run.log").read_text()[-3000:]
         pair.target.execute("DROP TRIGGER evil ON t")
         wait_until(lambda: pair.target.scalar("SELECT count(*) FROM t") == 100, timeout=240, what="the copy")
     finally:
@@ -316,13 +319,13 @@ def _copy_refused(pair: Any, mallory: str, tmp_path: Any, env: dict[str, str]) -
 
 @pytest.mark.anyversion  # the trust check's catalog reads are the other tests'; this is the copy's path
 def test_copy_path_refused_on_the_driver(pair, mallory, tmp_path) -> None:
-    _copy_refused(pair, mallory, tmp_path, {})
+    _copy_refused(pair, mallory, tmp_path, {}, never="starting Spark")
 
 
 @pytest.mark.spark
 @pytest.mark.anyversion
 def test_copy_path_refused_in_spark(pair, mallory, tmp_path) -> None:
-    _copy_refused(pair, mallory, tmp_path, {"APPLIER_TABLESYNC_HEAD_START": "0"})
+    _copy_refused(pair, mallory, tmp_path, {"APPLIER_TABLESYNC_HEAD_START": "0"}, never="failed 4 times")
 
 
 def test_row_level_security_is_refused_for_a_non_superuser_apply_role(pair, mallory, tmp_path) -> None:
