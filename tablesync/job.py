@@ -421,7 +421,7 @@ def run_partition_tasks(
     def copy_bins(batches: Iterator[Any]) -> Iterator[Any]:
         import pyarrow as pa
 
-        from tablesync.copy import PartitionCopier, refusal
+        from tablesync.copy import PartitionCopier
         from tablesync.planner import PartitionTask as Task
 
         schema = pa.schema(
@@ -439,19 +439,8 @@ def run_partition_tasks(
         with PartitionCopier(publisher_conninfo, target_conninfo) as copier:
             for batch in batches:
                 for bin_id in batch.column(0).to_pylist():
-                    rows = []
-                    for i in groups[bin_id]:
-                        task = Task(**descriptors[i])
-                        try:
-                            rows.append({**dataclasses.asdict(copier.copy(task)), "refused": None})
-                        except Exception as exc:
-                            refused = refusal(exc)
-                            if refused is None:
-                                raise  # Spark attempts the task again
-                            # every attempt would meet it: returned, not raised, so the job ends at once
-                            rows.append({**dataclasses.asdict(_nothing(task)), "refused": refused})
-                            break
-                    yield pa.RecordBatch.from_pylist(rows, schema=schema)
+                    tasks = [Task(**descriptors[i]) for i in groups[bin_id]]
+                    yield pa.RecordBatch.from_pylist(_copy_bin(copier, tasks), schema=schema)
 
     classic = _classic_context(session)
     if tag is not None:
@@ -463,6 +452,11 @@ def run_partition_tasks(
         if tag is not None:
             with contextlib.suppress(Exception):
                 _untag_job(session, classic, tag)
+    return _results(rows)
+
+
+def _results(rows: list[Any]) -> list[PartitionResult]:
+    """The job's rows as results; :class:`PartitionRefused` if a task met a refusal."""
     refused = next((r for r in rows if r.refused), None)
     if refused is not None:
         raise PartitionRefused(refused.refused, refused.relname)
@@ -480,8 +474,23 @@ class PartitionRefused(Exception):
         self.relname = relname
 
 
-def _nothing(task: PartitionTask) -> PartitionResult:
-    return PartitionResult(task.task_id, task.relname, task.part, 0, 0, False, 0.0)
+def _copy_bin(copier: Any, tasks: list[PartitionTask]) -> list[dict[str, Any]]:
+    """A Spark task's rows: its partitions copied one after another, up to a refusal (a row of its own)."""
+    from tablesync.copy import refusal
+
+    rows: list[dict[str, Any]] = []
+    for task in tasks:
+        try:
+            rows.append({**dataclasses.asdict(copier.copy(task)), "refused": None})
+        except Exception as exc:
+            refused = refusal(exc)
+            if refused is None:
+                raise  # Spark attempts the task again
+            # every attempt would meet it: returned, not raised, so the job ends at once
+            nothing = PartitionResult(task.task_id, task.relname, task.part, 0, 0, False, 0.0)
+            rows.append({**dataclasses.asdict(nothing), "refused": refused})
+            break
+    return rows
 
 
 def _tag_job(session: Any, classic: Any, tag: str) -> None:
