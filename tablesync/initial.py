@@ -32,7 +32,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -534,21 +534,6 @@ class InitialCopy:
         finally:
             self.close()
 
-    @contextlib.contextmanager
-    def spark(
-        self, spark_master: str | None = None, spark_conf: Mapping[str, str] | None = None
-    ) -> Iterator[Any]:
-        """The Spark session for :meth:`copy` (started, and stopped afterwards, unless one is already active)."""
-        handle = spark_job.spark_session(spark_master, dict(spark_conf or {}))
-        try:
-            if handle.ui_url:
-                self.reporter.note(f"Spark UI: {handle.ui_url}")
-            elif handle.remote:
-                self.reporter.note(f"Spark Connect: {handle.remote}")
-            yield handle.session
-        finally:
-            spark_job.release(handle)
-
 
 # The steps' helpers that need nothing of a copier but what they are given (module functions keep the class to
 # its steps, which subclasses override: tablesync.live.LiveCopy, and the migration's copy at its own snapshot).
@@ -644,36 +629,66 @@ def _ordered(tasks: list[PartitionTask], weights: Mapping[str, float] | None) ->
 def _copy_at_snapshot(
     copier: InitialCopy, spark_master: str | None, spark_conf: dict[str, str]
 ) -> CopyResult:
-    """Take the snapshot, plan and claim the partitions, and copy them: on the driver first when a local Spark
-    would add nothing, on Spark for what is left."""
+    """Take the snapshot, plan and claim the partitions, and copy them (:func:`copy_claimed`)."""
+    streams, parallelism = _driver_streams(copier, spark_master)
+    # Unless Spark would add nothing (see copy_claimed), it starts in the background now: the JVM takes seconds,
+    # and the next three steps need none.
+    spark_later = streams > 0 and parallelism is not None and parallelism <= streams
+    starter = None if spark_later else spark_job.SessionStarter(spark_master, spark_conf)
+    try:
+        copier.open_snapshot()
+        copier.plan()
+        copier.claim()
+    except BaseException:
+        if starter is not None:
+            starter.release()
+        raise
+    if copier.stop.is_set():
+        if starter is not None:
+            starter.abandon()
+            starter.release()
+        return copier.result(stopped=True)
+    return copy_claimed(copier, spark_master, spark_conf, starter)
+
+
+def _driver_streams(copier: InitialCopy, spark_master: str | None) -> tuple[int, int | None]:
+    """The driver's head-start streams and the tasks a local Spark would run at once (None: not local)."""
     # The driver copies while a local Spark starts (tablesync.copy.HeadStart): on one machine its processes
     # and Spark's local executors share the same cores anyway; a cluster does the copying.
     default_streams = copier.head_start_streams
     if default_streams is None:
         default_streams = 2 if spark_job.runs_locally(spark_master) else 0
     streams = int(os.environ.get("APPLIER_TABLESYNC_HEAD_START", str(default_streams)) or 0)
-    # A local Spark that would run no more tasks at once than the driver's streams adds nothing but its
-    # start-up (several CPU-seconds of JVM on the cores the copy needs): it is started only if the driver
-    # leaves partitions over (one failed), to copy those.
-    parallelism = spark_job.local_parallelism(spark_master)
-    spark_later = streams > 0 and parallelism is not None and parallelism <= streams
-    # Otherwise Spark starts in the background now (the JVM takes seconds; the next three steps need none).
-    starter = None if spark_later else spark_job.SessionStarter(spark_master, spark_conf)
+    return streams, spark_job.local_parallelism(spark_master)
+
+
+def copy_claimed(
+    copier: InitialCopy,
+    spark_master: str | None,
+    spark_conf: Mapping[str, str] | None,
+    starter: spark_job.SessionStarter | None = None,
+) -> CopyResult:
+    """Copy the partitions the copier has claimed, ending with :meth:`InitialCopy.complete`: on the driver first,
+    with Spark for what is left.
+
+    A local Spark that would run no more tasks at once than the driver's streams adds nothing but its start-up
+    (several CPU-seconds of JVM on the cores the copy needs): it is started only if the driver leaves partitions
+    over (one failed), to copy those. Otherwise Spark starts (or ``starter`` has started it) while the driver
+    copies, and takes over what is left once it is ready."""
+    streams, parallelism = _driver_streams(copier, spark_master)
     try:
-        copier.open_snapshot()
-        copier.plan()
-        copier.claim()
-        if copier.stop.is_set():
-            if starter is not None:
-                starter.abandon()
-            return copier.result(stopped=True)
         _start_head_start(copier, streams)
-        if starter is None and copier.head_start is not None:
+        if (
+            starter is None
+            and copier.head_start is not None
+            and parallelism is not None
+            and parallelism <= streams
+        ):
             done = _copy_on_driver(copier, streams, parallelism)
             if done is not None:
                 return done
         if starter is None:
-            starter = spark_job.SessionStarter(spark_master, spark_conf)
+            starter = spark_job.SessionStarter(spark_master, dict(spark_conf or {}))
         return _copy_with_spark(copier, starter, streams)
     finally:
         if copier.head_start is not None:

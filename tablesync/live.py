@@ -6,8 +6,8 @@ thread of the apply worker's process, so the apply loop keeps applying the other
 1. copy: every table in ``i``/``d``/``f`` (a ``d``/``f`` one is left by an earlier live sync that failed: it is
    emptied and copied again) is copied with the initial copy's machinery (:class:`~tablesync.initial.InitialCopy`:
    a *temporary* slot with an exported snapshot at consistent point C on a replication connection of its own, the
-   plan, the claim with exactly-once partition markers, the Spark job). The tables go ``i`` -> ``d`` -> ``f`` at C;
-   the slot's connection stays open and idle.
+   plan, the claim with exactly-once partition markers, the copy on the driver and Spark for what it leaves). The
+   tables go ``i`` -> ``d`` -> ``f`` at C; the slot's connection stays open and idle.
 2. SYNCWAIT (``w``, in memory only): the thread waits for the apply loop. At a transaction boundary, at position P
    (the end of the last transaction it processed, or the last received position when idle), the apply loop calls
    :meth:`LiveSync.proceed` (:func:`state.tables.join_apply_stream`):
@@ -60,7 +60,7 @@ from applier.catalog.store import RelState
 from applier.lsn import format_lsn
 from applier.replication import ReplicationConnection, StreamOptions
 from state.tables import SyncState, TableState, join_apply_stream
-from tablesync.initial import COPY_STATES, InitialCopy, TablesyncError
+from tablesync.initial import COPY_STATES, CopyResult, InitialCopy, TablesyncError, copy_claimed
 from tablesync.progress import CopyProgress
 
 #: wal_receiver_status_interval for the catch-up stream.
@@ -107,6 +107,10 @@ class LiveCopy(InitialCopy):
     """:class:`InitialCopy` for tables added while streaming: every ``i``/``d``/``f`` table is copied (a ``d`` or
     ``f`` one is emptied first), and they end ``f`` at the snapshot point (:meth:`finish_tables`), not ``s``: how
     they join the stream is decided against the stream's position, which only the apply loop knows."""
+
+    def complete(self) -> CopyResult:
+        """Every copied table to ``f`` at the snapshot point; the apply loop decides how they join the stream."""
+        return self.finish_tables(SyncState.FINISHEDCOPY)
 
     def load(self) -> list[RelState]:
         self.sub = self.catalog.require(self.subname)
@@ -392,10 +396,11 @@ class LiveSync:
             )
         if self.stop.is_set():
             raise LiveSyncError("stopped")
-        with copier.spark(self.spark_master, self.spark_conf) as session:
-            if not copier.copy(session):
-                raise LiveSyncError("stopped")
-        result = copier.finish_tables(SyncState.FINISHEDCOPY)
+        # on the driver first, like the initial copy: a table added to a running subscription is copied without
+        # waiting for a JVM, unless the driver leaves partitions over
+        result = copy_claimed(copier, self.spark_master, self.spark_conf)
+        if result.stopped:
+            raise LiveSyncError("stopped")
         for name, t in result.tables.items():
             self._state_log(name, SyncState.FINISHEDCOPY, c_lsn, f" ({t.rows} rows copied)")
         return c_lsn
