@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import psycopg
 from psycopg import sql
@@ -245,3 +245,26 @@ def code_commit(root: Path) -> str:
     return git("rev-parse", "--short", "HEAD") + (
         " + uncommitted changes in applier/ or state/" if dirty else ""
     )
+
+
+def cluster_cpu(cluster: Any) -> float:
+    """CPU seconds the cluster has used so far: its postmaster plus every backend it has reaped (``cutime``)
+    plus the live ones (``cluster``: an :class:`applier.testing.cluster.PostgresCluster`). Read from /proc (0.0
+    elsewhere)."""
+    try:
+        pid = int((Path(cluster.datadir) / "postmaster.pid").read_text().split()[0])
+        tick = os.sysconf("SC_CLK_TCK")
+
+        def ticks(p: int, children: bool) -> int:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            return sum(int(f) for f in fields[11 : 15 if children else 13])
+
+        total = ticks(pid, True)
+        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+            try:
+                total += ticks(int(child), True)
+            except OSError:  # exited meanwhile: counted in the postmaster's cutime
+                pass
+        return total / tick
+    except (OSError, ValueError, IndexError):
+        return 0.0

@@ -79,6 +79,7 @@ import contextlib
 import json
 import os
 import platform
+import resource
 import shutil
 import signal
 import subprocess
@@ -100,7 +101,7 @@ if __package__ in (None, ""):  # run as a script: make the project and the bench
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import descendants, loadavg, median  # noqa: E402
+from _common import cluster_cpu, descendants, loadavg, median  # noqa: E402
 
 from applier.migrate.postdata import gin_maintenance_work_mem  # noqa: E402
 from applier.testing.cluster import PostgresCluster, find_binaries  # noqa: E402
@@ -744,6 +745,27 @@ class RunResult:
     peak_rss_mb: float | None = None
     #: ours_load: what the writers did and saw (:func:`write_downtime`)
     writes: dict[str, Any] | None = None
+    #: CPU seconds during the run (:class:`CpuMeter`): the tool's processes, the source's and the target's servers
+    cpu: dict[str, float] = field(default_factory=dict)
+
+
+class CpuMeter:
+    """The CPU a run used: the tool's processes (every child this process reaped meanwhile, with the children
+    they reaped: the tool's commands, ours' worker and copy streams) and each cluster's servers. On C cores a
+    run cannot take less than their sum / C seconds: what decides a run when that is above the critical path."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.start = self._now()
+
+    def _now(self) -> tuple[float, float, float]:
+        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return ru.ru_utime + ru.ru_stime, cluster_cpu(self.ctx.src), cluster_cpu(self.ctx.tgt)
+
+    def used(self) -> dict[str, float]:
+        end = self._now()
+        tool, source, target = (round(b - a, 1) for a, b in zip(self.start, end, strict=True))
+        return {"tool": tool, "source": source, "target": target, "total": round(tool + source + target, 1)}
 
 
 def one_run(ctx: Context, tool: str, rep: int, expected: dict[str, Any], schemas: list[str]) -> RunResult:
@@ -756,10 +778,12 @@ def one_run(ctx: Context, tool: str, rep: int, expected: dict[str, Any], schemas
         s.execute("CHECKPOINT")
         t.execute("CHECKPOINT")
     load = WriteLoad(ctx, ours_source(target_db), ctx.write_rate) if tool == "ours_load" else None
+    meter = CpuMeter(ctx)
     started = time.monotonic()
     try:
         steps = RUNNERS[tool](ctx, target_db)
         seconds = time.monotonic() - started
+        cpu = meter.used()
     except (ToolFailed, psycopg.Error, subprocess.SubprocessError) as exc:
         text = str(exc)
         head, _, rest = text.partition("\n")
@@ -776,6 +800,7 @@ def one_run(ctx: Context, tool: str, rep: int, expected: dict[str, Any], schemas
             tool, rep, seconds, max(s.peak_pss_kb for s in steps) / 1024, not diff,
             [asdict(s) | {"output_tail": s.output_tail[-500:]} for s in steps],
             "; ".join(diff), os.getloadavg()[0], peak_rss_mb=max(s.peak_rss_kb for s in steps) / 1024,
+            cpu=cpu,
         )  # fmt: skip
     finally:
         writes = load.stop() if load is not None else None
@@ -823,6 +848,7 @@ class ToolSummary:
     errors: list[str] = field(default_factory=list)
     peak_rss_mb: float | None = None
     writes: list[dict[str, Any]] = field(default_factory=list)  # ours_load: one per good run
+    cpu: dict[str, float] = field(default_factory=dict)  # medians of the good runs' CpuMeter figures
 
 
 def summarize(tool: str, results: list[RunResult], unavailable: str | None) -> ToolSummary:
@@ -838,6 +864,9 @@ def summarize(tool: str, results: list[RunResult], unavailable: str | None) -> T
         [f"run {r.rep}: " + (r.error or "verification failed").strip().splitlines()[0][:300] for r in bad],
         max((r.peak_rss_mb or 0.0) for r in good) if good else None,
         [r.writes for r in good if r.writes is not None],
+        {k: median([r.cpu[k] for r in good]) for k in ("tool", "source", "target", "total")}
+        if good and all(r.cpu for r in good)
+        else {},
     )
 
 
@@ -847,12 +876,13 @@ def render(summaries: list[ToolSummary], header: str, floor: dict[str, Any] | No
     lines = [
         header,
         "",
-        "| tool | median s | runs s | peak memory (PSS) of its processes MB | ours / this |",
-        "|---|---|---|---|---|",
+        "| tool | median s | runs s | peak memory (PSS) of its processes MB | ours / this |"
+        f" CPU s: tool + source + target = total (/ {os.cpu_count()} cores) |",
+        "|---|---|---|---|---|---|",
     ]
     for s in summaries:
         if s.unavailable:
-            lines.append(f"| {LABELS[s.tool]} | not run: {s.unavailable} | | | |")
+            lines.append(f"| {LABELS[s.tool]} | not run: {s.unavailable} | | | | |")
             continue
         ratio = ""
         if ours and ours.median_s and s.median_s and not s.tool.startswith("ours"):
@@ -860,7 +890,14 @@ def render(summaries: list[ToolSummary], header: str, floor: dict[str, Any] | No
         med = f"{s.median_s:.1f}" if s.median_s is not None else "FAILED"
         runs = ", ".join(f"{x:.1f}" for x in s.runs_s) + (f" ({s.failed} failed)" if s.failed else "")
         rss = f"{s.peak_pss_mb:.0f}" if s.peak_pss_mb is not None else ""
-        lines.append(f"| {LABELS[s.tool]} | {med} | {runs} | {rss} | {ratio} |")
+        c = s.cpu
+        cpu = (
+            f"{c['tool']:.0f} + {c['source']:.0f} + {c['target']:.0f} = {c['total']:.0f}"
+            f" ({c['total'] / (os.cpu_count() or 1):.1f})"
+            if c
+            else ""
+        )
+        lines.append(f"| {LABELS[s.tool]} | {med} | {runs} | {rss} | {ratio} | {cpu} |")
     pg = by.get("pgcopydb")
     if ours and ours.median_s and pg and pg.median_s:
         r = ours.median_s / pg.median_s

@@ -3,6 +3,10 @@
 Cases: ``one`` — one table of ``--rows`` rows (5,000,000 for the headline figure); ``many`` — ``--tables`` tables
 of ``--rows-per-table`` rows. Three clusters: the publisher, a native subscriber, and our target.
 
+* Pipe: the C baseline of our relay, on our target's cluster: ``psql -c 'COPY t TO STDOUT' | psql -c 'COPY t FROM
+  STDIN'`` per table, two tables at a time. Its psql processes' CPU against our process tree's, per MB, is what a
+  byte costs in our Python relay beyond a plain pipe (no snapshot, no markers: a floor, not a rival).
+
 * Native: ``CREATE SUBSCRIPTION ... WITH (copy_data = true)`` on the native cluster, timed from that statement
   until every ``pg_subscription_rel.srsubstate`` is ``r`` (polled every 10 ms). Defaults as shipped
   (``max_sync_workers_per_subscription = 2``, text COPY unless ``--native-binary``).
@@ -38,8 +42,13 @@ from pathlib import Path
 
 from psycopg import sql
 
-from applier.testing.cluster import Database, PostgresCluster, find_binaries
-from tablesync.testing import subscribe
+if __package__ in (None, ""):  # run as a script: make the bench helpers importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import cluster_cpu  # noqa: E402
+
+from applier.testing.cluster import Database, PostgresCluster, find_binaries  # noqa: E402
+from tablesync.testing import subscribe  # noqa: E402
 
 ROW_DDL = "(id bigint PRIMARY KEY, a integer, b text, c timestamptz, d numeric, e jsonb)"
 ROW_FILL = (
@@ -142,26 +151,53 @@ def run_native(pub: Database, native: PostgresCluster, dbname: str, names: list[
     return elapsed
 
 
-def cluster_cpu(cluster: PostgresCluster) -> float:
-    """CPU seconds the cluster has used so far: its postmaster plus every backend it has reaped (``cutime``)
-    plus the live ones. Read from /proc (0.0 elsewhere)."""
-    try:
-        pid = int((Path(cluster.datadir) / "postmaster.pid").read_text().split()[0])
-        tick = os.sysconf("SC_CLK_TCK")
+def run_pipe(
+    pub: Database, target: PostgresCluster, dbname: str, names: list[str], psql: str, streams: int = 2
+) -> tuple[float, dict[str, float]]:
+    """The C baseline of our relay: ``psql -c 'COPY t TO STDOUT' | psql -c 'COPY t FROM STDIN'`` per table,
+    ``streams`` tables at a time; return its wall time and the CPU seconds of the psql processes (the relay's
+    share: the servers' CPU is counted per cluster as for the other sides)."""
+    db = target.create_database(dbname)
+    create_tables(db, names)
+    todo = list(names)
+    lock = threading.Lock()
+    cpu: list[float] = []
+    failed: list[str] = []
 
-        def ticks(p: int, children: bool) -> int:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            return sum(int(f) for f in fields[11 : 15 if children else 13])
+    def one(name: str) -> None:
+        table = sql.Identifier(name).as_string(None)
+        out = subprocess.Popen([psql, "-X", "-q", "-d", pub.dsn, "-c", f"COPY {table} TO STDOUT"],
+                               stdout=subprocess.PIPE)  # fmt: skip
+        inp = subprocess.Popen([psql, "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", db.dsn, "-c",
+                                f"COPY {table} FROM STDIN"], stdin=out.stdout)  # fmt: skip
+        assert out.stdout is not None
+        out.stdout.close()  # the reader has it
+        for proc in (out, inp):
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            with lock:
+                cpu.append(usage.ru_utime + usage.ru_stime)
+                if proc.returncode:
+                    failed.append(f"{name}: psql exited {proc.returncode}")
 
-        total = ticks(pid, True)
-        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
-            try:
-                total += ticks(int(child), True)
-            except OSError:  # exited meanwhile: counted in the postmaster's cutime
-                pass
-        return total / tick
-    except (OSError, ValueError, IndexError):
-        return 0.0
+    def stream() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                name = todo.pop()
+            one(name)
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=stream) for _ in range(min(streams, len(names)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.monotonic() - started
+    if failed:
+        raise SystemExit(f"the pipe failed: {failed}")
+    return elapsed, {"cpu": sum(cpu)}
 
 
 #: Progress lines of the copy (``tablesync: ...`` on stderr) that mark the end of a phase.
@@ -280,9 +316,9 @@ def main() -> int:
                   f"(loaded in {time.monotonic() - t0:.1f}s)", flush=True)  # fmt: skip
             for i in range(args.repeat):
                 order = (
-                    [("native", native), ("ours", ours)]
+                    [("native", native), ("ours", ours), ("pipe", ours)]
                     if i % 2 == 0
-                    else [("ours", ours), ("native", native)]
+                    else [("pipe", ours), ("ours", ours), ("native", native)]
                 )
                 for side, cluster in order:
                     dbname = f"{side}_{case}_{i}"
@@ -290,6 +326,8 @@ def main() -> int:
                     marks: dict[str, float] = {}
                     if side == "native":
                         secs = run_native(pub, cluster, dbname, names, args.native_binary)
+                    elif side == "pipe":
+                        secs, marks = run_pipe(pub, cluster, dbname, names, binaries.path("psql"))
                     else:
                         secs, marks = run_ours(pub, cluster, dbname, names, args.master, args.head_start)
                     time.sleep(0.3)  # let the walsender / backends exit, so their CPU is counted
@@ -304,6 +342,8 @@ def main() -> int:
                     )
                     outcomes.append(o)
                     detail = f"cpu s: pub {pcpu:.1f} sub {scpu:.1f}"
+                    if side == "pipe":
+                        detail += f" psql {o.proc_cpu:.1f}"
                     if side == "ours":
                         detail += f" ours {o.proc_cpu:.1f}; at s: " + " ".join(
                             f"{k} {v:.1f}" for k, v in marks.items()
@@ -322,6 +362,24 @@ def main() -> int:
             o = nat[0]
             print(f"| {case} | {o.tables} | {o.rows:,} | {o.heap_mb:.0f} | {ns:.1f} | {os_:.1f} | "
                   f"{o.heap_mb / ns:.1f} | {o.heap_mb / os_:.1f} | {ns / os_:.2f}× |")  # fmt: skip
+        print(
+            "\n(medians; CPU per MB of heap: the relay's process, i.e. ours (driver, JVM if started, Python workers)"
+            " or the two psql of the pipe; and the two servers)\n| case | ours s | pipe s | ours CPU ms/MB | pipe"
+            " CPU ms/MB | servers ours ms/MB | servers pipe ms/MB |\n|---|---|---|---|---|---|---|"
+        )
+        for case in cases:
+            med = {
+                side: {
+                    k: statistics.median(getattr(o, k) for o in outcomes if o.case == case and o.side == side)
+                    for k in ("seconds", "proc_cpu", "pub_cpu", "sub_cpu", "heap_mb")
+                }
+                for side in ("ours", "pipe")
+            }
+            ms = {side: {k: 1000 * v / m["heap_mb"] for k, v in m.items()} for side, m in med.items()}
+            print(f"| {case} | {med['ours']['seconds']:.1f} | {med['pipe']['seconds']:.1f} | "
+                  f"{ms['ours']['proc_cpu']:.1f} | {ms['pipe']['proc_cpu']:.1f} | "
+                  f"{ms['ours']['pub_cpu'] + ms['ours']['sub_cpu']:.1f} | "
+                  f"{ms['pipe']['pub_cpu'] + ms['pipe']['sub_cpu']:.1f} |")  # fmt: skip
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(
             json.dumps(

@@ -76,6 +76,8 @@ def test_bench_runs_every_installed_tool_and_verifies_it(tmp_path: Path) -> None
             continue
         assert s["failed"] == 0 and s["median_s"] is not None, (tool, s, res.stderr[-3000:])
         assert s["peak_pss_mb"] > 0 and s["peak_rss_mb"] >= s["peak_pss_mb"]
+        # the CPU it used: its own processes and both servers (the target always works)
+        assert s["cpu"]["target"] > 0 and s["cpu"]["total"] >= s["cpu"]["tool"] + s["cpu"]["target"] - 0.2, s
     if not by_tool["ours_load"]["unavailable"]:
         # pgbench wrote to ours' source until the fence; the target equals the source as the writes left it
         (writes,) = by_tool["ours_load"]["writes"]
@@ -91,6 +93,7 @@ def test_bench_runs_every_installed_tool_and_verifies_it(tmp_path: Path) -> None
     assert len(floor["tables"]) == 2 and floor["seconds"] == max(t["seconds"] for t in floor["tables"]) > 0
     assert all(len(t["indexes"]) >= 1 for t in floor["tables"]), floor
     report = (tmp_path / "r.md").read_text()
+    assert "CPU s: tool + source + target" in report
     assert "Critical-path floor" in report and (by_tool["ours"]["unavailable"] or "the floor:" in report)
     assert res.returncode == (1 if any(s["failed"] for s in data["summaries"]) else 0), res.stderr[-3000:]
 
