@@ -442,6 +442,68 @@ def test_a_failing_copy_reports_the_server_error_and_leaves_tables_to_redo(pair,
     )
 
 
+def test_a_refusal_in_a_spark_task_ends_the_job_after_one_attempt(pair, spark, monkeypatch):
+    """The target refuses the rows (a check constraint: every attempt would meet it). The task returns the refusal
+    instead of raising it, so Spark does not attempt the task again (four attempts per task here): a sequence
+    that a trusted ALWAYS trigger advances at the first row counts the attempts (a rollback keeps its value)."""
+    from tablesync import TablesyncError
+
+    monkeypatch.setenv("APPLIER_TABLESYNC_HEAD_START", "0")  # Spark copies everything
+    pair.publisher.execute("CREATE TABLE t (id int, v int)")
+    pair.target.execute("CREATE TABLE t (id int, v int CHECK (v < 100))")
+    pair.target.execute("CREATE SEQUENCE attempts")
+    pair.target.execute(
+        "CREATE FUNCTION count_attempt() RETURNS trigger LANGUAGE plpgsql AS"
+        " $$ BEGIN IF NEW.id = 1 THEN PERFORM nextval('attempts'); END IF; RETURN NEW; END $$"
+    )
+    pair.target.execute("CREATE TRIGGER c BEFORE INSERT ON t FOR EACH ROW EXECUTE FUNCTION count_attempt()")
+    pair.target.execute("ALTER TABLE t ENABLE ALWAYS TRIGGER c")
+    pair.publisher.execute("INSERT INTO t SELECT g, g FROM generate_series(1, 200) g")
+    pair.publisher.execute("CREATE PUBLICATION pub FOR TABLE t")
+    subscribe(pair.target.dsn, pair.publisher.dsn, pair.name, ["public.t"])
+    with pytest.raises(TablesyncError, match='violates check constraint "t_v_check"') as failed:
+        run_initial_copy(pair.target.dsn, pair.name, progress=False)
+    assert failed.value.relation == "public.t"
+    assert pair.target.scalar("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM attempts") == 1
+    assert pair.target.scalar("SELECT count(*) FROM t") == 0
+
+
+def test_the_trust_check_refuses_an_owners_trigger_in_a_spark_task(pair, spark, monkeypatch):
+    """The copy's trust check runs in Spark's tasks as on the driver: a table owned by an unprivileged role, with
+    an ALWAYS trigger of that role's, is refused (SQLSTATE 42501) before a row is written; the trigger never
+    runs (it would make its owner a superuser) and the refusal ends the job at once."""
+    from tablesync import TablesyncError
+
+    monkeypatch.setenv("APPLIER_TABLESYNC_HEAD_START", "0")
+    role = sql.Identifier(f"m_{pair.name}"[:63])
+    pair.target.cluster.execute(sql.SQL("CREATE ROLE {}").format(role))
+    try:
+        pair.publisher.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
+        pair.target.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
+        pair.target.execute(
+            sql.SQL(
+                "CREATE FUNCTION escalate() RETURNS trigger LANGUAGE plpgsql AS"
+                " $$ BEGIN ALTER ROLE {} SUPERUSER; RETURN NEW; END $$"
+            ).format(role)
+        )
+        for stmt in ("ALTER TABLE t OWNER TO {}", "ALTER FUNCTION escalate() OWNER TO {}"):
+            pair.target.execute(sql.SQL(stmt).format(role))
+        pair.target.execute("CREATE TRIGGER evil BEFORE INSERT ON t FOR EACH ROW EXECUTE FUNCTION escalate()")
+        pair.target.execute("ALTER TABLE t ENABLE ALWAYS TRIGGER evil")
+        pair.publisher.execute("INSERT INTO t SELECT g, 'row ' || g FROM generate_series(1, 100) g")
+        pair.publisher.execute("CREATE PUBLICATION pub FOR TABLE t")
+        subscribe(pair.target.dsn, pair.publisher.dsn, pair.name, ["public.t"])
+        with pytest.raises(TablesyncError, match="runs no code that a role") as failed:
+            run_initial_copy(pair.target.dsn, pair.name, progress=False)
+        assert "InsufficientPrivilege" in str(failed.value) and failed.value.relation == "public.t"
+        assert pair.target.scalar("SELECT count(*) FROM t") == 0
+        owner_is_superuser = "SELECT rolsuper FROM pg_roles WHERE rolname = %s"
+        assert not pair.target.scalar(owner_is_superuser, (f"m_{pair.name}"[:63],))
+    finally:
+        for stmt in ("DROP OWNED BY {} CASCADE", "DROP ROLE {}"):
+            pair.target.execute(sql.SQL(stmt).format(role))
+
+
 @pytest.mark.core
 @pytest.mark.anyversion  # our retry of the copy
 def test_a_target_restart_mid_copy_is_retried(pair, spark, target_cluster):
