@@ -630,10 +630,9 @@ def _copy_at_snapshot(
     copier: InitialCopy, spark_master: str | None, spark_conf: dict[str, str]
 ) -> CopyResult:
     """Take the snapshot, plan and claim the partitions, and copy them (:func:`copy_claimed`)."""
-    streams, parallelism = _driver_streams(copier, spark_master)
     # Unless Spark would add nothing (see copy_claimed), it starts in the background now: the JVM takes seconds,
     # and the next three steps need none.
-    spark_later = streams > 0 and parallelism is not None and parallelism <= streams
+    spark_later = _spark_adds_nothing(*_driver_streams(copier, spark_master))
     starter = None if spark_later else spark_job.SessionStarter(spark_master, spark_conf)
     try:
         copier.open_snapshot()
@@ -662,6 +661,11 @@ def _driver_streams(copier: InitialCopy, spark_master: str | None) -> tuple[int,
     return streams, spark_job.local_parallelism(spark_master)
 
 
+def _spark_adds_nothing(streams: int, parallelism: int | None) -> bool:
+    """A local Spark would run no more tasks at once than the driver's streams copy."""
+    return streams > 0 and parallelism is not None and parallelism <= streams
+
+
 def copy_claimed(
     copier: InitialCopy,
     spark_master: str | None,
@@ -678,12 +682,7 @@ def copy_claimed(
     streams, parallelism = _driver_streams(copier, spark_master)
     try:
         _start_head_start(copier, streams)
-        if (
-            starter is None
-            and copier.head_start is not None
-            and parallelism is not None
-            and parallelism <= streams
-        ):
+        if starter is None and copier.head_start is not None and _spark_adds_nothing(streams, parallelism):
             done = _copy_on_driver(copier, streams, parallelism)
             if done is not None:
                 return done

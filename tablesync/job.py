@@ -27,7 +27,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tablesync.copy import PartitionResult
+from tablesync.copy import PartitionResult, refusal
 from tablesync.planner import PartitionTask
 
 log = logging.getLogger("applier.tablesync")
@@ -476,8 +476,6 @@ class PartitionRefused(Exception):
 
 def _copy_bin(copier: Any, tasks: list[PartitionTask]) -> list[dict[str, Any]]:
     """A Spark task's rows: its partitions copied one after another, up to a refusal (a row of its own)."""
-    from tablesync.copy import refusal
-
     rows: list[dict[str, Any]] = []
     for task in tasks:
         try:
