@@ -523,11 +523,11 @@ class _Cutover:
         cannot be ended (:mod:`applier.migrate.fence`). Returns when the fence went up (the downtime counts from
         there)."""
         opts = self.opts
-        fencing.fence(src)
+        fenced_clock = fencing.fence(src)
         fenced_at = time.monotonic()
         self.say("fence: the source's new transactions are read-only")
         tables = self.tables(target, m.subname)
-        progress.fence = report = fencing.end_sessions(src, self.deadline, self.say, tables)
+        progress.fence = report = fencing.end_sessions(src, self.deadline, self.say, tables, fenced_clock)
         self.say(f"fence: {len(report.ended)} session(s) ended")
         for line in report.lines():
             self.say(line)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -61,8 +62,12 @@ def _db(conn: psycopg.Connection[Any]) -> sql.Identifier:
     return sql.Identifier(conn.info.dbname)
 
 
-def fence(conn: psycopg.Connection[Any]) -> None:
+def fence(conn: psycopg.Connection[Any]) -> datetime:
+    """Fence the source (``conn`` autocommits, so the setting is committed on return). Returns the server's clock
+    once it is: a session that started later read the setting at its start and is read-only, so it is not ended
+    (the application's transaction manager connecting to decide a prepared transaction, under ``--prepared wait``)."""
     conn.execute(sql.SQL("ALTER DATABASE {} SET default_transaction_read_only = on").format(_db(conn)))
+    return conn.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index,no-any-return]
 
 
 def unfence(conn: psycopg.Connection[Any]) -> None:
@@ -129,13 +134,17 @@ SELECT a.pid, coalesce(r.rolname, a.usename, '?'), a.xact_start IS NOT NULL, coa
            AND has_table_privilege(a.usesysid, to_regclass(t), 'INSERT,UPDATE,DELETE,TRUNCATE'))
 FROM pg_stat_activity a LEFT JOIN pg_roles r ON r.oid = a.usesysid
 WHERE a.datname = current_database() AND a.pid <> pg_backend_pid() AND a.backend_type = 'client backend'
+  AND (%s::timestamptz IS NULL OR a.backend_start < %s::timestamptz)
 ORDER BY 1
 """
 
 
-def sessions(conn: psycopg.Connection[Any], tables: Sequence[str] = ()) -> list[Session]:
-    """Client sessions of this database other than ours; ``tables``: the migrated tables (quoted, qualified)."""
-    return [Session(*r) for r in conn.execute(_SESSIONS, (list(tables),))]
+def sessions(
+    conn: psycopg.Connection[Any], tables: Sequence[str] = (), started_before: datetime | None = None
+) -> list[Session]:
+    """Client sessions of this database other than ours; ``tables``: the migrated tables (quoted, qualified);
+    ``started_before``: only those that started before then (by the server's clock)."""
+    return [Session(*r) for r in conn.execute(_SESSIONS, (list(tables), started_before, started_before))]
 
 
 def end_sessions(
@@ -143,8 +152,9 @@ def end_sessions(
     deadline: float,
     say: Callable[[str], None],
     tables: Sequence[str] = (),
+    fenced_at: datetime | None = None,
 ) -> FenceReport:
-    """End the sessions connected before the fence: at once, unless inside a transaction that has written (an xid),
+    """End the sessions connected before the fence (``fenced_at``, :func:`fence`'s clock; ``None``: every session): at once, unless inside a transaction that has written (an xid),
     which is let finish (its commit reaches the target) and then ended, or ended at ``deadline``
     (``time.monotonic()``); then wait until they have exited. Sessions that cannot be ended are not waited for: they are sorted into the
     report's ``left`` (cannot write ``tables``) and ``held_off`` (could: the caller locks the tables,
@@ -154,7 +164,7 @@ def end_sessions(
     writing: dict[int, str] = {}  # a busy session's transaction that has written: its xid, when first seen
     told = False
     while True:
-        found = sessions(conn, tables)
+        found = sessions(conn, tables, fenced_at)
         done = {s.pid for s in report.ended}  # ended, maybe still on its way out
         endable = [s for s in found if s.can_end and s.pid not in refused and s.pid not in done]
         still = _still_writing(conn, [s.pid for s in endable if s.busy], writing)

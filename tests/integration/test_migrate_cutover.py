@@ -171,6 +171,38 @@ def test_a_failed_verification_unfences_and_keeps_following(pair, procs, tmp_pat
     assert phase(tgt, "mig") == "failed"
 
 
+@pytest.mark.anyversion  # our fence
+def test_a_session_that_connects_after_the_fence_is_not_ended(pair, procs, tmp_path) -> None:  # noqa: F811
+    """The fence ends the sessions connected before it, waiting for one inside a transaction that has written; a
+    session that connects meanwhile is read-only and is left alone (an application's transaction manager
+    connecting to decide a prepared transaction under ``--prepared wait`` was ended)."""
+    pub, tgt = pair.publisher, pair.target
+    pub.execute(SCHEMA)
+    log = tmp_path / "start.log"
+    proc = start(pair, "mig", log=log)
+    procs.append(proc)
+    wait_phase(tgt, "mig", "following", proc, log)
+    writing = pub.connect()
+    writing.execute("BEGIN")
+    writing.execute("INSERT INTO acc (v) VALUES (888)")  # an xid: the fence lets it finish
+    cut = subprocess.Popen([*APPLIER, "migrate", "cutover", "mig", "--target", tgt.dsn, "--timeout", "60"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    assert cut.stdout is not None
+    lines, late = [], None
+    for line in cut.stdout:
+        lines.append(line)
+        if late is None and "waiting for 1 transaction(s) in progress" in line:
+            late = pub.connect()  # after the fence, while it waits for the writer (looking every 10 ms)
+            assert late.execute("SHOW transaction_read_only").fetchone() == ("on",)
+            writing.execute("COMMIT")
+    assert cut.wait() == 0 and late is not None, "".join(lines)
+    assert "fence: 1 session(s) ended" in "".join(lines)
+    assert late.execute("SELECT count(*) FROM acc WHERE v = 888").fetchone() == (1,)  # still connected
+    late.close()
+    assert exit_status(proc, log) == 0, log.read_text()
+    assert tgt.scalar("SELECT count(*) FROM acc WHERE v = 888") == 1
+
+
 def test_a_postgresql_15_source_into_this_target(pair, pg15, procs, tmp_path) -> None:  # noqa: F811
     _an_older_source_into_this_target(pair, pg15, procs, tmp_path)
 
