@@ -65,7 +65,9 @@ def _db(conn: psycopg.Connection[Any]) -> sql.Identifier:
 def fence(conn: psycopg.Connection[Any]) -> datetime:
     """Fence the source (``conn`` autocommits, so the setting is committed on return). Returns the server's clock
     once it is: a session that started later read the setting at its start and is read-only, so it is not ended
-    (the application's transaction manager connecting to decide a prepared transaction, under ``--prepared wait``)."""
+    (the application's transaction manager connecting to decide a prepared transaction, under ``--prepared wait``).
+    The clock is read one round trip after the commit, never before it: a session that connects within that round
+    trip is read-only and may still be ended, which loses nothing; none that could write is left connected."""
     conn.execute(sql.SQL("ALTER DATABASE {} SET default_transaction_read_only = on").format(_db(conn)))
     return conn.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index,no-any-return]
 
