@@ -768,6 +768,51 @@ class CpuMeter:
         return {"tool": tool, "source": source, "target": target, "total": round(tool + source + target, 1)}
 
 
+#: --statements: every statement of every database, utility commands included, nested ones (functions) too
+STATEMENTS_SETTINGS = {
+    "shared_preload_libraries": "pg_stat_statements",
+    "pg_stat_statements.track": "all",
+    "pg_stat_statements.max": "20000",
+}
+
+
+def statements_reset(tgt: PostgresCluster) -> None:
+    with tgt.connect() as c:
+        c.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        c.execute("SELECT pg_stat_statements_reset()")
+
+
+def statements_report(tgt: PostgresCluster, title: str, top: int = 30) -> str:
+    """What the target ran since :func:`statements_reset`: totals by kind of statement (its first word), then the
+    ``top`` statements by total time. Execution time is not CPU time, but for the short statements it is close."""
+    with tgt.connect() as c:
+        rows = c.execute(
+            "SELECT query, calls, total_exec_time + total_plan_time FROM pg_stat_statements"
+            " WHERE query NOT LIKE '%%pg_stat_statements%%' ORDER BY 3 DESC"
+        ).fetchall()
+    kinds: dict[str, list[float]] = {}
+    for query, calls, ms in rows:
+        kind = (query.split() or ["?"])[0].upper()
+        k = kinds.setdefault(kind, [0, 0.0])
+        k[0] += calls
+        k[1] += ms
+    out = [
+        f"## {title}",
+        "",
+        f"{sum(r[1] for r in rows):,} statements, {sum(r[2] for r in rows) / 1e3:.1f} s",
+        "",
+    ]
+    out += ["| kind | calls | total s |", "|---|---|---|"]
+    out += [
+        f"| {k} | {v[0]:,} | {v[1] / 1e3:.2f} |" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1][1])
+    ]
+    out += ["", "| total s | calls | ms per call | statement |", "|---|---|---|---|"]
+    for query, calls, ms in rows[:top]:
+        text = " ".join(query.split())[:160].replace("|", "\\|")
+        out.append(f"| {ms / 1e3:.2f} | {calls:,} | {ms / max(calls, 1):.3f} | `{text}` |")
+    return "\n".join(out) + "\n\n"
+
+
 def one_run(ctx: Context, tool: str, rep: int, expected: dict[str, Any], schemas: list[str]) -> RunResult:
     target_db = f"{tool}_{rep}"
     ctx.tgt.create_database(target_db)
@@ -1007,6 +1052,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--code-rev", metavar="REV", help="ours from `git archive REV` of --ours-code, not its files"
     )
     ap.add_argument("--no-floor", action="store_true", help="do not measure the critical-path floor")
+    ap.add_argument(
+        "--statements", type=Path, metavar="FILE",
+        help="load pg_stat_statements on the target and write, per run, what each tool's target ran (by total "
+        "time; the extension's own cost slows every run a little, so time the tools without it)",
+    )  # fmt: skip
     ap.add_argument("--json", type=Path, default=OUT_DIR / "migrate_bench.json", help="raw results")
     ap.add_argument(
         "--markdown", type=Path, default=OUT_DIR / "migrate_bench.md", help="the table as Markdown"
@@ -1030,7 +1080,8 @@ def main(argv: list[str] | None = None) -> int:
     src = PostgresCluster(binaries, name="mbench-src", durable=True, settings=common)
     tgt_binaries = find_binaries(args.target_pg) if args.target_pg else binaries
     tgt = PostgresCluster(tgt_binaries, name="mbench-tgt", durable=True,
-                          settings={**common, "max_sync_workers_per_subscription": str(args.jobs)})  # fmt: skip
+                          settings={**common, "max_sync_workers_per_subscription": str(args.jobs),
+                                    **(STATEMENTS_SETTINGS if args.statements else {})})  # fmt: skip
     unavailable: dict[str, str] = {}
     if "pgcopydb" in args.tools and (why := pgcopydb_unavailable()):
         unavailable["pgcopydb"] = why
@@ -1077,7 +1128,12 @@ def main(argv: list[str] | None = None) -> int:
         tools = [t for t in args.tools if t not in unavailable]
         for rep in range(args.repeat):
             for tool in rotation(tools, rep):
+                if args.statements:
+                    statements_reset(tgt)
                 r = one_run(ctx, tool, rep, expected, schemas)
+                if args.statements:
+                    with args.statements.open("a") as f:
+                        f.write(statements_report(tgt, f"{tool} run {rep} ({describe(r)})"))
                 results.append(r)
                 print(
                     f"  run {rep} {tool:<16} {describe(r)}  (load {r.load:.1f})", file=sys.stderr, flush=True
