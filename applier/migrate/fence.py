@@ -156,9 +156,10 @@ def end_sessions(
     tables: Sequence[str] = (),
     fenced_at: datetime | None = None,
 ) -> FenceReport:
-    """End the sessions connected before the fence (``fenced_at``, :func:`fence`'s clock; ``None``: every session): at once, unless inside a transaction that has written (an xid),
-    which is let finish (its commit reaches the target) and then ended, or ended at ``deadline``
-    (``time.monotonic()``); then wait until they have exited. Sessions that cannot be ended are not waited for: they are sorted into the
+    """End the sessions connected before the fence (``fenced_at``, :func:`fence`'s clock; ``None``: every
+    session): at once, unless inside a transaction that has written (an xid), which is let finish (its commit
+    reaches the target) and then ended, or ended at ``deadline`` (``time.monotonic()``); then wait until they
+    have exited. Sessions that cannot be ended are not waited for: they are sorted into the
     report's ``left`` (cannot write ``tables``) and ``held_off`` (could: the caller locks the tables,
     :func:`hold_off`)."""
     report = FenceReport()

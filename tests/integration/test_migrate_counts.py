@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 from test_migrate_cutover import SCHEMA, Writer, migrate
-from test_migrate_start import exit_status, phase, procs, start, wait_phase  # noqa: F401 - procs is a fixture
+from test_migrate_start import exit_status, following, phase, procs, start, wait_phase  # noqa: F401 - procs is a fixture
 
 from applier.lsn import parse_lsn as lsn_int
 from applier.migrate import counts as counting
@@ -27,19 +27,6 @@ pytestmark = pytest.mark.core
 
 APPLIER_CUTOVER = [*APPLIER, "migrate", "cutover", "mig"]
 QUIET = "CREATE TABLE quiet (id int PRIMARY KEY); INSERT INTO quiet SELECT generate_series(1, 300);"
-
-
-def _following(
-    pair: Any, started: list[Any], tmp_path: Any, schema: str
-) -> tuple[subprocess.Popen[str], Any]:
-    """``schema`` on the publisher, then ``migrate start`` (added to ``started``, the ``procs`` fixture) until the
-    migration follows: its process and log."""
-    pair.publisher.execute(schema)
-    log = tmp_path / "start.log"
-    proc = start(pair, "mig", log=log)
-    started.append(proc)
-    wait_phase(pair.target, "mig", "following", proc, log)
-    return proc, log
 
 
 @contextlib.contextmanager
@@ -75,7 +62,7 @@ def test_a_table_changed_after_the_count_before_the_fence_is_counted_again(pair,
     both servers' counts before the fence agree, so only counting the changed table again after the fence can
     see it."""
     pub, tgt = pair.publisher, pair.target
-    proc, log = _following(pair, procs, tmp_path, SCHEMA + QUIET)
+    proc, log = following(pair, procs, tmp_path, SCHEMA + QUIET)
     # on the target only: a trigger that fires for the apply too (ENABLE ALWAYS) and drops one marked row
     tgt.execute(
         "CREATE FUNCTION lose() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RETURN NULL; END $$;"
@@ -164,7 +151,7 @@ def test_tables_only_updated_after_the_count_keep_their_counts_from_before_the_f
     count), yet still verified: a row the target lacks is found by the counts from before the fence (the first
     cutover fails); a table whose ALWAYS trigger on the target fires for the apply is counted again after it."""
     pub, tgt = pair.publisher, pair.target
-    proc, log = _following(pair, procs, tmp_path, UPDATED + QUIET)
+    proc, log = following(pair, procs, tmp_path, UPDATED + QUIET)
     tgt.execute(
         "CREATE FUNCTION keep() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RETURN NEW; END $$;"
         "CREATE TRIGGER keep BEFORE UPDATE ON trg FOR EACH ROW EXECUTE FUNCTION keep();"
@@ -206,7 +193,7 @@ def test_a_prepared_transaction_on_the_source_means_counting_after_the_fence(pai
     """A prepared transaction would hold the count slot's creation: every table is counted after the fence, and
     the notes say why."""
     pub, tgt = pair.publisher, pair.target
-    proc, log = _following(pair, procs, tmp_path, SCHEMA)
+    proc, log = following(pair, procs, tmp_path, SCHEMA)
     with pub.connect() as c:
         c.execute("BEGIN")
         c.execute("INSERT INTO acc (v) VALUES (777)")
@@ -250,7 +237,7 @@ def test_rows_deleted_and_inserted_after_the_count_are_derived_exactly(
     its count at the point plus the inserts less the deletes, which must equal the target's, counted again. After
     a TRUNCATE nothing is derived: the source counts again."""
     pub, tgt = pair.publisher, pair.target
-    proc, log = _following(pair, procs, tmp_path, SCHEMA + QUIET)
+    proc, log = following(pair, procs, tmp_path, SCHEMA + QUIET)
     with _held_before_the_fence(pub, tgt) as cut:
         if truncate:
             pub.execute("TRUNCATE log")

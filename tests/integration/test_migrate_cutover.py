@@ -14,7 +14,7 @@ import psycopg
 import pytest
 from psycopg import sql
 from test_migrate_plan import pg14, pg15, pg16  # noqa: F401 - fixtures
-from test_migrate_start import exit_status, phase, procs, start, wait_phase  # noqa: F401 - procs is a fixture
+from test_migrate_start import exit_status, following, phase, procs, start, wait_phase  # noqa: F401 - procs is a fixture
 
 from applier.testing import Database, wait_until
 from tests.support.cli import APPLIER
@@ -138,11 +138,7 @@ def test_cutover_under_writes_loses_and_duplicates_nothing(pair, procs, tmp_path
 @pytest.mark.anyversion  # our verification and unfence
 def test_a_failed_verification_unfences_and_keeps_following(pair, procs, tmp_path) -> None:  # noqa: F811
     pub, tgt = pair.publisher, pair.target
-    pub.execute(SCHEMA)
-    log = tmp_path / "start.log"
-    proc = start(pair, "mig", log=log)
-    procs.append(proc)
-    wait_phase(tgt, "mig", "following", proc, log)
+    proc, log = following(pair, procs, tmp_path, SCHEMA)
     with tgt.connect() as c:  # a row only the target has, beyond the sequence of its column
         c.execute("SET session_replication_role = replica")
         c.execute("INSERT INTO log (id, note) VALUES (100000, 'stray')")
@@ -177,11 +173,7 @@ def test_a_session_that_connects_after_the_fence_is_not_ended(pair, procs, tmp_p
     session that connects meanwhile is read-only and is left alone (an application's transaction manager
     connecting to decide a prepared transaction under ``--prepared wait`` was ended)."""
     pub, tgt = pair.publisher, pair.target
-    pub.execute(SCHEMA)
-    log = tmp_path / "start.log"
-    proc = start(pair, "mig", log=log)
-    procs.append(proc)
-    wait_phase(tgt, "mig", "following", proc, log)
+    proc, log = following(pair, procs, tmp_path, SCHEMA)
     writing = pub.connect()
     writing.execute("BEGIN")
     writing.execute("INSERT INTO acc (v) VALUES (888)")  # an xid: the fence lets it finish

@@ -10,6 +10,7 @@ import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from psycopg import sql
@@ -104,6 +105,19 @@ def wait_phase(target: Database, name: str, want: str, proc: subprocess.Popen[by
     wait_until(lambda: proc.poll() is not None or phase(target, name) == want, timeout=timeout,
                what=f"phase {want}")  # fmt: skip
     assert proc.poll() is None, log.read_text()
+
+
+def following(
+    pair: Any, started: list[Any], tmp_path: Path, schema: str
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """``schema`` on the publisher, then ``migrate start`` (added to ``started``, the ``procs`` fixture) until the
+    migration follows: its process and log."""
+    pair.publisher.execute(schema)
+    log = tmp_path / "start.log"
+    proc = start(pair, "mig", log=log)
+    started.append(proc)
+    wait_phase(pair.target, "mig", "following", proc, log)
+    return proc, log
 
 
 def exit_status(proc: subprocess.Popen[bytes], log: Path, timeout: float = 120) -> int:
