@@ -11,6 +11,7 @@ import sys
 import psycopg
 import pytest
 from psycopg import sql
+from test_trust import _evil_trigger, _owned_table, _superuser, mallory  # noqa: F401 - mallory is a fixture
 
 from applier.catalog.store import Catalog
 from applier.testing import table_digest, wait_until
@@ -458,40 +459,23 @@ def test_a_failing_copy_reports_the_server_error_and_leaves_tables_to_redo(pair,
     )
 
 
-def test_the_trust_check_refuses_an_owners_trigger_in_a_spark_task(pair, spark, monkeypatch):
-    """The copy's trust check runs in Spark's tasks as on the driver: a table owned by an unprivileged role, with
-    an ALWAYS trigger of that role's, is refused (SQLSTATE 42501) before a row is written; the trigger never
-    runs (it would make its owner a superuser) and the refusal ends the job at once."""
+def test_the_trust_check_refuses_an_owners_trigger_in_a_spark_task(pair, spark, monkeypatch, mallory):  # noqa: F811
+    """The copy's trust check runs in Spark's tasks as on the driver (test_trust.py): a table owned by an
+    unprivileged role, with an ALWAYS trigger of that role's, is refused (SQLSTATE 42501) before a row is written;
+    the trigger never runs (it would make its owner a superuser) and the refusal ends the job at once."""
     from tablesync import TablesyncError
 
     monkeypatch.setenv("APPLIER_TABLESYNC_HEAD_START", "0")
-    role = sql.Identifier(f"m_{pair.name}"[:63])
-    pair.target.cluster.execute(sql.SQL("CREATE ROLE {}").format(role))
-    try:
-        pair.publisher.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
-        pair.target.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
-        pair.target.execute(
-            sql.SQL(
-                "CREATE FUNCTION escalate() RETURNS trigger LANGUAGE plpgsql AS"
-                " $$ BEGIN ALTER ROLE {} SUPERUSER; RETURN NEW; END $$"
-            ).format(role)
-        )
-        for stmt in ("ALTER TABLE t OWNER TO {}", "ALTER FUNCTION escalate() OWNER TO {}"):
-            pair.target.execute(sql.SQL(stmt).format(role))
-        pair.target.execute("CREATE TRIGGER evil BEFORE INSERT ON t FOR EACH ROW EXECUTE FUNCTION escalate()")
-        pair.target.execute("ALTER TABLE t ENABLE ALWAYS TRIGGER evil")
-        pair.publisher.execute("INSERT INTO t SELECT g, 'row ' || g FROM generate_series(1, 100) g")
-        pair.publisher.execute("CREATE PUBLICATION pub FOR TABLE t")
-        subscribe(pair.target.dsn, pair.publisher.dsn, pair.name, ["public.t"])
-        with pytest.raises(TablesyncError, match="runs no code that a role") as failed:
-            run_initial_copy(pair.target.dsn, pair.name, progress=False)
-        assert "InsufficientPrivilege" in str(failed.value) and failed.value.relation == "public.t"
-        assert pair.target.scalar("SELECT count(*) FROM t") == 0
-        owner_is_superuser = "SELECT rolsuper FROM pg_roles WHERE rolname = %s"
-        assert not pair.target.scalar(owner_is_superuser, (f"m_{pair.name}"[:63],))
-    finally:
-        for stmt in ("DROP OWNED BY {} CASCADE", "DROP ROLE {}"):
-            pair.target.execute(sql.SQL(stmt).format(role))
+    _owned_table(pair, mallory)
+    _evil_trigger(pair, mallory, "BEFORE INSERT")
+    pair.publisher.execute("INSERT INTO t SELECT g, 'row ' || g FROM generate_series(1, 100) g")
+    pair.publisher.execute("CREATE PUBLICATION pub FOR TABLE t")
+    subscribe(pair.target.dsn, pair.publisher.dsn, pair.name, ["public.t"])
+    with pytest.raises(TablesyncError, match="runs no code that a role") as failed:
+        run_initial_copy(pair.target.dsn, pair.name, progress=False)
+    assert "InsufficientPrivilege" in str(failed.value) and failed.value.relation == "public.t"
+    assert pair.target.scalar("SELECT count(*) FROM t") == 0
+    assert not _superuser(pair, mallory)
 
 
 @pytest.mark.core

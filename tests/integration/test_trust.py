@@ -279,7 +279,8 @@ def _apply_backend(pair: Any) -> int | None:
     )
 
 
-def _copy_refused(pair: Any, mallory: str, tmp_path: Any) -> None:
+@pytest.mark.anyversion  # the trust check's catalog reads are the other tests'; this is the copy's path
+def test_copy_path_refused_on_the_driver(pair, mallory, tmp_path) -> None:
     """``applier create`` (with the copy) and ``applier run``: the copy into the owner's table with an ALWAYS
     INSERT trigger fails, retried, with the refusal in status; run does not exit; the owner stays unprivileged.
     The refusal ends each attempt at once, without starting Spark to meet it again. Then the trigger is dropped
@@ -307,9 +308,8 @@ def _copy_refused(pair: Any, mallory: str, tmp_path: Any) -> None:
         assert proc.poll() is None
         assert not _superuser(pair, mallory)
         assert pair.target.scalar("SELECT count(*) FROM t") == 0
-        assert "starting Spark" not in (tmp_path / "run.log").read_text(), (tmp_path / "run.log").read_text()[
-            -3000:
-        ]
+        text = (tmp_path / "run.log").read_text()
+        assert "starting Spark" not in text, text[-3000:]
         pair.target.execute("DROP TRIGGER evil ON t")
         wait_until(lambda: pair.target.scalar("SELECT count(*) FROM t") == 100, timeout=240, what="the copy")
     finally:
@@ -317,11 +317,6 @@ def _copy_refused(pair: Any, mallory: str, tmp_path: Any) -> None:
         proc.wait(timeout=120)
         log.close()
     assert not _superuser(pair, mallory)
-
-
-@pytest.mark.anyversion  # the trust check's catalog reads are the other tests'; this is the copy's path
-def test_copy_path_refused_on_the_driver(pair, mallory, tmp_path) -> None:
-    _copy_refused(pair, mallory, tmp_path)
 
 
 def test_row_level_security_is_refused_for_a_non_superuser_apply_role(pair, mallory, tmp_path) -> None:
