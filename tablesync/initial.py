@@ -744,7 +744,8 @@ def _copy_with_spark(copier: InitialCopy, starter: spark_job.SessionStarter, str
             return _finished_by_driver(copier, starter, "the last partitions as Spark got ready")
     if copier.head_start is not None:
         copier.head_start.stop()
-        _raise_head_start_failure(copier)  # a refusal the driver met while Spark got ready: Spark would meet it too
+        # a refusal the driver met while Spark got ready: the job would only meet it again
+        _raise_head_start_failure(copier)
         copier.reporter.note(
             f"Spark ready after {starter.ready_after or 0:.1f}s; meanwhile the driver copied "
             f"{len(copier.head_start.done)}/{len(copier.tasks)} partition(s)"
