@@ -245,8 +245,15 @@ def test_plain_transaction(db: Database, streams, workload: Workload) -> None:
     stop = s.read_to_current_lsn()
 
     # TRUNCATE invalidates the relation's cache entry, so pgoutput sends the Relation again before it (15, 16, 18).
-    assert s.signature() == "BRIIUUDRTIC"
-    begin, rel, ins1, ins2, upd1, upd2, dele, rel2, trunc, ins3, commit = s.msgs
+    # pgoutput also resends the Relation after any other invalidation of its cache entry, which under load can
+    # land mid-transaction (seen in CI on 15 and 16: BRIRIUUDRTIC): such extra ones are left out here
+    msgs = [
+        m
+        for i, m in enumerate(s.msgs)
+        if not (i > 1 and isinstance(m, Relation) and not isinstance(s.msgs[i + 1], Truncate))
+    ]
+    assert "".join(MESSAGE_TYPE_BYTES[type(m)].decode() for m in msgs) == "BRIIUUDRTIC", s.signature()
+    begin, rel, ins1, ins2, upd1, upd2, dele, rel2, trunc, ins3, commit = msgs
     assert isinstance(begin, Begin) and isinstance(commit, Commit)
     assert begin.xid == xid
     assert begin.final_lsn == commit.commit_lsn
