@@ -11,18 +11,22 @@ error (argparse's convention).
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn
 
+from applier import closed_pipe
 from applier.conninfo import scrub, target_conninfo
 from applier.errors import ApplierError
 
 if TYPE_CHECKING:
     from typing import TypeAlias
+
+    from _typeshed import SupportsWrite
 
     from applier.subscriptions import Console
 
@@ -42,6 +46,67 @@ def _warn(message: str) -> None:
     print(f"WARNING: {message}", file=sys.stderr, flush=True)
 
 
+class _Probe(Exception):
+    """Ends the parse that only looks for unknown arguments: help, or an error, is the real parse's to print."""
+
+
+class _VerbParser(argparse.ArgumentParser):
+    """A subcommand's parser that names an unknown option before it complains of a missing one.
+
+    argparse checks a subcommand's required options (alter's one action, create's --publisher) before it hands the
+    unknown ones back, so ``applier alter s --bogus`` was told that an action is missing, not that ``--bogus``
+    does not exist. ``migrate`` and ``demo`` parse their own options: ``forwards`` passes everything on to them."""
+
+    def __init__(self, *args: Any, forwards: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.forwards = forwards
+        self._probing = False
+
+    def parse_known_args(  # type: ignore[override]  # typeshed overloads it on the namespace
+        self, args: Sequence[str] | None = None, namespace: Any = None
+    ) -> tuple[Any, list[str]]:
+        if args is not None and not self.forwards:
+            unknown = self._unknown(list(args))
+            if unknown:
+                self.error(f"unrecognized arguments: {' '.join(unknown)}")
+        return super().parse_known_args(args, namespace)
+
+    def _unknown(self, args: list[str]) -> list[str]:
+        """The arguments this parser does not know, found by a parse that requires nothing (and prints nothing:
+        its usage would show the required options as optional)."""
+        required = [a for a in self._actions if a.required]
+        required += [g for g in self._mutually_exclusive_groups if g.required]
+        for item in required:
+            item.required = False
+        self._probing = True
+        try:
+            return super().parse_known_args(args, argparse.Namespace())[1]
+        except _Probe:
+            return []
+        finally:
+            self._probing = False
+            for item in required:
+                item.required = True
+
+    def error(self, message: str) -> NoReturn:
+        if self._probing:
+            raise _Probe
+        super().error(message)
+
+    def print_help(self, file: SupportsWrite[str] | None = None) -> None:
+        if self._probing:
+            raise _Probe
+        super().print_help(file)
+
+
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's), so that ``--version`` says what pip installed."""
+    try:
+        return importlib.metadata.version("applier")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line; each option's help is one line."""
     # --target is accepted before the subcommand (as docs/reference.md writes it) and after it (as people type it)
@@ -53,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="A subscriber-side PostgreSQL logical-replication apply worker with two-phase commit.",
     )
     parser.add_argument("--target", metavar="CONNINFO", default=None, help=_TARGET_HELP)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"applier {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_VerbParser)
 
     _add_create(sub, common)
     _add_run(sub, common)
@@ -63,9 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verify(sub, common)
     # these parse their own options (applier demo --help, applier migrate --help)
     sub.add_parser(
-        "migrate", add_help=False, help="move a live database to another server (plan, start, ...)"
+        "migrate",
+        add_help=False,
+        forwards=True,
+        help="move a live database to another server (plan, start, ...)",
     )
-    sub.add_parser("demo", add_help=False, help="the whole product on two embedded PostgreSQL 18 servers")
+    sub.add_parser(
+        "demo", add_help=False, forwards=True, help="the whole product on two embedded PostgreSQL 18 servers"
+    )
     return parser
 
 
@@ -431,6 +502,7 @@ def _verify(args: argparse.Namespace, target: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console-script entry point; returns the exit status."""
+    closed_pipe.install()  # first: a reader that goes away (| head) must not stop the command half way
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     secrets = [c for c in (args.target, getattr(args, "publisher", None)) if c]

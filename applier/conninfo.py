@@ -22,7 +22,9 @@ from applier.errors import ApplierError
 
 __all__ = [
     "ConninfoError",
+    "connection_failure",
     "describe",
+    "failure_reason",
     "has_password",
     "parse",
     "scrub",
@@ -113,3 +115,27 @@ def scrub(text: str, *conninfos: str) -> str:
         for secret in _secrets(conninfo):
             text = text.replace(secret, "********")
     return text
+
+
+#: What psycopg puts before libpq's own reason when a connection cannot be made: it says nothing to a user.
+_PSYCOPG_PREFIX = re.compile(r"^\s*connection (?:is bad|failed):\s*")
+#: How libpq begins the reasons that are about the connection string itself, not the server (fe-connect.c:
+#: ``invalid integer value "abc" for connection option "port"``, ``invalid sslmode value: "x"``, ``could not match
+#: 2 port numbers to 1 hosts``...), found only once it tries to connect.
+_INVALID_REASONS = ("invalid ", "could not match ")
+
+
+def failure_reason(error: BaseException | str, *conninfos: str) -> str:
+    """libpq's reason why a connection failed, on one line, without psycopg's prefix or any password."""
+    text = " ".join(scrub(str(error), *conninfos).split())
+    return _PSYCOPG_PREFIX.sub("", text)
+
+
+def connection_failure(side: str, conninfo: str, error: BaseException | str) -> tuple[str, bool]:
+    """The message for a connection to ``side`` ("target", "publisher") that could not be made, and whether the
+    connection string is at fault (else the server could not be reached or refused us). A user has to tell those
+    two apart: one is fixed in the command line, the other on the server or the network."""
+    reason = failure_reason(error, conninfo)
+    if reason.startswith(_INVALID_REASONS):
+        return f"invalid {side} connection string ({describe(conninfo)}): {reason}", True
+    return f"could not connect to the {side} ({describe(conninfo)}): {reason}", False

@@ -62,6 +62,20 @@ SETTABLE = (
     "run_as_owner",
     "failover",
 )
+_BOOLEANS = ("two_phase", "binary", "disable_on_error", "run_as_owner", "failover")
+#: what each option takes, as the hint for a wrong value lists it: a user who typed one wrong value should not
+#: have to guess the next
+_VALID_VALUES = {
+    **dict.fromkeys(_BOOLEANS, "true, false (or on, off)"),
+    "streaming": "off, on, parallel",
+    "origin": "any, none",
+    "gid_format": ", ".join(GID_FORMATS),
+    "slot_name": "a slot name (1-63 lower case letters, digits and underscores), or NONE",
+}
+
+
+def _valid(option: str) -> str:
+    return f"valid values of {option}: {_VALID_VALUES[option]}"
 
 
 def _bool(option: str, value: str) -> bool:
@@ -70,9 +84,47 @@ def _bool(option: str, value: str) -> bool:
         return True
     if v in _FALSE:
         return False
+    raise SubscriptionError(f'{option} requires a Boolean value, not "{value}"', _valid(option))
+
+
+def _streaming(value: str) -> str:
+    v = value.lower()
+    if v == "parallel":
+        return "parallel"
+    if v in _TRUE | _FALSE:
+        return "on" if v in _TRUE else "off"
     raise SubscriptionError(
-        f'{option} requires a Boolean value, not "{value}"', f"use {option}=true or {option}=false"
+        f'streaming requires a Boolean value or "parallel", not "{value}"', _valid("streaming")
     )
+
+
+def _one_of(option: str, value: str, values: Sequence[str]) -> str:
+    if value.lower() not in values:
+        raise SubscriptionError(f'unrecognized {option} value: "{value}"', _valid(option))
+    return value.lower()
+
+
+def _slot_name(value: str) -> str | None:
+    if value.upper() == "NONE":
+        return None
+    try:
+        _check_slot_name(value, default=False)
+    except SubscriptionError as exc:
+        raise SubscriptionError(exc.message, _valid("slot_name")) from None
+    return value
+
+
+def _value(option: str, value: str) -> Any:
+    """One option's value, parsed (``option`` is one of :data:`SETTABLE`)."""
+    if option in _BOOLEANS:
+        return _bool(option, value)
+    if option == "streaming":
+        return _streaming(value)
+    if option == "origin":
+        return _one_of(option, value, ("any", "none"))
+    if option == "gid_format":
+        return _one_of(option, value, GID_FORMATS)
+    return _slot_name(value)
 
 
 def parse_set_options(items: Sequence[str]) -> dict[str, Any]:
@@ -89,31 +141,7 @@ def parse_set_options(items: Sequence[str]) -> dict[str, Any]:
             )
         if option in result:
             raise SubscriptionError(f'option "{option}" given twice')
-        v = value.strip()
-        if option in ("two_phase", "binary", "disable_on_error", "run_as_owner", "failover"):
-            result[option] = _bool(option, v)
-        elif option == "streaming":
-            if v.lower() == "parallel":
-                result[option] = "parallel"
-            else:
-                result[option] = "on" if _bool(option, v) else "off"
-        elif option == "origin":
-            if v.lower() not in ("any", "none"):
-                raise SubscriptionError(f'unrecognized origin value: "{v}"', "use origin=any or origin=none")
-            result[option] = v.lower()
-        elif option == "gid_format":
-            if v.lower() not in GID_FORMATS:
-                raise SubscriptionError(
-                    f'unrecognized gid_format value: "{v}"',
-                    "use gid_format=subscription or gid_format=original",
-                )
-            result[option] = v.lower()
-        else:  # slot_name
-            if v.upper() == "NONE":
-                result[option] = None
-            else:
-                _check_slot_name(v, default=False)
-                result[option] = v
+        result[option] = _value(option, value.strip())
     if "two_phase" in result and "slot_name" in result:
         raise SubscriptionError(
             "slot_name and two_phase cannot be altered at the same time", "run two separate alter commands"

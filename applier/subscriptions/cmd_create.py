@@ -73,6 +73,7 @@ def create(target: str, opts: CreateOptions, console: Console = QUIET) -> Subscr
 
     catalog = open_catalog(target)
     with target_errors(target):
+        _refuse_existing(catalog, opts.name)  # before the publisher is asked anything: its slot is that one's
         facts = _check_target(catalog, opts, console)
 
     with connect_publisher(opts.publisher, "create", opts.name, doing="create the subscription") as pub:
@@ -81,11 +82,7 @@ def create(target: str, opts: CreateOptions, console: Console = QUIET) -> Subscr
             relids = _target_tables(catalog, tables)
             _require_grants(catalog, facts, relids)  # everything is checked: only now is anything written
             catalog.ensure()
-            if catalog.get(opts.name) is not None:
-                raise SubscriptionError(
-                    f'subscription "{opts.name}" already exists on this target',
-                    "choose another name, or remove the old one first: applier drop " + opts.name,
-                )
+            _refuse_existing(catalog, opts.name)  # created by someone else while the publisher was checked
         two_phase, slot_two_phase = initial_two_phase(
             opts.two_phase, opts.copy_data, opts.create_slot, has_tables=bool(tables)
         )
@@ -120,6 +117,16 @@ def create(target: str, opts: CreateOptions, console: Console = QUIET) -> Subscr
         )
     )
     return created
+
+
+def _refuse_existing(catalog: Catalog, name: str) -> None:
+    """Refuse a name the target's catalog already has. Checked first: the publisher's checks would otherwise meet
+    that subscription's own slot (named after it) and report a slot to drop, the one a live subscription uses."""
+    if catalog.exists() and catalog.get(name) is not None:
+        raise SubscriptionError(
+            f'subscription "{name}" already exists on this target',
+            f"choose another name, or remove the old one first: applier drop {name}",
+        )
 
 
 def _warn_untrusted(catalog: Catalog, relids: dict[str, int], opts: CreateOptions, console: Console) -> None:

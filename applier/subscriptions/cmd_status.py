@@ -9,6 +9,7 @@ from typing import Any
 import psycopg
 
 from applier.catalog.store import Catalog, RelState, Subscription
+from applier.conninfo import failure_reason
 from applier.humanize import human_bytes
 from applier.lsn import format_lsn, parse_lsn
 from applier.subscriptions.common import open_catalog, origin_progress, require_subscription, target_errors
@@ -168,7 +169,7 @@ def _publisher_view(sub: Subscription, origin: int, timeout: int) -> dict[str, A
     try:
         conn = psycopg.connect(sub.subconninfo, autocommit=True, connect_timeout=timeout)
     except psycopg.Error as exc:
-        view["publisher_error"] = str(exc).strip()
+        view["publisher_error"] = failure_reason(exc, sub.subconninfo)
         return view
     with conn:
         slot = conn.execute(

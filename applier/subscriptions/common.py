@@ -17,7 +17,7 @@ from psycopg import sql
 
 from applier import slots
 from applier.catalog.store import Catalog, CatalogError, Subscription
-from applier.conninfo import describe, has_password, scrub
+from applier.conninfo import ConninfoError, connection_failure, has_password, parse, scrub
 from applier.errors import ApplierError
 from applier.lsn import parse_lsn
 from applier.replication import (
@@ -88,6 +88,25 @@ def _is_connection_failure(exc: BaseException) -> bool:
     return state is None or state.startswith(("08", "57P"))
 
 
+_TARGET_HINT = (
+    "pass --target CONNINFO, or set PGHOST, PGPORT, PGDATABASE, PGUSER (and PGPASSWORD or ~/.pgpass) "
+    "as for psql"
+)
+_TARGET_CONNINFO_HINT = (
+    "fix --target: a libpq conninfo such as 'host=h port=5432 dbname=d user=u' or a URI postgresql://u@h:5432/d; "
+    "without --target, the PG* environment is used, as by psql"
+)
+_PUBLISHER_HINT = (
+    "check the publisher connection string (host, port, dbname, user); the role needs the REPLICATION "
+    "attribute (or superuser) and pg_hba.conf must let it connect; a password comes from ~/.pgpass, "
+    "PGPASSFILE or PGPASSWORD, because applier does not store it"
+)
+_PUBLISHER_CONNINFO_HINT = (
+    "fix the publisher connection string: a libpq conninfo such as 'host=h port=5432 dbname=d user=u' or a URI "
+    "postgresql://u@h:5432/d"
+)
+
+
 @contextlib.contextmanager
 def target_errors(target: str) -> Iterator[None]:
     """Turn a failure to reach or use the target into a message that says which target and what to check."""
@@ -98,11 +117,8 @@ def target_errors(target: str) -> Iterator[None]:
             raise SubscriptionError(
                 f"the target failed: {scrub(str(_db_error(exc)), target).strip()}"
             ) from None
-        raise SubscriptionError(
-            f"could not connect to the target ({describe(target)}): {scrub(str(_db_error(exc)), target).strip()}",
-            "pass --target CONNINFO, or set PGHOST, PGPORT, PGDATABASE, PGUSER (and PGPASSWORD or ~/.pgpass) "
-            "as for psql",
-        ) from None
+        message, invalid = connection_failure("target", target, _db_error(exc))
+        raise SubscriptionError(message, _TARGET_CONNINFO_HINT if invalid else _TARGET_HINT) from None
     except sa.exc.DBAPIError as exc:
         orig = _db_error(exc)
         if isinstance(orig, psycopg.errors.InsufficientPrivilege):
@@ -117,6 +133,10 @@ def target_errors(target: str) -> Iterator[None]:
 def open_catalog(target: str, *, create: bool = False) -> Catalog:
     """The target's catalog, connected (so a wrong ``--target`` fails here, with a clear message); ``create``
     creates or upgrades it."""
+    try:  # a string libpq cannot even parse fails here, not as "the target failed" at the first query
+        parse(target, "target")
+    except ConninfoError as exc:
+        raise SubscriptionError(str(exc), _TARGET_CONNINFO_HINT) from None
     catalog = Catalog.connect(target)
     with target_errors(target):
         if create:
@@ -135,7 +155,7 @@ def require_subscription(catalog: Catalog, name: str) -> Subscription:
     except sa.exc.ProgrammingError:  # no catalog at all
         raise SubscriptionError(
             f'subscription "{name}" does not exist: the target has no applier catalog yet',
-            "check --target; applier create makes the first subscription",
+            "check --target (applier status lists a target's subscriptions); applier create makes the first one",
         ) from None
 
 
@@ -175,14 +195,25 @@ def connect_publisher(conninfo: str, command: str, subname: str, *, doing: str) 
     be done without it. Its application_name is ``applier <command> <subname>``, not the subscription's own name,
     which belongs to the worker's stream (pg_stat_replication and synchronous_standby_names match on it)."""
     try:
+        parse(conninfo, "publisher")
+    except ConninfoError as exc:
+        raise SubscriptionError(str(exc), _PUBLISHER_CONNINFO_HINT) from None
+    try:
         return ReplicationConnection.open(conninfo, application_name=f"applier {command} {subname}"[:63])
     except ReplicationConnectionError as exc:
-        raise SubscriptionError(
-            f"{exc} (needed to {doing})",
-            "check the publisher connection string (host, port, dbname, user); the role needs the REPLICATION "
-            "attribute (or superuser) and pg_hba.conf must let it connect; a password comes from ~/.pgpass, "
-            "PGPASSFILE or PGPASSWORD, because applier does not store it",
-        ) from None
+        raise _publisher_failure(conninfo, exc, doing) from None
+
+
+def _publisher_failure(conninfo: str, exc: ReplicationConnectionError, doing: str) -> SubscriptionError:
+    """Whether the publisher's connection string is wrong or the publisher could not be reached, from libpq's
+    own reason (the psycopg error the replication connection raised from, when there is one)."""
+    cause = exc.__context__
+    if not isinstance(cause, psycopg.Error):
+        return SubscriptionError(f"{exc} (needed to {doing})", _PUBLISHER_HINT)
+    message, invalid = connection_failure("publisher", conninfo, cause)
+    return SubscriptionError(
+        f"{message} (needed to {doing})", _PUBLISHER_CONNINFO_HINT if invalid else _PUBLISHER_HINT
+    )
 
 
 def _pub_query(pub: ReplicationConnection, query: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:

@@ -3,6 +3,7 @@ password, and leaves nothing half-made behind."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import signal
 import subprocess
@@ -270,6 +271,63 @@ def test_duplicate_subscription_name(pair) -> None:
     assert 'subscription "s" already exists' in err
 
 
+@pytest.mark.anyversion  # our catalog, read before the publisher
+def test_an_existing_name_is_refused_before_the_publisher_is_asked(pair) -> None:
+    """The existing subscription's slot has its name: checked at the publisher first, create said the slot exists
+    and hinted to drop it, the slot a live subscription streams from."""
+    make_tables(pair, "t1")
+    create(pair, "s")
+    before = catalog_row(pair.target, "s")
+    err = fails(pair.target, "create", "s", "--publisher", pair.publisher.dsn, "--publication", pair.name)
+    assert 'subscription "s" already exists on this target' in err
+    assert "choose another name" in err and "applier drop s" in err
+    assert "replication slot" not in err and "pg_drop_replication_slot" not in err
+    # refused before the publisher is asked anything: an unreachable one makes no difference
+    err = fails(pair.target, "create", "s", "--publisher", "host=127.0.0.1 port=1",
+                "--publication", pair.name)  # fmt: skip
+    assert 'subscription "s" already exists on this target' in err
+    assert pair.publisher.scalar("SELECT count(*) FROM pg_replication_slots WHERE slot_name = 's'") == 1
+    assert catalog_row(pair.target, "s") == before
+
+
+@pytest.mark.anyversion  # our conninfo checks and messages
+def test_a_garbage_publisher_conninfo_says_what_is_wrong(pair) -> None:
+    make_tables(pair, "t1")
+    err = fails(pair.target, "create", "s", "--publisher", "host=/nonexistent port=abc password=s3cr3t",
+                "--publication", pair.name)  # fmt: skip
+    assert 'invalid publisher connection string (host=/nonexistent port=abc): invalid integer value "abc" for ' \
+           'connection option "port"' in err  # fmt: skip
+    assert "connection is bad" not in err and "s3cr3t" not in err
+    err = fails(pair.target, "create", "s", "--publisher", "host=/nonexistent password=s3cr3t",
+                "--publication", pair.name)  # fmt: skip
+    assert "could not connect to the publisher (host=/nonexistent): connection to server on socket" in err
+    assert "No such file or directory" in err and "REPLICATION attribute" in err
+    assert "connection is bad" not in err and "s3cr3t" not in err
+    assert pair.target.scalar("SELECT to_regnamespace('applier')") is None  # nothing written
+    create(pair, "s")
+    err = fails(pair.target, "alter", "s", "--connection", "host=/nonexistent port=abc")
+    assert "invalid publisher connection string (host=/nonexistent port=abc): invalid integer value" in err
+    assert "connection is bad" not in err
+
+
+@pytest.mark.anyversion  # our conninfo checks and messages
+def test_a_garbage_target_conninfo_says_what_is_wrong(pair) -> None:
+    make_tables(pair, "t1")
+    for verb in (("status",), ("run", "s"), ("drop", "s"), ("alter", "s", "--enable"),
+                 ("create", "s", "--publisher", pair.publisher.dsn, "--publication", pair.name)):  # fmt: skip
+        err = fails("this is not a conninfo password=s3cr3t", *verb)
+        assert 'invalid target connection string: missing "=" after "this"' in err, verb
+        assert "the target failed" not in err and "s3cr3t" not in err, verb
+    err = fails("host=/nonexistent port=abc password=s3cr3t", "status")
+    assert 'invalid target connection string (host=/nonexistent port=abc): invalid integer value "abc" for ' \
+           'connection option "port"' in err  # fmt: skip
+    assert "--target" in err and "connection is bad" not in err and "s3cr3t" not in err
+    err = fails("host=/nonexistent password=s3cr3t", "status")
+    assert "could not connect to the target (host=/nonexistent): connection to server on socket" in err
+    assert "PGHOST" in err and "connection is bad" not in err and "s3cr3t" not in err
+    assert pair.publisher.query("SELECT slot_name FROM pg_replication_slots") == []
+
+
 # --- alter -------------------------------------------------------------------------------------------------------
 
 
@@ -379,6 +437,39 @@ def test_set_validates_every_option_first(pair) -> None:
     )
 
 
+@pytest.mark.anyversion  # our parser
+def test_an_unknown_alter_option_is_a_usage_error(pair) -> None:
+    make_tables(pair, "t1")
+    create(pair, "s")
+    res = applier(pair.target, "alter", "s", "--bogus")
+    assert res.returncode == 2, res.stderr
+    assert "applier alter: error: unrecognized arguments: --bogus" in res.stderr
+    assert "is required" not in res.stderr
+    res = applier(pair.target, "alter", "s", "--enable", "--bogus")
+    assert res.returncode == 2 and "unrecognized arguments: --bogus" in res.stderr
+    assert applier(pair.target, "alter", "s").returncode == 2  # no action at all: still argparse's error
+
+
+@pytest.mark.anyversion  # our option parsing
+def test_a_wrong_set_value_lists_the_valid_ones(pair) -> None:
+    make_tables(pair, "t1")
+    create(pair, "s")
+    expected = {
+        "streaming": "valid values of streaming: off, on, parallel",
+        "binary": "valid values of binary: true, false",
+        "origin": "valid values of origin: any, none",
+        "gid_format": "valid values of gid_format: subscription, original",
+        "slot_name": "valid values of slot_name: a slot name",
+    }
+    for option, hint in expected.items():
+        err = fails(pair.target, "alter", "s", "--set", f"{option}=Bogus")
+        assert f"HINT: {hint}" in err, err
+    assert 'streaming requires a Boolean value or "parallel", not "Bogus"' in fails(
+        pair.target, "alter", "s", "--set", "streaming=Bogus"
+    )
+    assert catalog_row(pair.target, "s")["substream"] == "off"
+
+
 def test_refresh_with_copy_refused_while_two_phase_is_enabled(pair) -> None:
     make_tables(pair, "t1")
     create(pair, "s", "--two-phase", "--no-copy-data")
@@ -462,6 +553,15 @@ def test_run_says_when_there_is_nothing_to_run(pair) -> None:
     assert "subscription s is disabled" in err and "applier alter s --enable" in err
 
 
+@pytest.mark.anyversion  # our catalog lookup
+def test_run_of_an_unknown_subscription_creates_nothing(pair) -> None:
+    err = fails(pair.target, "run", "nosuch")
+    assert 'subscription "nosuch" does not exist' in err
+    assert "applier create" in err and "applier status" in err
+    assert "nothing to run" in fails(pair.target, "run")
+    assert pair.target.scalar("SELECT to_regnamespace('applier')") is None  # not even the catalog's schema
+
+
 @pytest.mark.anyversion  # our environment variable
 def test_run_refuses_a_bad_receive_buffer_setting(pair) -> None:
     make_tables(pair, "t1")
@@ -519,6 +619,62 @@ def test_drop_with_the_publisher_unreachable(pair) -> None:
     )
     # the slot is left, as announced
     assert pair.publisher.scalar("SELECT count(*) FROM pg_replication_slots WHERE slot_name = 's'") == 1
+
+
+# --- any verb ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.anyversion  # no server at all
+def test_version() -> None:
+    res = applier(None, "--version")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == f"applier {importlib.metadata.version('applier')}\n"
+
+
+def _with_closed_pipe(target, *args: str, stream: str = "stdout") -> subprocess.CompletedProcess[str]:
+    """``applier ARGS`` with its stdout (or stderr) a pipe whose reader has already gone, as ``| head -1`` leaves
+    it; the other stream is captured."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, stream: write}
+        return subprocess.run([*APPLIER, "--target", target.dsn, *args], text=True, timeout=120, **pipes)
+    finally:
+        os.close(write)
+
+
+def _assert_quiet(res: subprocess.CompletedProcess[str]) -> None:
+    assert res.returncode == 0, res.stderr
+    for noise in ("Traceback", "BrokenPipe", "Exception ignored"):
+        assert noise not in res.stderr, res.stderr
+
+
+@pytest.mark.anyversion  # our standard streams
+def test_a_closed_stdout_pipe_neither_stops_a_verb_nor_makes_a_traceback(pair) -> None:
+    make_tables(pair, "t1")
+    # a short document meets the closed pipe in the interpreter's flush at exit, a longer one in print itself
+    _assert_quiet(_with_closed_pipe(pair.target, "status", "--json"))
+    create(pair, "s")
+    _assert_quiet(_with_closed_pipe(pair.target, "status", "--json"))
+    subid = _subid(pair, "s")
+    # drop prints a line per slot before it removes the origin and the catalog rows: it must go on to the end
+    res = _with_closed_pipe(pair.target, "drop", "s")
+    assert res.returncode == 0, res.stderr
+    assert "Traceback" not in res.stderr and "Exception ignored" not in res.stderr, res.stderr
+    assert leftovers(pair, subid, "s") == NOTHING
+    assert applier(pair.target, "status", "nope").returncode == 1  # a refusal keeps its own status...
+    assert _with_closed_pipe(pair.target, "status", "nope", stream="stderr").returncode == 1  # ...unheard
+
+
+@pytest.mark.anyversion  # our standard streams
+def test_a_closed_stderr_pipe_does_not_stop_create(pair) -> None:
+    """create warns on stderr (the password it will not store) before its last line on stdout."""
+    make_tables(pair, "t1")
+    res = _with_closed_pipe(pair.target, "create", "s", "--publisher", pair.publisher.dsn + " password=s3cr3t",
+                            "--publication", pair.name, stream="stderr")  # fmt: skip
+    assert res.returncode == 0
+    assert 'created subscription "s"' in res.stdout
+    assert catalog_row(pair.target, "s")["subenabled"] is True
 
 
 # --- helpers -----------------------------------------------------------------------------------------------------
