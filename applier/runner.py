@@ -18,10 +18,10 @@ replication origin makes the hand-over exactly once. Every worker re-reads its s
 holder it waited behind may have been a ``drop`` (the subscription is gone) or the subscription disabled meanwhile,
 and then the worker ends cleanly, as a running worker does when its subscription is dropped or disabled.
 
-Signals: SIGTERM or SIGINT (Ctrl-C) in the parent sets one shared stop event; the workers finish what they are doing
-and exit; ``run`` exits 0. A second signal terminates workers that have not stopped yet. Workers ignore SIGINT (the
-terminal sends it to the whole process group, and the parent coordinates); a SIGTERM sent to a worker directly
-stops just that worker, cleanly.
+Signals: SIGTERM, SIGINT (Ctrl-C) or SIGHUP in the parent sets one shared stop event; the workers finish what
+they are doing and exit; ``run`` exits 0. A second signal terminates workers that have not stopped yet. Workers
+ignore SIGINT and SIGHUP (the terminal sends them to the whole process group, and the parent coordinates); a
+SIGTERM sent to a worker directly stops just that worker, cleanly.
 
 Exit status: 0 when every worker stopped cleanly (signal, or subscription disabled), 1 if any failed; each failure
 is logged as it happens and summed up at the end. A failed worker does not stop the others: subscriptions are
@@ -53,7 +53,7 @@ from applier.errors import ApplierError
 from applier.logs import configure_logging
 from applier.metrics import WorkerMetrics
 from applier.retry import max_retry_interval_default, retry_delay
-from applier.signals import set_once
+from applier.signals import STOP_SIGNALS, set_once
 from applier.subscriptions import (
     SubscriptionBusy,
     SubscriptionError,
@@ -208,8 +208,10 @@ def run(
     ``standby``: a subscription another process runs is waited for, and taken over when that process ends.
     """
     wait_for_target(target, wait_target)
-    catalog = open_catalog(target, create=True)  # also upgrades an older catalog before any worker reads it
+    catalog = open_catalog(target)
     with target_errors(target):
+        if catalog.exists():  # upgraded before any worker reads it; a target without one has nothing to run
+            catalog.ensure()
         subs = _select(catalog, names)
         warn_if_superuser(catalog, log.warning)
     catalog.engine.dispose()
@@ -218,7 +220,7 @@ def run(
 
     workers = _Workers(target, wait_target, standby=standby)
     # installed before the first worker starts, so that no signal can end us and orphan a worker
-    previous = {s: signal.signal(s, workers.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, workers.on_signal) for s in STOP_SIGNALS}
     ended = threading.Event()
     if stop is not None:
         threading.Thread(
@@ -375,6 +377,7 @@ def worker_main(
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     stop = threading.Event()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal: the parent stops us, as for SIGINT
     signal.signal(signal.SIGTERM, set_once(stop))  # a second SIGTERM inside the first must not deadlock
     _wake_on_signals()
     threading.Thread(target=_orphan_watch, args=(stop,), name="orphan-watch", daemon=True).start()

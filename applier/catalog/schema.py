@@ -25,7 +25,7 @@ from applier.lsn import format_lsn, parse_lsn
 
 SCHEMA = "applier"
 #: Bump with a migration in :data:`MIGRATIONS` whenever a table or column changes.
-CATALOG_VERSION = 10
+CATALOG_VERSION = 11
 
 
 # --- PostgreSQL types SQLAlchemy does not know -----------------------------------------------------------------
@@ -238,6 +238,7 @@ MIGRATION_TABLES = [
     times jsonb NOT NULL DEFAULT '{{}}',
     error text,
     notes jsonb NOT NULL DEFAULT '{{}}',
+    fenced_at timestamptz,
     created timestamptz NOT NULL DEFAULT now(),
     updated timestamptz NOT NULL DEFAULT now()
 )""",
@@ -293,4 +294,8 @@ MIGRATIONS: dict[int, list[str]] = {
     # what a migration did that its user should know afterwards (applier.migrate.store.add_notes): the cutover's
     # fence (sessions ended, left, held off) and the objects start skipped on a target without superuser
     10: [f"ALTER TABLE {SCHEMA}.migration ADD COLUMN IF NOT EXISTS notes jsonb NOT NULL DEFAULT '{{}}'"],
+    # the migration's fence of its source, recorded before it is set and cleared once lifted
+    # (applier.migrate.ownership): only the migration that fenced lifts it, and a killed cutover's fence is
+    # lifted by the next verb of that migration
+    11: [f"ALTER TABLE {SCHEMA}.migration ADD COLUMN IF NOT EXISTS fenced_at timestamptz"],
 }

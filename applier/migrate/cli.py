@@ -7,6 +7,7 @@ refused or failed command (the message says why), 2 a usage error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -16,6 +17,7 @@ import psycopg
 
 from applier.conninfo import describe, scrub, target_conninfo
 from applier.errors import ApplierError
+from applier.signals import Interrupted, interrupt_once
 
 __all__ = ["build_parser", "main"]
 
@@ -36,6 +38,28 @@ def _selection(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _positive(text: str) -> int:
+    """A count of jobs: a whole number of at least 1 (argparse's usage error otherwise, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is less than 1")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A timeout: a number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not above 0")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="applier migrate", description="Move a live database to another server."
@@ -53,8 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", metavar="NAME", help="migration name (also its subscription's)")
     _selection(p)
     p.add_argument("--target", metavar="CONNINFO", help=_TARGET_HELP)
-    p.add_argument("--table-jobs", type=int, default=2, metavar="N", help="tables copied at once (default 2)")
-    p.add_argument("--index-jobs", type=int, default=2, metavar="N", help="indexes built at once (default 2)")
+    p.add_argument(
+        "--table-jobs", type=_positive, default=2, metavar="N", help="tables copied at once (default 2)"
+    )
+    p.add_argument(
+        "--index-jobs", type=_positive, default=2, metavar="N", help="indexes built at once (default 2)"
+    )
     p.add_argument("--cutover", action="store_true", help="cut over by itself once caught up, then exit")
 
     p = sub.add_parser("status", help="phase, tables, lag")
@@ -66,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", metavar="NAME")
     p.add_argument("--target", metavar="CONNINFO", help=_TARGET_HELP)
     p.add_argument(
-        "--timeout", type=float, default=60.0, metavar="SECONDS", help="give up after (default 60)"
+        "--timeout", type=_seconds, default=60.0, metavar="SECONDS", help="give up after (default 60)"
     )
     p.add_argument(
         "--verify", choices=("counts", "full", "none"), default="counts", help="check after (counts)"
@@ -127,30 +155,45 @@ def _start(args: argparse.Namespace, target: str) -> int:
 
 
 def main(argv: Sequence[str], default_target: str | None = None) -> int:
-    """Parse and run one verb; ``default_target`` is a ``--target`` given before ``migrate``."""
+    """Parse and run one verb; ``default_target`` is a ``--target`` given before ``migrate``.
+
+    Exit status (docs/reference.md, "Exit codes"): 0 done, 1 refused or failed (the message says why and what to
+    do), 2 usage; ``cutover`` and ``abort`` stopped by SIGINT, SIGTERM or SIGHUP clean up first (the cutover
+    unfences, :mod:`applier.migrate.ownership`) and exit 128 + the signal's number; ``start`` stopped by one exits 0
+    (it resumes where it stopped), as ``applier run`` does."""
     args = build_parser().parse_args(list(argv))
     target = target_conninfo(args.target or default_target)
     secrets = [c for c in (target, getattr(args, "source", None)) if c]
     try:
-        if args.verb == "plan":
-            return _plan(args, target)
-        if args.verb == "start":
-            return _start(args, target)
-        from applier.migrate import cutover as co
-
-        if args.verb == "status":
-            doc = co.status(target, args.name)
-            print(co.dumps(doc) if args.json else co.format_status(doc), flush=True)
-            return 0
-        if args.verb == "cutover":
-            opts = co.CutoverOptions(
-                args.name, target, args.timeout, args.verify, args.prepared, args.reverse
-            )
-            return co.cutover(opts, _say)
-        return co.abort(target, args.name, _say)
+        with interrupt_once() if args.verb in ("cutover", "abort") else contextlib.nullcontext():
+            return _verb(args, target)
+    except Interrupted as exc:
+        print(f"ERROR: {args.verb} interrupted by {exc.name}: see applier migrate status", file=sys.stderr)
+        return exc.exit_status
     except ApplierError as exc:
         print(f"ERROR: {scrub(str(exc), *secrets)}", file=sys.stderr)
         return 1
     except psycopg.Error as exc:
         print(f"ERROR: {scrub(str(exc).strip(), *secrets)}", file=sys.stderr)
         return 1
+
+
+def _verb(args: argparse.Namespace, target: str) -> int:
+    if args.verb == "plan":
+        return _plan(args, target)
+    if args.verb == "start":
+        return _start(args, target)
+    if args.verb == "status":
+        from applier.migrate import status
+
+        doc = status.status(target, args.name)
+        print(status.dumps(doc) if args.json else status.format_status(doc), flush=True)
+        return 0
+    if args.verb == "cutover":
+        from applier.migrate import cutover as co
+
+        opts = co.CutoverOptions(args.name, target, args.timeout, args.verify, args.prepared, args.reverse)
+        return co.cutover(opts, _say)
+    from applier.migrate.abort import abort
+
+    return abort(target, args.name, _say)

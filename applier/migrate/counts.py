@@ -43,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -414,11 +414,14 @@ def after_fence(
     base: Baseline | None,
     changes: Changes | None,
     end: str,
+    recount: Collection[str] = (),
 ) -> tuple[Verified, list[str]]:
     """Under the fence, the target having applied ``end``: count again on the target what changed after C
     (``changes``, read by :func:`read_changes` under the fence; everything without a baseline), and derive the
     source's counts of those tables from C's and the rows inserted and deleted since (counted again too after a
-    truncate); what was verified, and each table whose counts differ."""
+    truncate); what was verified, and each table whose counts differ. ``recount``: tables counted again on both
+    servers whatever changed (the insert-only tables the cutover copied again: their deletes are not in the
+    stream, so no count of theirs can be derived from it)."""
     started = time.monotonic()
     result = Verified(len(tables), end=end)
     again: list[str] = list(tables)
@@ -433,6 +436,7 @@ def after_fence(
                 if changes.truncated or changes.inserted.get(t) or changes.deleted.get(t)
             }  # rows went in or out (a row moved to another partition is a Delete and an Insert)
             counted |= _firing_for_the_apply(target, changes.tables - counted)
+            counted |= set(recount)
             again = [t for t in tables if t in counted or t not in base.source or t not in base.target]
             result.point, result.seconds_before = base.point, base.seconds
             result.before_fence = [t for t in tables if t not in again]
@@ -441,7 +445,7 @@ def after_fence(
                 derived = {
                     t: base.source[t] + changes.inserted.get(t, 0) - changes.deleted.get(t, 0)
                     for t in again
-                    if t in base.source
+                    if t in base.source and t not in recount
                 }
                 result.derived = {t: (changes.inserted.get(t, 0), changes.deleted.get(t, 0)) for t in derived}
     else:

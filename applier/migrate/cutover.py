@@ -1,6 +1,6 @@
-"""``applier migrate status``, ``cutover`` and ``abort``.
+"""``applier migrate cutover`` (its ``status`` and ``abort`` have modules of their own).
 
-Cutover, in order: fence the source (:mod:`applier.migrate.fence`), wait for its prepared transactions to be
+In order, once it holds the cutover's lock and a live ``start`` follows (:mod:`applier.migrate.ownership`): fence the source (:mod:`applier.migrate.fence`), wait for its prepared transactions to be
 decided (``--prepared wait``), take the source's current WAL position as the end position and wait until the target
 has applied it, set every sequence from the source (checking each is past the largest value of the column it
 belongs to), put the ``GENERATED ALWAYS`` identity columns back, verify (row counts, or ``full``: ``applier verify``),
@@ -17,7 +17,7 @@ reason: nothing is half switched. The write downtime reported is from the fence 
 from __future__ import annotations
 
 import contextlib
-import json
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,226 +26,30 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from applier import slots, verify
+from applier import verify
 from applier.catalog import sql as catalog_sql
 from applier.catalog.store import origin_name
-from applier.lsn import parse_lsn
+from applier.migrate import admission, ownership, publications, store
 from applier.migrate import carry as carrying
 from applier.migrate import counts as counting
 from applier.migrate import fence as fencing
 from applier.migrate import reverse as reversing
 from applier.migrate import sequences as seqs
-from applier.migrate import store
+from applier.migrate.leftovers import drop_slot
 from applier.migrate.state import MigrationError
-from applier.migrate.steps import CUTOVER_KINDS, StepKind
+from applier.migrate.steps import SWITCH_KINDS, StepKind
+from applier.signals import Interrupted
 
-#: The cutover's steps that its switch runs (the refresh runs before the verification, :mod:`.matviews`).
-_SWITCH_KINDS = (StepKind.CUTOVER_IDENTITY, StepKind.CUTOVER_EVENT_TRIGGER)
-
-__all__ = [
-    "CutoverOptions",
-    "abort",
-    "cutover",
-    "drop_slot",
-    "dumps",
-    "format_status",
-    "ready_for_cutover",
-    "status",
-]
-
-
-def _require(target: psycopg.Connection[Any], name: str) -> store.Migration:
-    m = store.load(target, name)
-    if m is None:
-        raise MigrationError(f'migration "{name}" does not exist on this target (see: applier migrate start)')
-    return m
-
-
-def _subscription(target: psycopg.Connection[Any], m: store.Migration) -> tuple[int, str] | None:
-    row = target.execute(catalog_sql.SUBSCRIPTION_ID_AND_SLOT, (m.subname,)).fetchone()
-    return None if row is None else (int(row[0]), str(row[1]))
-
-
-# --- status ------------------------------------------------------------------------------------------------------
-
-
-def status(target_conninfo: str, name: str) -> dict[str, Any]:
-    """Phase, tables, post-data progress, lag (``lag_bytes``/``lag_seconds``: None when they cannot be told)."""
-    with psycopg.connect(target_conninfo, autocommit=True) as target:
-        m = _require(target, name)
-        tables = [
-            {"name": r[0], "state": r[1], "rows": r[2], "bytes": r[3]}
-            for r in target.execute(catalog_sql.SUBSCRIPTION_TABLE_PROGRESS, (m.subname,))
-        ]
-        done, total = store.post_data_progress(target, name, CUTOVER_KINDS)
-        sub = _subscription(target, m)
-        origin = _applied(target, sub[0]) if sub is not None else None
-        carried = carrying.prepared_on_target(target, sub[0]) if sub is not None else []
-        deferred = store.steps_to_run(target, name, _SWITCH_KINDS) if m.phase == "done" else []
-        pending = [s for step in deferred for s in step.statements]
-    doc: dict[str, Any] = {
-        "name": name,
-        "phase": m.phase,
-        "source": m.source,
-        "selection": m.selection,
-        "tables": tables,
-        "post_data": {"done": done, "total": total},
-        "times": m.times,
-        "error": m.error,
-        # what the user should know afterwards: the cutover's fence (sessions ended, left, held off)
-        "notes": m.notes,
-        "lag_bytes": None,
-        "lag_seconds": None,
-        "cutover_estimate_seconds": None,
-        # the subscription's transactions prepared on the target: after a cutover --prepared carry, the carried ones,
-        # for the application to finish there; and the identity steps that wait for them
-        "prepared_on_target": carried,
-        "pending_statements": pending,
-    }
-    if sub is not None and m.phase not in ("done", "schema"):
-        _add_lag(doc, target_conninfo, m, sub, origin_lsn=origin)
-    return doc
-
-
-def _add_lag(
-    doc: dict[str, Any],
-    target_conninfo: str,
-    m: store.Migration,
-    sub: tuple[int, str],
-    *,
-    origin_lsn: str | None,
-) -> None:
-    """The lag (from the source's slot, or its current position against the origin's) and what a cutover would
-    cost now, into ``doc``; a source that cannot be reached is ``source_error``, the lag staying unknown."""
-    try:
-        with psycopg.connect(m.source, autocommit=True, connect_timeout=5) as src:
-            doc["lag_bytes"], seconds = _source_lag(src, sub[1], origin_lsn)
-    except psycopg.Error as exc:
-        doc["source_error"] = str(exc).strip()
-        return
-    if seconds is not None:
-        doc["lag_seconds"] = seconds
-    elif doc["lag_bytes"] == 0:
-        doc["lag_seconds"] = 0.0
-    doc["cutover_estimate"] = _cutover_estimate(target_conninfo, m, origin_name(sub[0]), doc)
-    doc["cutover_estimate_seconds"] = (doc["cutover_estimate"] or {}).get("total")
-
-
-def _applied(target: psycopg.Connection[Any], subid: int) -> str | None:
-    """How far the subscription's stream has been applied (its replication origin's progress), if it has begun."""
-    row = target.execute(
-        "SELECT pg_replication_origin_progress(roname, false)::text FROM pg_replication_origin WHERE roname = %s",
-        (origin_name(subid),),
-    ).fetchone()
-    return row[0] if row else None
-
-
-def _source_lag(src: psycopg.Connection[Any], slot: str, applied: str | None) -> tuple[int, float | None]:
-    """The lag in bytes and, when the walsender reports it, in seconds: the source's position against its slot's
-    (the worker's reply), or against ``applied`` (the origin's) when the slot has no row."""
-    current = src.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]  # type: ignore[index]
-    row = src.execute(
-        "SELECT (pg_current_wal_lsn() - coalesce(r.replay_lsn, s.confirmed_flush_lsn))::bigint,"
-        " extract(epoch FROM r.replay_lag)::float8"
-        " FROM pg_replication_slots s LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid"
-        " WHERE s.slot_name = %s",
-        (slot,),
-    ).fetchone()
-    lag = (
-        row[0]
-        if row and row[0] is not None
-        else parse_lsn(current) - max(parse_lsn(applied) if applied else 0, 0)
-    )
-    return max(int(lag), 0), (row[1] if row else None)
-
-
-def ready_for_cutover(
-    target: psycopg.Connection[Any], source: psycopg.Connection[Any], name: str, *, caught_up: int
-) -> int | None:
-    """The lag in bytes when ``start --cutover`` may cut over now: the migration follows, every table is ready
-    (``r``) and the lag is at most ``caught_up``; None while not. The target is read first and the source (the
-    caller's connection, kept open between looks) only once the target is ready: :func:`status` opens a new
-    source connection and samples the apply rate for its estimate, which a look every second does not need."""
-    m = store.load(target, name)
-    if m is None or m.phase != "following":
-        return None
-    states = [r[1] for r in target.execute(catalog_sql.SUBSCRIPTION_TABLE_PROGRESS, (m.subname,))]
-    sub = _subscription(target, m)
-    if not states or any(s != "r" for s in states) or sub is None:
-        return None
-    lag, _ = _source_lag(source, sub[1], _applied(target, sub[0]))
-    return lag if lag <= caught_up else None
-
-
-#: ``status`` samples the apply rate over this long, when the lag is over :data:`SAMPLE_OVER_BYTES`.
-SAMPLE_SECONDS = 0.5
-SAMPLE_OVER_BYTES = 1 << 20
-
-
-def _cutover_estimate(
-    target_conninfo: str, m: store.Migration, origin: str, doc: dict[str, Any]
-) -> dict[str, float] | None:
-    """What a cutover would cost now (:mod:`applier.migrate.estimate`): sizes read on the target, the apply rate
-    sampled from the replication origin's progress when there is a real lag to catch up."""
-    from applier.migrate import estimate, largeobjects
-
-    progress = "SELECT pg_replication_origin_progress(%s, false) - '0/0'::pg_lsn FROM pg_replication_origin WHERE roname = %s"
-    with psycopg.connect(target_conninfo, autocommit=True) as target:
-        tables = target.execute(catalog_sql.SUBSCRIPTION_TABLES_SIZE, (m.subname,)).fetchone()[0]  # type: ignore[index]
-        sequences, matviews, los = target.execute(
-            "SELECT (SELECT count(*) FROM pg_sequences WHERE schemaname <> 'applier'),"
-            " (SELECT coalesce(sum(pg_relation_size(oid)), 0)::int8 FROM pg_class WHERE relkind = 'm'),"
-            " pg_table_size('pg_largeobject')"
-        ).fetchone()  # type: ignore[misc]
-        rate = None
-        if (doc["lag_bytes"] or 0) > SAMPLE_OVER_BYTES:
-            before = target.execute(progress, (origin, origin)).fetchone()
-            time.sleep(SAMPLE_SECONDS)
-            after = target.execute(progress, (origin, origin)).fetchone()
-            if before and after and before[0] is not None and after[0] is not None:
-                rate = float(after[0] - before[0]) / SAMPLE_SECONDS
-    inputs = estimate.Inputs(
-        doc["lag_bytes"],
-        doc["lag_seconds"],
-        rate,
-        int(sequences),
-        int(tables),
-        int(los) if largeobjects.selected(m.selection) else 0,
-        int(matviews),
-    )
-    return estimate.cutover_seconds(inputs)
-
-
-def format_status(doc: dict[str, Any]) -> str:
-    lag = "?" if doc["lag_bytes"] is None else f"{doc['lag_bytes']} bytes"
-    if doc["lag_seconds"] is not None:
-        lag += f", {doc['lag_seconds']:.1f} s"
-    lines = [
-        f"migration {doc['name']}: phase {doc['phase']}, lag {lag}",
-        f"post-data: {doc['post_data']['done']}/{doc['post_data']['total']} step(s) done",
-        "times: " + (", ".join(f"{k} {v:.1f}s" for k, v in doc["times"].items()) or "-"),
-    ]
-    est = doc.get("cutover_estimate")
-    if est:
-        parts = ", ".join(
-            f"{k.replace('_', ' ')} {v:.1f}s" for k, v in est.items() if k != "total" and v >= 0.05
-        )
-        lines.append(f"a cutover now: ~{est['total']:.1f}s of write downtime ({parts or 'all steps quick'})")
-    if doc.get("error"):
-        lines.append(f"error: {doc['error']}")
-    if doc.get("prepared_on_target"):
-        lines.append("prepared on the target: " + ", ".join(doc["prepared_on_target"]))
-    if doc.get("pending_statements"):
-        lines.append("to run on the target once they are decided: " + "; ".join(doc["pending_statements"]))
-    lines += [f"  {t['name']}: {t['state']}" for t in doc["tables"]]
-    return "\n".join(lines)
-
-
-# --- cutover -------------------------------------------------------------------------------------------------
+__all__ = ["CutoverOptions", "cutover"]
 
 
 #: how long the cutover lets the target catch up again after the count before the fence
 SETTLE_SECONDS = 10.0
+#: how often a wait under the fence looks whether ``start`` still follows (a look is one query on the target)
+LIVENESS_S = 1.0
+#: how long a cutover waits for a live ``start``'s worker to stream before it refuses (its first stream begins a
+#: second or two after phase ``following``)
+FOLLOWER_PATIENCE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -259,6 +63,8 @@ class CutoverOptions:
     #: called once the migration is done, before the slot is dropped: ``start --cutover`` stops its worker then
     #: (the slot is dropped once the worker has let go of it), not when its watch next looks at the phase
     on_done: Callable[[], None] | None = None
+    #: ``start --cutover``'s stop event: a signal to start ends its own cutover's waits at once (it backs out)
+    cancel: threading.Event | None = None
 
 
 @dataclass
@@ -270,6 +76,7 @@ class _Progress:
     deferred: list[str] = field(default_factory=list)
     reversed_: bool = False
     fence: fencing.FenceReport | None = None  # what the fence did with the sessions connected then
+    fenced: bool = False  # the fence is recorded (store.record_fence): the back-out lifts it
     lock: psycopg.Connection[Any] | None = None  # holds the migrated tables (fence.hold_off) until done
 
     def release(self) -> None:
@@ -287,6 +94,9 @@ class _Cutover:
         self.baseline: counting.Baseline | None = None  # the counts before the fence (--verify counts)
         self.owned = seqs.Owned([])  # the sequences to set, read before the fence
         self.extremes: seqs.Extremes | None = None  # their owning columns' extremes before the fence
+        self.recopied: list[
+            str
+        ] = []  # insert-only tables copied again under the fence (they got UPDATE/DELETE)
 
     def left(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
@@ -301,14 +111,29 @@ class _Cutover:
         origin_at: str | None = None,
     ) -> None:
         """Until the target has applied the source up to ``endpos`` (:func:`applier.verify.wait_applied`), within
-        the cutover's timeout."""
-        if not verify.wait_applied(
-            target, src, origin, slot, endpos, timeout=self.left(), origin_at=origin_at
-        ):
-            raise MigrationError(
-                f"the target did not apply the source's changes up to {endpos} in time "
-                "(is applier migrate start running?)"
-            )
+        the cutover's timeout. Looked at in slices of :data:`LIVENESS_S`: a ``start`` that stops or dies meanwhile
+        (nothing would ever apply ``endpos``) ends the wait at once, and the cutover backs out and unfences,
+        instead of holding production read-only until the timeout."""
+        while True:
+            slice_ = min(LIVENESS_S, self.left())
+            if verify.wait_applied(target, src, origin, slot, endpos, timeout=slice_, origin_at=origin_at):
+                return
+            gone = self.follower_gone(target)
+            if gone is not None:
+                raise MigrationError(f"{gone}: the target cannot catch up with the fenced source")
+            if self.left() <= 0:
+                raise MigrationError(
+                    f"the target did not apply the source's changes up to {endpos} in time "
+                    "(is applier migrate start running?)"
+                )
+
+    def follower_gone(self, target: psycopg.Connection[Any]) -> str | None:
+        """Why the migration's ``start`` can no longer follow, or None while it can."""
+        if self.opts.cancel is not None and self.opts.cancel.is_set():
+            return "applier migrate start is stopping"
+        if ownership.start_holder(target, self.opts.name) is None:
+            return "applier migrate start stopped or died during the cutover"
+        return None
 
     def sequences_before(
         self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], m: store.Migration
@@ -349,7 +174,7 @@ class _Cutover:
         """Row counts of every table (:mod:`applier.migrate.counts`): those unchanged since the count before the
         fence as counted then, the others counted again now; what was counted when goes into the notes."""
         verified, wrong = counting.after_fence(
-            src, target, self.tables(target, m.subname), self.baseline, changes, endpos
+            src, target, self.tables(target, m.subname), self.baseline, changes, endpos, self.recopied
         )
         with contextlib.suppress(Exception):
             store.add_notes(target, m.name, {"verify": verified.to_json()})
@@ -388,7 +213,7 @@ class _Cutover:
         then the event triggers (last: they would fire on the DDL before them; after a deferred statement, deferred
         too), the subscription disabled, the migration ``done``. Returns the write downtime."""
         with target.transaction():
-            for step in store.steps_to_run(target, m.name, _SWITCH_KINDS):
+            for step in store.steps_to_run(target, m.name, SWITCH_KINDS):
                 if (step.kind == StepKind.CUTOVER_EVENT_TRIGGER and deferred) or (
                     carried and carrying.locked_by_prepared(target, list(step.relnames))
                 ):
@@ -403,49 +228,82 @@ class _Cutover:
         return downtime
 
     def run(self) -> int:
+        """The cutover, or its refusal before anything is fenced; any failure or signal after the phase moved to
+        ``cutover`` backs out (:meth:`_back_out`): the source unfenced, the migration following again."""
+        store.upgrade(self.opts.target)
         with psycopg.connect(self.opts.target, autocommit=True) as target:
-            m, sub = self._check_can_start(target)
-            store.set_phase(target, m.name, "cutover")
-            if self.opts.verify == "counts":
-                self.baseline = counting.before_fence(
-                    m.source, self.opts.target, sub[1], self.tables(target, m.subname), self.say
-                )
-                self._settle(target, m, sub)
+            ownership.hold_cutover(target, self.opts.name)
+            ownership.recover(target, store.require(target, self.opts.name), self.say)
+            m, sub = admission.check_can_start(target, self.opts.name, self.opts.prepared, self.opts.reverse)
             src = fencing.open_source(m.source)
             progress = _Progress()
             try:
+                admission.wait_for_follower(target, src, m, sub[1], min(FOLLOWER_PATIENCE_S, self.left()))
+                admission.refuse_diverging(src, m)
+                store.set_phase(target, m.name, "cutover")
+            except BaseException:
+                src.close()
+                raise
+            try:
+                if self.opts.verify == "counts":
+                    self.baseline = counting.before_fence(
+                        m.source, self.opts.target, sub[1], self.tables(target, m.subname), self.say
+                    )
+                    self._settle(target, m, sub)
                 downtime = self._fence_and_switch(target, src, m, sub, progress)
             except BaseException as exc:
                 progress.release()
                 self._note_fence(target, m, progress)
-                self._back_out(target, src, m, str(exc), reversed_=progress.reversed_)
+                self._back_out(src, m, _why(exc), progress)
                 if isinstance(exc, MigrationError):
-                    raise MigrationError(
-                        f"{exc}; the source is unfenced, the migration goes on following"
-                    ) from None
+                    after = "the source is unfenced" if progress.fenced else "nothing was fenced"
+                    raise MigrationError(f"{exc}; {after}, the migration goes on following") from None
                 raise
-            if self.opts.on_done is not None:
-                self.opts.on_done()
-            self._note_fence(target, m, progress)
+            return self._finish(target, src, m, sub, progress, downtime)
+
+    def _recopy(
+        self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], m: store.Migration
+    ) -> list[str]:
+        """Under the fence, the target caught up: the insert-only tables that received UPDATE or DELETE
+        (:mod:`applier.migrate.publications`) copied again from the source, which no longer changes. One that grew
+        past the limit since the look before the fence is refused now (the cutover backs out)."""
+        tables = publications.diverging(src, m)
+        refusal = publications.refuse_before_fence(tables)
+        if refusal is not None:
+            raise MigrationError(refusal)
+        return list(publications.recopy(src, target, tables, self.say))
+
+    def _finish(
+        self,
+        target: psycopg.Connection[Any],
+        src: psycopg.Connection[Any],
+        m: store.Migration,
+        sub: tuple[int, str],
+        progress: _Progress,
+        downtime: float,
+    ) -> int:
+        """After ``done``: stop start's worker, drop the slots and the publication from the old server, release the
+        lock on its tables, and finish the carried prepared transactions there."""
+        if self.opts.on_done is not None:
+            self.opts.on_done()
+        self._note_fence(target, m, progress)
+        self.say(f"cutover done: write downtime {downtime:.2f}s (from the fence); the source stays read-only")
+        slot_gone = self._drop_on_source(src, m, sub[1])
+        counting.drop_slot(src, counting.slot_name(sub[1]))
+        # only now: until start has stopped streaming, a write let through would still reach the new server
+        progress.release()
+        if progress.fence is not None and progress.fence.held_off:
             self.say(
-                f"cutover done: write downtime {downtime:.2f}s (from the fence); the source stays read-only"
+                "WARNING: the lock on the migrated tables is released: these sessions on the old server could "
+                "write to it again (and those writes are not migrated): "
+                + ", ".join(s.describe() for s in progress.fence.held_off)
+                + "; end them (as a role that may: SELECT pg_terminate_backend(pid))"
             )
-            slot_gone = self._drop_on_source(src, m, sub[1])
-            counting.drop_slot(src, counting.slot_name(sub[1]))
-            # only now: until start has stopped streaming, a write let through would still reach the new server
-            progress.release()
-            if progress.fence is not None and progress.fence.held_off:
-                self.say(
-                    "WARNING: the lock on the migrated tables is released: these sessions on the old server could "
-                    "write to it again (and those writes are not migrated): "
-                    + ", ".join(s.describe() for s in progress.fence.held_off)
-                    + "; end them (as a role that may: SELECT pg_terminate_backend(pid))"
-                )
-            if progress.carried:
-                carrying.finish_on_source(src, progress.carried, slot_gone, self.say)
-                for line in carrying.after_cutover_lines(progress.carried, progress.deferred):
-                    self.say(line)
-            src.close()
+        if progress.carried:
+            carrying.finish_on_source(src, progress.carried, slot_gone, self.say)
+            for line in carrying.after_cutover_lines(progress.carried, progress.deferred):
+                self.say(line)
+        src.close()
         return 0
 
     def _settle(self, target: psycopg.Connection[Any], m: store.Migration, sub: tuple[int, str]) -> None:
@@ -464,24 +322,6 @@ class _Cutover:
             with contextlib.suppress(Exception):
                 store.add_notes(target, m.name, {"fence": progress.fence.to_json()})
 
-    def _check_can_start(self, target: psycopg.Connection[Any]) -> tuple[store.Migration, tuple[int, str]]:
-        """The migration and its subscription (id, slot), refused before anything is fenced when a cutover cannot
-        succeed: not following yet, GIDs that cannot be carried, a new server that cannot be reversed."""
-        m = _require(target, self.opts.name)
-        if m.phase != "following":
-            raise MigrationError(
-                f'migration "{m.name}" is in phase {m.phase}: a cutover needs phase following '
-                "(post-data complete, the apply loop running)"
-            )
-        sub = _subscription(target, m)
-        assert sub is not None
-        if self.opts.prepared == "carry":
-            carrying.check_two_phase(target, sub[0], m.source)
-            carrying.check_gid_format(target, sub[0])
-        if self.opts.reverse:
-            reversing.check_new_server(target, m.name)
-        return m, sub
-
     def _fence_and_switch(
         self,
         target: psycopg.Connection[Any],
@@ -497,9 +337,10 @@ class _Cutover:
         endpos = str(src.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
         # read while the target catches up: what changed since the count (and so the last event to wait for),
         # the sequences (frozen: nextval is refused in a read-only transaction)
-        changes = counting.read_changes(src, self.baseline, m.publication)
+        changes = counting.read_changes(src, self.baseline, ",".join(publications.existing(src, m.name)))
         values = seqs.read_values(src, self.owned.seqs)
         self._catch_up(target, src, sub, progress, endpos, changes)
+        self.recopied = self._recopy(target, src, m)
         self.sequences(target, values, changes)
         self.objects(target, src, m)
         if self.opts.verify == "counts":
@@ -523,6 +364,8 @@ class _Cutover:
         cannot be ended (:mod:`applier.migrate.fence`). Returns when the fence went up (the downtime counts from
         there)."""
         opts = self.opts
+        store.record_fence(target, m.name)  # committed first: a kill -9 from here on leaves the record
+        progress.fenced = True
         fenced_clock = fencing.fence(src)
         fenced_at = time.monotonic()
         self.say("fence: the source's new transactions are read-only")
@@ -539,7 +382,9 @@ class _Cutover:
                 "--reverse, or carry without --reverse"
             )
         if opts.prepared == "wait":
-            open_gids = fencing.wait_prepared(src, self.deadline, self.say)
+            open_gids = fencing.wait_prepared(
+                src, self.deadline, self.say, gone=lambda: self.follower_gone(target)
+            )
             if open_gids:
                 raise MigrationError(
                     f"{len(open_gids)} prepared transaction(s) on the source were not "
@@ -580,35 +425,55 @@ class _Cutover:
             )
             self.say(carrying.carried_message(progress.carried))
 
-    @staticmethod
     def _back_out(
-        target: psycopg.Connection[Any],
+        self,
         src: psycopg.Connection[Any],
         m: store.Migration,
         error: str,
-        *,
-        reversed_: bool,
+        progress: _Progress,
     ) -> None:
-        """After a failure before ``done``: undo the reverse subscription if one was made, unfence the source, and
-        put the migration back to ``following`` with the error; each step is tried even if one before failed."""
-        if reversed_:
-            with contextlib.suppress(Exception):
-                reversing.undo(target, src, m.name)
-        with contextlib.suppress(Exception):
-            fencing.unfence(src)
-        counting.drop_slot(src, counting.slot_name(m.slot))
-        with contextlib.suppress(Exception):
-            store.set_phase(target, m.name, "following", error=error)
+        """After a failure or a signal before ``done``: undo the reverse subscription if one was made, lift the
+        fence if this cutover recorded one, and put the migration back to ``following`` with the error; each step
+        is tried even if one before failed (a source that cannot be reached keeps the fence's record, and the next
+        verb of the migration lifts it: :func:`applier.migrate.ownership.recover`). On new sessions: a signal may
+        have come while the cutover's own sessions waited for a statement's result, which leaves them unusable."""
+        old = 0 if src.closed else src.info.backend_pid
         src.close()
+        with contextlib.ExitStack() as stack:
+            try:
+                target = stack.enter_context(psycopg.connect(self.opts.target, autocommit=True))
+                fresh = stack.enter_context(fencing.open_source(m.source))
+            except psycopg.Error:
+                return  # the record stays: the next cutover, start or abort lifts the fence
+            # the old session's last statement (the fence itself, maybe) is over before the fence is lifted
+            fencing.wait_gone(fresh, {old}, time.monotonic() + 10.0)
+            if progress.reversed_:
+                with contextlib.suppress(Exception):
+                    reversing.undo(target, fresh, m.name)
+            if progress.fenced:
+                with contextlib.suppress(Exception):
+                    fencing.unfence(fresh)
+                    store.clear_fence(target, m.name)
+            counting.drop_slot(fresh, counting.slot_name(m.slot))
+            with contextlib.suppress(Exception):
+                store.set_phase(target, m.name, "following", error=error)
 
     def _drop_on_source(self, src: psycopg.Connection[Any], m: store.Migration, slot: str) -> bool:
         """The slot (once start has let go of it) and the publication: the old server keeps no WAL for us. Whether
         the slot is gone (nothing decodes the source any more)."""
         gone = drop_slot(src, slot, patience=max(self.left(), 10.0), say=self.say)
         if m.pub_created:
-            src.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(m.publication)))
-            self.say(f"publication {m.publication} dropped from the source")
+            publications.drop(src, m.name, self.say)
         return gone
+
+
+def _why(exc: BaseException) -> str:
+    """The error a failed cutover leaves in the migration's record (``status`` shows it)."""
+    if isinstance(exc, Interrupted):
+        return f"the cutover was interrupted by {exc.name}"
+    if isinstance(exc, KeyboardInterrupt):
+        return "the cutover was interrupted by SIGINT"
+    return str(exc) or type(exc).__name__
 
 
 def _cannot_hold_off(src: psycopg.Connection[Any], held: list[fencing.Session], exc: psycopg.Error) -> str:
@@ -639,74 +504,5 @@ def _cannot_hold_off(src: psycopg.Connection[Any], held: list[fencing.Session], 
     )
 
 
-def drop_slot(
-    src: psycopg.Connection[Any], slot: str, *, patience: float, say: Callable[[str], None]
-) -> bool:
-    """Drop ``slot`` once nobody streams from it (waiting up to ``patience`` seconds, :mod:`applier.slots`); whether
-    it is gone. Still held: a warning, not an error (the cutover is done; the user drops it once start stops)."""
-
-    def look() -> int | None:
-        row = src.execute(
-            "SELECT active, active_pid FROM pg_replication_slots WHERE slot_name = %s", (slot,)
-        ).fetchone()
-        return slots.ABSENT if row is None else (row[1] or 0) if row[0] else None
-
-    def drop() -> bool:
-        try:
-            src.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
-        except psycopg.errors.ObjectInUse:
-            return False
-        say(f"slot {slot} dropped from the source")
-        return True
-
-    done = slots.drop_when_idle(look, drop, patience=patience, poll=0.02)
-    if done.holder is not None:
-        say(
-            f"WARNING: slot {slot} is still in use on the source; drop it once start has stopped: "
-            f"SELECT pg_drop_replication_slot('{slot}')"
-        )
-    return done.holder is None
-
-
 def cutover(opts: CutoverOptions, say: Callable[[str], None]) -> int:
     return _Cutover(opts, say).run()
-
-
-# --- abort ---------------------------------------------------------------------------------------------------
-
-
-def abort(target_conninfo: str, name: str, say: Callable[[str], None], *, patience: float = 30.0) -> int:
-    """Stop the migration (start sees phase ``failed`` and stops), unfence the source, drop the slot and the
-    publication the migration created there, and the subscription's catalog rows and origin on the target. The
-    target's tables and rows stay."""
-    with psycopg.connect(target_conninfo, autocommit=True) as target:
-        m = _require(target, name)
-        if m.phase == "done":
-            raise MigrationError(f'migration "{name}" is done; nothing to abort')
-        with target.transaction():
-            store.set_phase(target, name, "failed", error="aborted")
-            sub = _subscription(target, m)
-            if sub is not None:
-                target.execute(catalog_sql.DISABLE_SUBSCRIPTION, (sub[0],))
-        say(f'migration "{name}" aborted; stopping start')
-        with fencing.open_source(m.source) as src:
-            fencing.unfence(src)
-            say("source unfenced")
-            if m.slot_created:
-                drop_slot(src, m.slot, patience=patience, say=say)
-            counting.drop_slot(src, counting.slot_name(m.slot))
-            if m.pub_created:
-                src.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(m.publication)))
-                say(f"publication {m.publication} dropped from the source")
-        if sub is not None:
-            with target.transaction():
-                target.execute(catalog_sql.DELETE_SUBSCRIPTION, (sub[0],))
-                target.execute(
-                    "SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin WHERE roname = %s",
-                    (origin_name(sub[0]),),
-                )
-    return 0
-
-
-def dumps(doc: dict[str, Any]) -> str:
-    return json.dumps(doc, indent=2, default=str)

@@ -38,6 +38,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from applier.migrate.state import MigrationError
+
 __all__ = [
     "FenceReport",
     "Session",
@@ -47,6 +49,7 @@ __all__ = [
     "open_source",
     "sessions",
     "unfence",
+    "wait_gone",
     "wait_prepared",
 ]
 
@@ -188,7 +191,7 @@ def end_sessions(
             told = True
         time.sleep(0.01)
     ended = {s.pid for s in report.ended}
-    _gone(conn, ended, deadline)
+    wait_gone(conn, ended, deadline)
     for s in sessions(conn, tables):
         if s.pid in ended or (s.can_end and s.pid not in refused):
             continue  # still on its way out, or connected since (read-only: the fence is up)
@@ -210,7 +213,7 @@ def _still_writing(conn: psycopg.Connection[Any], pids: list[int], seen: dict[in
     return {pid for pid, xid in rows if xid is not None and seen.setdefault(pid, xid) == xid}
 
 
-def _gone(conn: psycopg.Connection[Any], pids: set[int], deadline: float) -> None:
+def wait_gone(conn: psycopg.Connection[Any], pids: set[int], deadline: float) -> None:
     """Until the ended sessions have exited (a commit in flight when it was ended is then over, before the
     cutover reads its end position), or ``deadline``."""
     while pids and time.monotonic() < deadline:
@@ -241,9 +244,17 @@ def hold_off(conninfo: str, tables: Sequence[str], deadline: float) -> psycopg.C
     return conn
 
 
-def wait_prepared(conn: psycopg.Connection[Any], deadline: float, say: Callable[[str], None]) -> list[str]:
-    """Wait for the database's prepared transactions to be decided; return the GIDs still open at ``deadline``."""
+def wait_prepared(
+    conn: psycopg.Connection[Any],
+    deadline: float,
+    say: Callable[[str], None],
+    gone: Callable[[], str | None] | None = None,
+) -> list[str]:
+    """Wait for the database's prepared transactions to be decided; return the GIDs still open at ``deadline``.
+    ``gone``, looked at about once a second: why the wait must end now (the migration's ``start`` stopped), raised
+    as the error; None while it may go on."""
     told = False
+    looked = time.monotonic()
     while True:
         gids = [
             r[0]
@@ -256,4 +267,9 @@ def wait_prepared(conn: psycopg.Connection[Any], deadline: float, say: Callable[
                 f"fence: waiting for {len(gids)} prepared transaction(s) on the source to be committed or rolled back"
             )
             told = True
+        if gone is not None and time.monotonic() - looked >= 1.0:
+            looked = time.monotonic()
+            why = gone()
+            if why is not None:
+                raise MigrationError(f"{why}: the wait for prepared transactions ends")
         time.sleep(0.05)

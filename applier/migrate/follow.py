@@ -92,7 +92,10 @@ class Follower:
             return
         self.say(f"caught up (lag {lag} bytes): cutting over")
         try:
-            co.cutover(co.CutoverOptions(self.opts.name, self.opts.target, on_done=self.stop.set), self.say)
+            opts = co.CutoverOptions(
+                self.opts.name, self.opts.target, on_done=self.stop.set, cancel=self.stop
+            )
+            co.cutover(opts, self.say)
         except Exception as exc:  # noqa: BLE001 - reported by run(), start exits 1
             self.auto_error = str(exc)
         self.stop.set()  # done (or failed): the worker stops now, not at its next look at the catalog
@@ -117,9 +120,9 @@ class Follower:
             _close_all(conns)
 
     def _look(self, conns: dict[str, psycopg.Connection[Any]]) -> int | None:
-        """The lag when the migration may cut over now (:func:`~applier.migrate.cutover.ready_for_cutover`) and the
+        """The lag when the migration may cut over now (:func:`~applier.migrate.status.ready_for_cutover`) and the
         worker streams (:func:`_streaming`), else None."""
-        from applier.migrate.cutover import ready_for_cutover
+        from applier.migrate.status import ready_for_cutover
 
         self._connect(conns)
         lag = ready_for_cutover(conns["target"], conns["source"], self.opts.name, caught_up=CAUGHT_UP_BYTES)
@@ -170,13 +173,23 @@ def outcome(target: psycopg.Connection[Any], name: str, status: int, say: Callab
 WATCH_S = 0.1
 
 
-def watch(target: str, name: str, stop: threading.Event, finished: threading.Event) -> None:
+def watch(
+    target: str,
+    name: str,
+    stop: threading.Event,
+    finished: threading.Event,
+    lock: psycopg.Connection[Any] | None = None,
+) -> None:
     """Set ``stop`` when the migration is done (a cutover completed) or failed (aborted), as another shell decides;
-    return when ``finished`` is set first. Runs through the set-up too: an abort during the copy stops it."""
-    conns: dict[str, psycopg.Connection[Any]] = {}
+    return when ``finished`` is set first. Runs through the set-up too: an abort during the copy stops it.
+
+    ``lock``: the session that holds ``start``'s lock (:func:`applier.migrate.ownership.hold_start`); the looks
+    use it, so it stays alive and is closed when the watch ends. Lost with a restart of the target, the lock is
+    taken again on the next session (a cutover meanwhile sees no ``start`` and fences nothing)."""
+    conns: dict[str, psycopg.Connection[Any]] = {} if lock is None else {"target": lock}
     try:
         while not finished.wait(WATCH_S):
-            phase = _phase(conns, target, name)
+            phase = _phase(conns, target, name, relock=lock is not None)
             if phase is None:
                 finished.wait(0.5)  # the target may be restarting: look again a little later
             elif phase in ("done", "failed"):
@@ -186,13 +199,17 @@ def watch(target: str, name: str, stop: threading.Event, finished: threading.Eve
         _close_all(conns)
 
 
-def _phase(conns: dict[str, psycopg.Connection[Any]], target: str, name: str) -> str | None:
-    """The migration's phase, read through the kept connection (opened again when missing or lost); None when the
-    target cannot be read now."""
+def _phase(conns: dict[str, psycopg.Connection[Any]], target: str, name: str, *, relock: bool) -> str | None:
+    """The migration's phase, read through the kept connection (opened again when missing or lost, and then given
+    ``start``'s lock again when ``relock``); None when the target cannot be read now."""
+    from applier.migrate import ownership
+
     try:
         conn = conns.get("target")
         if conn is None or conn.closed or conn.broken:
             conn = conns["target"] = psycopg.connect(target, autocommit=True, connect_timeout=5)
+            if relock:
+                ownership.retake_start(conn, name)
         return store.phase_of(conn, name)
     except Exception:  # noqa: BLE001
         _close_all(conns)

@@ -6,12 +6,13 @@ row); they cover the tables ``start`` would migrate (:func:`applier.migrate.sele
 the core (:func:`assess`), pure: facts in, blockers and warnings out, so every rule is unit-tested without a server,
 and it imports no driver (``.importlinter``).
 
-**Blockers** (exit status 1) are conditions under which ``start`` would fail or would break the *source*:
-a published table without a usable key or replica identity that receives UPDATE/DELETE (publishing it makes those
-statements fail on the source), ``wal_level`` not ``logical``, too few free replication slots or WAL senders,
-``max_prepared_transactions = 0`` on the target (the migration applies prepared transactions as prepared), an
-extension or role the target lacks, a selected table that already exists on the target, too little disk on the
-target (only when it can be told: the target's data directory is visible from here), no ``pg_dump`` new enough.
+**Blockers** (exit status 1) are conditions under which ``start`` would fail, would break the *source*, or could not
+migrate the rows: a selected table without a usable key or replica identity that has received UPDATE/DELETE (those
+cannot be migrated: such a table is published for INSERT and TRUNCATE only, :mod:`applier.migrate.publications`),
+``wal_level`` not ``logical``, too few free replication slots or WAL senders, ``max_prepared_transactions = 0`` on
+the target (the migration applies prepared transactions as prepared), an extension or role the target lacks, a
+selected table that already exists on the target, too little disk on the target (only when it can be told: the
+target's data directory is visible from here), no ``pg_dump`` new enough.
 
 **Privileges** (managed services, no superuser on either side: docs/security.md, "Managed services"): each one the
 connected roles lack is a finding with the statement that gives it (names quoted by the servers). Blockers: on the
@@ -24,9 +25,12 @@ the source (what the cutover's fence then does instead), and on a target without
 it lacks (objects owned by the migrating role, grants skipped: :func:`applier.migrate.schema.without_unrestorable`)
 and the event triggers (skipped).
 
-**Warnings** are what the migration will not carry by itself: unlogged tables (cannot be published: not migrated),
-materialized views (refreshed on the target, not replicated), large objects (changes to them are not replicated:
-compared and copied again at the cutover), DDL (never replicated).
+**Warnings** are what the migration will not carry by itself: tables without a key or usable replica identity that
+have received no UPDATE/DELETE (published for INSERT and TRUNCATE only, so that the source keeps taking every
+write: a later UPDATE/DELETE is not migrated, and the cutover copies such a table again, or refuses when it is larger
+than :data:`RECOPY_MAX_BYTES`), unlogged tables (cannot be published: not migrated), materialized views (refreshed on
+the target, not replicated), large objects (changes to them are not replicated: compared and copied again at the
+cutover), DDL (never replicated).
 
 The time estimate is deliberately rough: heap bytes / :data:`COPY_BYTES_PER_SECOND` for the copy and index bytes /
 :data:`INDEX_BYTES_PER_SECOND` for the index builds, whole-run rates with the default jobs on a 2-core machine.
@@ -46,7 +50,9 @@ __all__ = [
     "COPY_BYTES_PER_SECOND",
     "INDEX_BYTES_PER_SECOND",
     "PUBLIC_DEFAULT_OWNER",
+    "RECOPY_MAX_BYTES",
     "Finding",
+    "insert_only_ways_out",
     "Plan",
     "SourceFacts",
     "SourcePrivileges",
@@ -63,6 +69,11 @@ COPY_BYTES_PER_SECOND = 30e6
 #: Index bytes built per second in that migration's post-data, roughly (21.5 MB of B-tree in a few seconds, under
 #: load and overlapping the copy); GIN builds are slower.
 INDEX_BYTES_PER_SECOND = 15e6
+#: The largest table without a key or usable replica identity that the cutover copies again when it received
+#: UPDATE/DELETE during the migration (those are not migrated: :mod:`applier.migrate.publications`). The copy runs
+#: while the source is fenced, so it is write downtime: 64 MiB takes about 2 s at :data:`COPY_BYTES_PER_SECOND`,
+#: within the few seconds a cutover's downtime is meant to be; a larger one is refused before the fence instead.
+RECOPY_MAX_BYTES = 64 * 1024 * 1024
 #: The migration's slot plus the temporary slot of the initial copy, each with its WAL sender.
 SLOTS_NEEDED = 2
 WAL_SENDERS_NEEDED = 2
@@ -277,10 +288,10 @@ def _blockers(
     for tf in s.tables:
         if tf.kind == "r" and not tf.identity_usable and tf.updates_deletes > 0:
             out.append(Finding("no_identity", f"table {tf.qualified} has no primary key or usable replica identity "
-                               f"and has received {tf.updates_deletes} UPDATE/DELETE(s): once published, UPDATE and "
-                               "DELETE on it fail on the source", f"add a primary key, or ALTER TABLE "
-                               f"{tf.qualified} REPLICA IDENTITY FULL (or USING INDEX a unique index), or exclude it "
-                               "with --exclude-table"))  # fmt: skip
+                               f"and has received {tf.updates_deletes} UPDATE/DELETE(s): its UPDATEs and DELETEs "
+                               "cannot be migrated (without an identity they cannot be published, so it would be "
+                               "published for INSERT and TRUNCATE only and the target would miss them)",
+                               insert_only_ways_out(tf.qualified)))  # fmt: skip
     for name, version in sorted(s.extensions.items()):
         if name == "plpgsql":
             continue
@@ -420,9 +431,7 @@ def _warnings(s: SourceFacts, t: TargetFacts, selection: Selection) -> list[Find
             out.append(Finding("unlogged", f"table {tf.qualified} is unlogged: it cannot be published, so it is "
                                "not migrated (neither its definition nor its rows)"))  # fmt: skip
         elif tf.kind == "r" and not tf.identity_usable:
-            out.append(Finding("no_identity_yet", f"table {tf.qualified} has no primary key or usable replica "
-                               "identity; no UPDATE/DELETE seen so far, but one would fail on the source while it "
-                               "is published"))  # fmt: skip
+            out.append(_insert_only(tf))
         elif tf.kind == "r" and tf.replica_identity == "f" and not tf.has_pk:
             out.append(Finding("identity_full", f"table {tf.qualified} replicates with REPLICA IDENTITY FULL and no "
                                "key: every UPDATE/DELETE scans it on the target"))  # fmt: skip
@@ -448,6 +457,33 @@ def _warnings(s: SourceFacts, t: TargetFacts, selection: Selection) -> list[Find
     out.append(Finding("ddl", "DDL is not replicated: do not change the schema of selected tables on the source "
                        "until the cutover"))  # fmt: skip
     return out
+
+
+def insert_only_ways_out(table: str) -> str:
+    """The three ways out for a table without a key or usable replica identity, as a hint: each makes all of its
+    changes migrate (the first two) or leaves it to the user (the third). Shared by plan's findings and the
+    cutover's refusal, so that both name the same fixes."""
+    return (
+        f"on the source ALTER TABLE {table} REPLICA IDENTITY FULL (or USING INDEX a unique index), then applier "
+        f"migrate abort and start again; or add a primary key to {table} (then abort and start again); or leave it "
+        f"out with --exclude-table {table} and move it yourself"
+    )
+
+
+def _insert_only(tf: TableFacts) -> Finding:
+    """``no_identity_yet``: published for INSERT and TRUNCATE only, so that the source keeps taking every write
+    (a publication that carries its UPDATEs would make them fail there); what becomes of a later UPDATE/DELETE."""
+    large = (
+        f" (at {human_bytes(tf.total_bytes)} it is larger than that now)"
+        if tf.total_bytes > RECOPY_MAX_BYTES
+        else ""
+    )
+    return Finding("no_identity_yet", f"table {tf.qualified} has no primary key or usable replica identity and has "
+                   "received no UPDATE/DELETE so far: it will be published for INSERT and TRUNCATE only, so the "
+                   "source keeps taking every write, but an UPDATE or DELETE on it from now on will not reach the "
+                   "target; the cutover then copies it again (under the fence) if it is at most "
+                   f"{human_bytes(RECOPY_MAX_BYTES)}, and refuses if it is larger{large}",
+                   insert_only_ways_out(tf.qualified))  # fmt: skip
 
 
 def _object_warnings(s: SourceFacts, t: TargetFacts, selection: Selection) -> list[Finding]:

@@ -22,11 +22,23 @@ from psycopg import sql
 from applier.catalog import sql as catalog_sql
 from applier.conninfo import describe, without_password
 from applier.lsn import format_lsn
-from applier.migrate import largeobjects, matviews, objects, partitions, postdata, schema, store
+from applier.migrate import (
+    identity,
+    largeobjects,
+    matviews,
+    objects,
+    ownership,
+    partitions,
+    postdata,
+    preflight,
+    schema,
+    store,
+)
+from applier.migrate import publications as pubs
 from applier.migrate.follow import outcome
 from applier.migrate.selection import SourceTables
 from applier.migrate.state import MigrationError
-from applier.migrate.steps import Step, StepKind
+from applier.migrate.steps import Step
 from applier.migrate.survey import source_tables
 from applier.migrate.tools import find_dump_tools
 from applier.replication import TWO_PHASE_VERSION, ReplicationConnection, ReplicationConnectionError
@@ -148,30 +160,23 @@ class SetUp:
 
     # --- the source -------------------------------------------------------------------------------------------
     def publication(self, m: store.Migration, tables: SourceTables) -> None:
-        """Create the publication of the selected tables (once; the same table list when started again before
-        the copy is over; after it, a start that resumes leaves it as it is)."""
+        """Create the migration's publications of the selected tables (once; the same table lists when started
+        again before the copy is over; after it, a start that resumes leaves them as they are): the tables without
+        a usable replica identity in an insert-only one, so that the source keeps taking every write
+        (:mod:`applier.migrate.publications`)."""
         with psycopg.connect(self.opts.source, autocommit=True) as src:
-            exists = src.execute(
-                "SELECT 1 FROM pg_publication WHERE pubname = %s", (m.publication,)
-            ).fetchone()
-            names = sql.SQL(", ").join(sql.Identifier(s, t) for s, t in tables.tables)
-            if exists and not m.pub_created:
-                raise MigrationError(
-                    f'a publication "{m.publication}" already exists on the source and was not made by this '
-                    "migration: choose another migration name"
-                )
-            if exists and m.phase not in ("schema", "copy"):
-                return  # its tables are settled; a cutover may have fenced the source already (read-only)
-            store.mark_publication_created(self.target, m.name)
-            if exists:
-                src.execute(
-                    sql.SQL("ALTER PUBLICATION {} SET TABLE {}").format(sql.Identifier(m.publication), names)
-                )
-            else:
-                src.execute(
-                    sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(sql.Identifier(m.publication), names)
-                )
-        self.say(f"publication {m.publication}: {len(tables.tables)} table(s)")
+            split = pubs.create(src, self.target, m, tables.tables)
+        if split is None:
+            return
+        main, ins = pubs.names(m.name)
+        self.say(f"publication {main}: {len(split.full)} table(s)")
+        if split.insert_only:
+            listed = ", ".join(f"{s}.{t}" for s, t in split.insert_only)
+            self.say(
+                f"publication {ins}: {len(split.insert_only)} table(s) without a primary key or usable replica "
+                f"identity, published for INSERT and TRUNCATE only (their UPDATE/DELETE are not migrated; the "
+                f"cutover copies such a table again if it gets any): {listed}"
+            )
 
     def fresh_slot(self, m: store.Migration) -> None:
         """(Re)create the slot with an exported snapshot; keep its connection idle while the snapshot is used."""
@@ -228,7 +233,9 @@ class SetUp:
             with self.target.transaction():
                 self.target.execute(script)
                 self.target.execute("SET search_path TO DEFAULT")
-                always = self.identity_always([*quoted, *_quoted(src, tables.partitioned)])
+                always = identity.by_default_until_cutover(
+                    self.target, [*quoted, *_quoted(src, tables.partitioned)]
+                )
                 store.save_steps(self.target, m.name, [*steps, *always])
                 los = largeobjects.copy(src, self.target) if largeobjects.selected(m.selection) else 0
                 store.set_snapshot_lsn(self.target, m.name, self.snapshot_lsn or 0)
@@ -261,38 +268,6 @@ class SetUp:
         triggers, skipped = _event_triggers(src, schema.read_target_roles(self.target).superuser)
         self.skipped += skipped
         return extra + triggers
-
-    def identity_always(self, tables: list[str]) -> list[Step]:
-        """Make the target's ``GENERATED ALWAYS`` identity columns ``BY DEFAULT`` until the cutover, which puts them
-        back (steps of kind ``cutover_identity``): the apply loop can write an ALWAYS column, but an UPDATE that may
-        change one switches it for each statement under an ACCESS EXCLUSIVE lock (docs/differences.md); while only
-        the migration writes to the target, BY DEFAULT costs nothing."""
-        rows = self.target.execute(
-            "SELECT format('%%I.%%I', n.nspname, c.relname), a.attname FROM pg_attribute a"
-            " JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace"
-            " WHERE a.attidentity = 'a' AND NOT a.attisdropped AND NOT c.relispartition"
-            " AND format('%%I.%%I', n.nspname, c.relname) = ANY(%s)"
-            " ORDER BY 1, 2",
-            (tables,),
-        ).fetchall()
-        steps = []
-        for table, column in rows:
-            alter = sql.SQL("ALTER TABLE {} ALTER COLUMN {} SET GENERATED ").format(
-                sql.SQL(table), sql.Identifier(column)
-            )
-            self.target.execute(alter + sql.SQL("BY DEFAULT"))
-            always = (alter + sql.SQL("ALWAYS")).as_string(self.target)
-            steps.append(
-                Step.of(
-                    StepKind.CUTOVER_IDENTITY,
-                    f"{table}.{column}",
-                    (table,),
-                    (),
-                    (always,),
-                    10_000 + len(steps),
-                )
-            )
-        return steps
 
     def _source_major(self) -> int:
         with psycopg.connect(self.opts.source, autocommit=True) as src:
@@ -330,7 +305,7 @@ class SetUp:
             sub = catalog.create_subscription(
                 subname=m.subname,
                 conninfo=m.source,
-                publications=[m.publication],
+                publications=pubs.names(m.name),  # both exist: made together just before
                 two_phase_state=two_phase.value,
                 streaming="on",
                 binary=False,
@@ -462,37 +437,63 @@ class SetUp:
             tables = source_tables(src, self.opts.selection)
         if not tables.tables:
             raise MigrationError("the selection covers no table on the source (see applier migrate plan)")
+        known = store.load(self.target, self.opts.name)
+        if known is None or (known.phase == "schema" and known.snapshot_lsn is None):
+            preflight.check(self.opts)
         m = self.register(tables)
         if m.phase == "done":
             self.say(f'migration "{m.name}" is done')
             return 0
         if m.phase == "failed":
             raise MigrationError(f'migration "{m.name}" failed: {m.error}; abort it (applier migrate abort)')
-        self.publication(m, tables)
+        m = ownership.recover(self.target, m, self.say)
+        if (m.error or "").startswith(preflight.START_FAILED):
+            store.record_error(self.target, m.name, None)
         if m.phase == "schema":
-            started = time.monotonic()
-            self.fresh_slot(self.migration())
-            m = self.migration()
-            if m.snapshot_lsn is None:
-                self.pre_data(m, tables)
-            else:
-                self.say("pre-data restored by an interrupted start; copying at a new snapshot")
-            quoted = [
-                r[0]
-                for r in self.target.execute(
-                    "SELECT format('%%I.%%I', s, t) FROM unnest(%s::text[], %s::text[]) AS x(s, t)",
-                    ([s for s, _ in tables.tables], [t for _, t in tables.tables]),
-                )
-            ]
-            self.subscription(m, quoted)
-            self.phase("copy", schema=time.monotonic() - started)
-            m = self.migration()
+            try:
+                m = self.schema(m, tables)
+            except BaseException as exc:
+                self.undo(m, exc)
+                raise
+        else:
+            self.publication(m, tables)
         if m.phase == "copy":
             if not self.copy_and_post_data(m):
                 return outcome(self.target, self.opts.name, 0, self.say)
             two_phase_from_the_start(self.opts.target, m.subname, self.say)
             self.phase("following", **{k: v for k, v in self.times.items() if k != "schema"})
         return m
+
+    def schema(self, m: store.Migration, tables: SourceTables) -> store.Migration:
+        """Phase ``schema``: the publication, the slot and its snapshot, the pre-data, the subscription; the
+        migration in phase ``copy`` after it."""
+        started = time.monotonic()
+        self.publication(m, tables)
+        self.fresh_slot(self.migration())
+        m = self.migration()
+        if m.snapshot_lsn is None:
+            self.pre_data(m, tables)
+        else:
+            self.say("pre-data restored by an interrupted start; copying at a new snapshot")
+        quoted = [
+            r[0]
+            for r in self.target.execute(
+                "SELECT format('%%I.%%I', s, t) FROM unnest(%s::text[], %s::text[]) AS x(s, t)",
+                ([s for s, _ in tables.tables], [t for _, t in tables.tables]),
+            )
+        ]
+        self.subscription(m, quoted)
+        self.phase("copy", schema=time.monotonic() - started)
+        return self.migration()
+
+    def undo(self, m: store.Migration, exc: BaseException) -> None:
+        """After a failure in phase ``schema``: the held snapshot released, then what this start created on the
+        source taken back (:func:`applier.migrate.preflight.undo`)."""
+        if self.slot_conn is not None:
+            with contextlib.suppress(Exception):
+                self.slot_conn.close()
+            self.slot_conn = None
+        preflight.undo(self.target, self.opts.source, m, exc, self.say)
 
     def close(self) -> None:
         """Release the held snapshot (when the copy did not take it over) and the target connection."""

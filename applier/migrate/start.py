@@ -22,15 +22,21 @@ own; :func:`start` composes them under one stop event, set by SIGTERM/SIGINT or 
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import psycopg
+
+from applier.errors import ApplierError
+from applier.migrate import ownership, store
 from applier.migrate.follow import CAUGHT_UP_BYTES, Follower, watch
+from applier.migrate.preflight import START_FAILED
 from applier.migrate.selection import Selection
 from applier.migrate.setup import SetUp
-from applier.signals import set_once
+from applier.signals import STOP_SIGNALS, set_once
 
 __all__ = ["CAUGHT_UP_BYTES", "StartOptions", "start"]
 
@@ -52,18 +58,22 @@ class StartOptions:
 def start(opts: StartOptions, say: Callable[[str], None]) -> int:
     """Set up what the migration's phase has not, then follow until the migration ends; start's exit status.
 
-    Signals as ``applier run``'s: SIGTERM/SIGINT set the stop event (:func:`applier.signals.set_once`: a second
-    signal inside the first must not deadlock). While following, ``runner.run`` installs its own handlers and takes
-    the same event as its ``stop``, so a signal that came before stops its worker too, as a first signal would."""
+    Signals as ``applier run``'s: SIGTERM/SIGINT/SIGHUP set the stop event (:func:`applier.signals.set_once`: a
+    second signal inside the first must not deadlock). While following, ``runner.run`` installs its own handlers and
+    takes the same event as its ``stop``, so a signal that came before stops its worker too, as a first signal
+    would. The whole run holds ``start``'s lock (:mod:`applier.migrate.ownership`): a cutover fences nothing
+    without it, and a second ``start`` of the migration is refused. A failure is recorded in the migration, where
+    ``status`` shows it with what to do."""
     stop = threading.Event()
 
     def on_signal(signum: int) -> None:
         say(f"{signal.Signals(signum).name} received: stopping")
 
-    previous = {s: signal.signal(s, set_once(stop, on_signal)) for s in (signal.SIGTERM, signal.SIGINT)}
+    lock = ownership.hold_start(opts.target, opts.name)
+    previous = {s: signal.signal(s, set_once(stop, on_signal)) for s in STOP_SIGNALS}
     finished = threading.Event()
     watcher = threading.Thread(
-        target=watch, args=(opts.target, opts.name, stop, finished), name="migration-watch", daemon=True
+        target=watch, args=(opts.target, opts.name, stop, finished, lock), name="migration-watch", daemon=True
     )
     watcher.start()
     try:
@@ -73,7 +83,25 @@ def start(opts: StartOptions, say: Callable[[str], None]) -> int:
         finally:
             setup.close()
         return ready if isinstance(ready, int) else Follower(opts, say, stop).run(ready)
+    except (ApplierError, psycopg.Error) as exc:
+        _record(opts, exc)
+        raise
     finally:
         finished.set()
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def _record(opts: StartOptions, exc: BaseException) -> None:
+    """Why start stopped, into the migration's record (``status``'s ``error``) with what to do; best effort (the
+    target may be what failed). The set-up's own failures say it themselves (:meth:`SetUp.undo`)."""
+    with contextlib.suppress(Exception), psycopg.connect(opts.target, autocommit=True) as target:
+        m = store.load(target, opts.name)
+        if m is None or m.phase in ("done", "failed") or (m.error or "").startswith(START_FAILED):
+            return
+        where = (
+            f"; the slot {m.slot} keeps WAL on the source until start resumes (abort removes it)"
+            if m.slot_created
+            else ""
+        )
+        store.record_error(target, opts.name, f"{START_FAILED}{exc}{where}; fix it and run start again")

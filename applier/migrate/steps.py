@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["CUTOVER_KINDS", "Step", "StepKind", "step_name"]
+__all__ = ["CUTOVER_KINDS", "SWITCH_KINDS", "Step", "StepKind", "step_name"]
 
 
 class StepKind(StrEnum):
@@ -71,6 +71,11 @@ _PREFIX = {
 CUTOVER_KINDS = frozenset(
     {StepKind.CUTOVER_IDENTITY, StepKind.CUTOVER_EVENT_TRIGGER, StepKind.CUTOVER_REFRESH}
 )
+
+
+#: The cutover's steps that its switch runs (the refresh runs before the verification, :mod:`.matviews`); after a
+#: ``--prepared carry`` cutover, ``status`` lists those left for later.
+SWITCH_KINDS = (StepKind.CUTOVER_IDENTITY, StepKind.CUTOVER_EVENT_TRIGGER)
 
 
 def step_name(kind: StepKind, subject: str) -> str:

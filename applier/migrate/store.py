@@ -23,6 +23,7 @@ from typing import Any
 
 import psycopg
 
+from applier.catalog import sql as catalog_sql
 from applier.lsn import format_lsn
 from applier.migrate.state import MigrationError, advance
 from applier.migrate.steps import Step
@@ -36,13 +37,19 @@ __all__ = [
     "mark_slot_created",
     "mark_step_done",
     "phase_of",
+    "clear_fence",
     "post_data_progress",
+    "record_error",
+    "record_fence",
     "register",
+    "require",
     "save_steps",
     "set_phase",
     "set_snapshot_lsn",
     "statements_of",
     "steps_to_run",
+    "subscription_of",
+    "upgrade",
 ]
 
 
@@ -61,6 +68,8 @@ class Migration:
     times: dict[str, float]
     error: str | None
     notes: dict[str, Any] = field(default_factory=dict)
+    #: when this migration fenced its source (ISO text), until it lifted the fence; None: no fence of ours
+    fenced_at: str | None = None
 
 
 # --- the migration -----------------------------------------------------------------------------------------------
@@ -77,11 +86,37 @@ def load(conn: psycopg.Connection[Any], name: str) -> Migration | None:
         return None
     row = conn.execute(
         "SELECT name, subname, source, selection, publication, slot, phase, pub_created, slot_created,"
-        " snapshot_lsn::text, times, error, coalesce(to_jsonb(m) -> 'notes', '{}')"
-        " FROM applier.migration m WHERE name = %s",
+        " snapshot_lsn::text, times, error, coalesce(to_jsonb(m) -> 'notes', '{}'),"
+        " to_jsonb(m) ->> 'fenced_at' FROM applier.migration m WHERE name = %s",
         (name,),
     ).fetchone()
     return None if row is None else Migration(*row)
+
+
+def require(conn: psycopg.Connection[Any], name: str) -> Migration:
+    """The migration ``name``; refused with what to do when this target has none of that name."""
+    m = load(conn, name)
+    if m is None:
+        raise MigrationError(f'migration "{name}" does not exist on this target (see: applier migrate start)')
+    return m
+
+
+def subscription_of(conn: psycopg.Connection[Any], m: Migration) -> tuple[int, str] | None:
+    """The migration's subscription: its id and slot, once the set-up made it."""
+    row = conn.execute(catalog_sql.SUBSCRIPTION_ID_AND_SLOT, (m.subname,)).fetchone()
+    return None if row is None else (int(row[0]), str(row[1]))
+
+
+def upgrade(target: str) -> None:
+    """The catalog at this release's version (the fence's record needs version 11), for a target whose ``start``
+    has not run since an upgrade: what ``cutover`` and ``abort`` do first."""
+    from applier.catalog.store import Catalog
+
+    catalog = Catalog.connect(target)
+    try:
+        catalog.ensure()
+    finally:
+        catalog.engine.dispose()
 
 
 def phase_of(conn: psycopg.Connection[Any], name: str) -> str | None:
@@ -135,6 +170,23 @@ def add_notes(conn: psycopg.Connection[Any], name: str, notes: dict[str, Any]) -
             "UPDATE applier.migration SET notes = notes || %s::jsonb WHERE name = %s",
             (json.dumps(notes), name),
         )
+
+
+def record_error(conn: psycopg.Connection[Any], name: str, error: str | None) -> None:
+    """The error ``status`` shows for the migration (None clears it), its phase unchanged: a failed start records
+    why it stopped, and what to do, where the next reader looks."""
+    conn.execute("UPDATE applier.migration SET error = %s, updated = now() WHERE name = %s", (error, name))
+
+
+def record_fence(conn: psycopg.Connection[Any], name: str) -> None:
+    """Before the source is fenced (committed first: a cutover killed right after the fence leaves this record,
+    and the next verb of the migration lifts the fence it names)."""
+    conn.execute("UPDATE applier.migration SET fenced_at = clock_timestamp() WHERE name = %s", (name,))
+
+
+def clear_fence(conn: psycopg.Connection[Any], name: str) -> None:
+    """Once the fence is lifted: the source holds no fence of this migration."""
+    conn.execute("UPDATE applier.migration SET fenced_at = NULL WHERE name = %s", (name,))
 
 
 def mark_publication_created(conn: psycopg.Connection[Any], name: str) -> None:

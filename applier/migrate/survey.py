@@ -26,7 +26,7 @@ from applier.migrate.plan import (
 from applier.migrate.selection import Selection, SourceTables, select_tables
 from applier.privileges import ORIGIN_FUNCTIONS
 
-__all__ = ["gather_source", "gather_target", "source_tables"]
+__all__ = ["IDENTITY_USABLE", "gather_source", "gather_target", "source_tables"]
 
 # each table with the schema and name of its partition tree's root (itself when it is not a partition)
 _TABLE_TREES = """
@@ -46,17 +46,23 @@ def source_tables(conn: psycopg.Connection[Any], selection: Selection) -> Source
 
 # --- plan's facts ------------------------------------------------------------------------------
 
-_TABLES = """
+#: Whether table ``c`` (a ``pg_class`` row) can publish UPDATE and DELETE, as PostgreSQL's own check on the table
+#: itself decides (a partition by its own key or identity, not its parent's): a primary key under the default
+#: identity, FULL, or an existing identity index. ``plan`` and ``start`` both ask this expression, so that what plan
+#: warns about is what start publishes for INSERT and TRUNCATE only (:mod:`applier.migrate.publications`).
+IDENTITY_USABLE = """CASE c.relreplident
+         WHEN 'f' THEN true
+         WHEN 'd' THEN EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary)
+         WHEN 'i' THEN EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisreplident)
+         ELSE false END"""
+
+_TABLES = f"""
 SELECT n.nspname, c.relname, c.relkind, c.relpersistence,
        pg_relation_size(c.oid), pg_total_relation_size(c.oid), pg_indexes_size(c.oid),
        CASE WHEN c.reltuples < 0 THEN NULL ELSE c.reltuples::bigint END,
        EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary),
        c.relreplident,
-       CASE c.relreplident
-         WHEN 'f' THEN true
-         WHEN 'd' THEN EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary)
-         WHEN 'i' THEN EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisreplident)
-         ELSE false END,
+       {IDENTITY_USABLE},
        coalesce(s.n_tup_upd + s.n_tup_del, 0),
        (SELECT count(*) FROM pg_index i WHERE i.indrelid = c.oid),
        pg_get_userbyid(c.relowner)
@@ -64,7 +70,7 @@ FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
 LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
 WHERE c.relkind IN ('r', 'p')
 ORDER BY 1, 2
-"""
+"""  # noqa: S608 - a constant expression of ours (IDENTITY_USABLE), no name
 
 _INDEXES = """
 SELECT n.nspname, t.relname, i.relname, am.amname, x.indisprimary, x.indisunique, pg_relation_size(i.oid),

@@ -548,12 +548,20 @@ def test_cutover_estimate_adds_up_its_steps() -> None:
 
 
 def test_status_text_says_what_a_cutover_would_cost_now() -> None:
-    from applier.migrate.cutover import format_status
+    from applier.migrate.status import format_status
 
     doc = {"name": "m", "phase": "following", "lag_bytes": 0, "lag_seconds": 0.0, "post_data": {"done": 1, "total": 1},
-           "times": {}, "error": None, "tables": [], "cutover_estimate_seconds": 2.25,
+           "times": {}, "error": None, "tables": [], "cutover_estimate_seconds": 2.25, "cutover_running": False,
+           "start": {"running": True, "holder": "applier migrate start m"},
+           "fence": {"fenced_at": None, "source_read_only": False},
            "cutover_estimate": {"fence": 0.2, "catch_up": 0.0, "sequences": 0.05, "verify": 2.0, "total": 2.25}}  # fmt: skip
     text = format_status(doc)
     assert "a cutover now: ~2.2s of write downtime (fence 0.2s, sequences 0.1s, verify 2.0s)" in text, text
+    assert "start: running (applier migrate start m)" in text and "source: writable" in text, text
     doc["cutover_estimate"] = None  # the lag cannot be told: no line
     assert "a cutover now" not in format_status(doc)
+    doc["start"] = {"running": False, "holder": None}
+    doc["fence"] = {"fenced_at": "2026-12-06 07:00:00+00", "source_read_only": True}
+    text = format_status(doc)
+    assert "start: not running; a cutover needs it" in text, text
+    assert "source: fenced by this migration since 2026-12-06 07:00:00+00: read-only" in text, text
