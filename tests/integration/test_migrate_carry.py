@@ -13,12 +13,10 @@ import subprocess
 import psycopg
 import pytest
 from psycopg import sql
-from test_migrate_cutover import SCHEMA, migrate
-from test_migrate_plan import pg15  # noqa: F401 - a fixture
-from test_migrate_start import exit_status, phase, procs, start, wait_phase  # noqa: F401 - procs is a fixture
 
 from applier.testing import Database, wait_until
 from tests.support.cli import APPLIER, create, fails, make_tables, ok
+from tests.support.migrate import SCHEMA, exit_status, migrate, phase, start, wait_phase
 
 ODD_GID = "app'tx 1"  # a GID that needs quoting
 
@@ -50,7 +48,7 @@ def _following_with_two_phase(pair, running, tmp_path):  # type: ignore[no-untyp
 
 
 @pytest.mark.core
-def test_carry_keeps_open_prepared_transactions_under_their_gids(pair, procs, tmp_path) -> None:  # noqa: F811
+def test_carry_keeps_open_prepared_transactions_under_their_gids(pair, procs, tmp_path) -> None:
     pub, tgt = pair.publisher, pair.target
     proc, log = _following_with_two_phase(pair, procs, tmp_path)
     assert tgt.scalar("SELECT subgidformat FROM applier.subscription WHERE subname = 'mig'") == "original"
@@ -105,7 +103,7 @@ def test_carry_keeps_open_prepared_transactions_under_their_gids(pair, procs, tm
     )
 
 
-def test_a_gid_in_use_on_the_target_fails_clearly_then_recovers(pair, procs, tmp_path) -> None:  # noqa: F811
+def test_a_gid_in_use_on_the_target_fails_clearly_then_recovers(pair, procs, tmp_path) -> None:
     pub, tgt = pair.publisher, pair.target
     proc, log = _following_with_two_phase(pair, procs, tmp_path)
     tgt.execute("CREATE TABLE target_only (x int)")
@@ -133,7 +131,7 @@ def test_a_gid_in_use_on_the_target_fails_clearly_then_recovers(pair, procs, tmp
     assert exit_status(proc, log) == 1
 
 
-def test_a_transaction_prepared_during_the_copy_is_carried(pair, procs, tmp_path) -> None:  # noqa: F811
+def test_a_transaction_prepared_during_the_copy_is_carried(pair, procs, tmp_path) -> None:
     """Prepared on the source after the slot's snapshot, while the tables are still being copied: every table is
     copied at that one snapshot, so the stream has two-phase on from its start (no pending state, no restart;
     state.twophase.ready_at_slot_snapshot) and the transaction arrives at its PREPARE, once, and is carried. (A
@@ -161,7 +159,7 @@ def test_a_transaction_prepared_during_the_copy_is_carried(pair, procs, tmp_path
         pub.execute("INSERT INTO acc (v) VALUES (6)")
 
 
-def _reverse_round_trip(pair, src: Database, procs, tmp_path) -> None:  # noqa: F811
+def _reverse_round_trip(pair, src: Database, procs, tmp_path) -> None:
     """Cut over with --reverse from ``src``, then write on the new server: each write reaches the old one once."""
     tgt = pair.target
     log = tmp_path / "start.log"
@@ -196,12 +194,12 @@ def _reverse_round_trip(pair, src: Database, procs, tmp_path) -> None:  # noqa: 
 
 
 @pytest.mark.core
-def test_reverse_leaves_the_old_server_following_the_new_one(pair, procs, tmp_path) -> None:  # noqa: F811
+def test_reverse_leaves_the_old_server_following_the_new_one(pair, procs, tmp_path) -> None:
     pair.publisher.execute(SCHEMA)
     _reverse_round_trip(pair, pair.publisher, procs, tmp_path)
 
 
-def test_reverse_from_a_postgresql_15_source(pair, pg15, procs, tmp_path) -> None:  # noqa: F811
+def test_reverse_from_a_postgresql_15_source(pair, pg15, procs, tmp_path) -> None:
     """PostgreSQL 15 has no ``origin`` option: the slot's starting point alone keeps our apply's writes out."""
     src = pg15.create_database(pair.name)
     try:
@@ -212,7 +210,7 @@ def test_reverse_from_a_postgresql_15_source(pair, pg15, procs, tmp_path) -> Non
             c.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(pair.name)))
 
 
-def test_reverse_with_prepared_transactions_to_carry_is_refused(pair, procs, tmp_path) -> None:  # noqa: F811
+def test_reverse_with_prepared_transactions_to_carry_is_refused(pair, procs, tmp_path) -> None:
     pub, tgt = pair.publisher, pair.target
     proc, log = _following_with_two_phase(pair, procs, tmp_path)
     _prepare(pub, "open_one", "INSERT INTO acc (v) VALUES (1)")

@@ -14,14 +14,13 @@ from typing import Any
 
 import psycopg
 import pytest
-from test_migrate_cutover import SCHEMA, Writer, migrate
-from test_migrate_start import exit_status, following, phase, procs, start, wait_phase  # noqa: F401 - procs is a fixture
 
 from applier.lsn import parse_lsn as lsn_int
 from applier.migrate import counts as counting
 from applier.testing import wait_until
 from applier.testing.cluster import Database
 from tests.support.cli import APPLIER
+from tests.support.migrate import SCHEMA, Writer, exit_status, following, migrate, phase, start, wait_phase
 
 pytestmark = pytest.mark.core
 
@@ -57,7 +56,7 @@ def _held_before_the_fence(pub: Database, tgt: Database) -> Iterator[subprocess.
 
 
 @pytest.mark.anyversion  # our counting rules; the slot is read with proto_version 1 on every server
-def test_a_table_changed_after_the_count_before_the_fence_is_counted_again(pair, procs, tmp_path) -> None:  # noqa: F811
+def test_a_table_changed_after_the_count_before_the_fence_is_counted_again(pair, procs, tmp_path) -> None:
     """A row the target loses after the pre-fence count (a trigger swallows it there) must fail the verification:
     both servers' counts before the fence agree, so only counting the changed table again after the fence can
     see it."""
@@ -92,7 +91,7 @@ def test_a_table_changed_after_the_count_before_the_fence_is_counted_again(pair,
 
 
 @pytest.mark.anyversion  # our report of the counts
-def test_the_report_says_what_was_counted_before_and_after_the_fence(pair, procs, tmp_path) -> None:  # noqa: F811
+def test_the_report_says_what_was_counted_before_and_after_the_fence(pair, procs, tmp_path) -> None:
     """Under writes to acc and log (not quiet): quiet's counts are those from before the fence, acc and log are
     counted again after it; the output and ``status --json``'s notes say so, with the count's position."""
     pub, tgt = pair.publisher, pair.target
@@ -144,7 +143,7 @@ def _update_both(conn: Any) -> int:
 @pytest.mark.anyversion  # our counting rules
 def test_tables_only_updated_after_the_count_keep_their_counts_from_before_the_fence(
     pair,
-    procs,  # noqa: F811
+    procs,
     tmp_path,
 ) -> None:
     """Tables that the writes after C only update are not counted again under the fence (an UPDATE moves no
@@ -189,7 +188,7 @@ def test_tables_only_updated_after_the_count_keep_their_counts_from_before_the_f
 
 
 @pytest.mark.anyversion  # our fallback when the count slot cannot be created
-def test_a_prepared_transaction_on_the_source_means_counting_after_the_fence(pair, procs, tmp_path) -> None:  # noqa: F811
+def test_a_prepared_transaction_on_the_source_means_counting_after_the_fence(pair, procs, tmp_path) -> None:
     """A prepared transaction would hold the count slot's creation: every table is counted after the fence, and
     the notes say why."""
     pub, tgt = pair.publisher, pair.target
@@ -229,7 +228,7 @@ def test_a_prepared_transaction_on_the_source_means_counting_after_the_fence(pai
 )
 def test_rows_deleted_and_inserted_after_the_count_are_derived_exactly(
     pair,
-    procs,  # noqa: F811
+    procs,
     tmp_path,
     truncate,
 ) -> None:

@@ -7,68 +7,20 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
-from collections.abc import Callable
-from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
-from test_migrate_plan import pg14, pg15, pg16  # noqa: F401 - fixtures
-from test_migrate_start import exit_status, following, phase, procs, start, wait_phase  # noqa: F401 - procs is a fixture
 
 from applier.testing import Database, wait_until
 from tests.support.cli import APPLIER
+from tests.support.migrate import SCHEMA, Writer, exit_status, following, migrate, phase, start, wait_phase
 
 pytestmark = pytest.mark.core
 
-SCHEMA = """
-CREATE TABLE acc (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, v int NOT NULL);
-CREATE TABLE log (id serial PRIMARY KEY, acc bigint REFERENCES acc, note text);
-CREATE SEQUENCE free_seq;
-INSERT INTO acc (v) SELECT g FROM generate_series(1, 500) g;
-INSERT INTO log (acc, note) SELECT g, 'n' FROM generate_series(1, 500) g;
-SELECT nextval('free_seq') FROM generate_series(1, 42);
-"""
-
-
-def migrate(target: Database, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*APPLIER, "migrate", *args, "--target", target.dsn], capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
-
-
-class Writer(threading.Thread):
-    """Inserts into ``acc`` one transaction at a time until the source refuses; remembers what committed.
-    ``write(conn)`` is one such transaction, returning the new ``acc`` id (default: a row in ``acc``, then its
-    ``log`` entry); ``pause`` is the wait between two."""
-
-    def __init__(self, db: Database, write: Callable[[Any], int] | None = None, pause: float = 0.0) -> None:
-        super().__init__(daemon=True)
-        self.db = db
-        self.write = write or _acc_and_log
-        self.pause = pause
-        self.committed: list[int] = []
-        self.error: str | None = None
-        self.halt = threading.Event()
-
-    def run(self) -> None:
-        try:
-            with self.db.connect() as conn:
-                while not self.halt.is_set():
-                    self.committed.append(self.write(conn))
-                    if self.pause:
-                        self.halt.wait(self.pause)  # a pace, not a wait for a condition
-        except psycopg.Error as exc:
-            self.error = str(exc)
-
-
-def _acc_and_log(conn: Any) -> int:
-    (i,) = conn.execute("INSERT INTO acc (v) VALUES (-1) RETURNING id").fetchone()
-    conn.execute("INSERT INTO log (acc, note) VALUES (%s, 'w')", (i,))
-    return int(i)
-
 
 @pytest.mark.anyversion  # our fence and switch; the cutover on this version is the older-source tests'
-def test_cutover_under_writes_loses_and_duplicates_nothing(pair, procs, tmp_path) -> None:  # noqa: F811
+def test_cutover_under_writes_loses_and_duplicates_nothing(pair, procs, tmp_path) -> None:
     pub, tgt = pair.publisher, pair.target
     pub.execute(SCHEMA)
     # writes all along: before the slot and its snapshot, during the schema, the copy and post-data, while following
@@ -136,7 +88,7 @@ def test_cutover_under_writes_loses_and_duplicates_nothing(pair, procs, tmp_path
 
 
 @pytest.mark.anyversion  # our verification and unfence
-def test_a_failed_verification_unfences_and_keeps_following(pair, procs, tmp_path) -> None:  # noqa: F811
+def test_a_failed_verification_unfences_and_keeps_following(pair, procs, tmp_path) -> None:
     pub, tgt = pair.publisher, pair.target
     proc, log = following(pair, procs, tmp_path, SCHEMA)
     with tgt.connect() as c:  # a row only the target has, beyond the sequence of its column
@@ -168,7 +120,7 @@ def test_a_failed_verification_unfences_and_keeps_following(pair, procs, tmp_pat
 
 
 @pytest.mark.anyversion  # our fence
-def test_a_session_that_connects_after_the_fence_is_not_ended(pair, procs, tmp_path) -> None:  # noqa: F811
+def test_a_session_that_connects_after_the_fence_is_not_ended(pair, procs, tmp_path) -> None:
     """The fence ends the sessions connected before it, waiting for one inside a transaction that has written; a
     session that connects meanwhile is read-only and is left alone (an application's transaction manager
     connecting to decide a prepared transaction under ``--prepared wait`` was ended)."""
@@ -195,15 +147,15 @@ def test_a_session_that_connects_after_the_fence_is_not_ended(pair, procs, tmp_p
     assert tgt.scalar("SELECT count(*) FROM acc WHERE v = 888") == 1
 
 
-def test_a_postgresql_15_source_into_this_target(pair, pg15, procs, tmp_path) -> None:  # noqa: F811
+def test_a_postgresql_15_source_into_this_target(pair, pg15, procs, tmp_path) -> None:
     _an_older_source_into_this_target(pair, pg15, procs, tmp_path)
 
 
-def test_a_postgresql_16_source_into_this_target(pair, pg16, procs, tmp_path) -> None:  # noqa: F811
+def test_a_postgresql_16_source_into_this_target(pair, pg16, procs, tmp_path) -> None:
     _an_older_source_into_this_target(pair, pg16, procs, tmp_path)
 
 
-def test_a_postgresql_14_source_into_this_target(pair, pg14, procs, tmp_path) -> None:  # noqa: F811
+def test_a_postgresql_14_source_into_this_target(pair, pg14, procs, tmp_path) -> None:
     """From 14 (issue 31): a transaction prepared on the source arrives when it is committed; ``--prepared carry``
     is refused before the fence (no two-phase decoding before 15), the source stays writable, the migration keeps
     following, and the cutover that waits (the default) completes."""
@@ -232,7 +184,7 @@ def test_a_postgresql_14_source_into_this_target(pair, pg14, procs, tmp_path) ->
     )
 
 
-def _an_older_source_into_this_target(pair, old, procs, tmp_path, before_cutover=None, verify="full") -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+def _an_older_source_into_this_target(pair, old, procs, tmp_path, before_cutover=None, verify="full") -> None:  # type: ignore[no-untyped-def]
     """The major-version upgrade: pg_dump of the target's version reads the old server; identity, generated
     columns and sequences come across; a cutover completes."""
     src = old.create_database(pair.name)

@@ -28,15 +28,13 @@ from pathlib import Path
 import psycopg
 import pytest
 from psycopg import sql
-from test_migrate_cutover import migrate
-from test_migrate_plan import blocker_codes, pg14, plan  # noqa: F401 - pg14 is a fixture
-from test_migrate_start import exit_status, phase, procs, wait_phase  # noqa: F401 - procs is a fixture
 
 from applier.privileges import ORIGIN_FUNCTIONS
 from applier.testing import Database, PostgresCluster, wait_until
 from applier.testing.pytest_plugin import ReplicationPair
 from applier.testing.roles import drop_role
 from tests.support.cli import APPLIER
+from tests.support.migrate import blocker_codes, exit_status, migrate, phase, plan, wait_phase
 
 SCHEMA = """
 CREATE TABLE acc (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, v int NOT NULL);
@@ -141,7 +139,7 @@ def _idle(db: Database) -> psycopg.Connection:
 def test_cutover_without_superuser_refuses_a_writer_it_cannot_end_then_locks_it_out(
     pair,
     managed,
-    procs,  # noqa: F811
+    procs,
     tmp_path,
 ) -> None:
     """Source role without pg_signal_backend. Open on the source at the cutover: the provider's superuser session
@@ -236,7 +234,7 @@ def test_start_cutover_without_superuser_leaves_the_providers_session(
     pair,
     source_server,
     managed,
-    procs,  # noqa: F811
+    procs,
     tmp_path,
 ) -> None:
     """The issue's case: ``start --cutover`` between non-superusers (source with pg_signal_backend) while a
@@ -342,7 +340,7 @@ def test_plan_names_each_missing_privilege_with_its_fix(pair, managed) -> None:
 def test_different_role_names_own_the_target_and_abort_cleans_the_source(
     pair,
     managed,
-    procs,  # noqa: F811
+    procs,
     tmp_path,
 ) -> None:
     """The source's owner does not exist on the target (another role migrates into it): the objects are owned by

@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from test_migrate_start import following, procs, stop  # noqa: F401 - procs is a fixture
 
 from applier.migrate import fence as fencing
 from applier.migrate import publications, store
 from applier.testing import assert_tables_equal, wait_until
+from tests.support.migrate import following, stop
 
 pytestmark = pytest.mark.core
 
@@ -56,7 +56,7 @@ def _publications(db: Any) -> dict[str, tuple[bool, bool, bool, bool, list[str]]
     return {r[0]: (r[1], r[2], r[3], r[4], sorted(r[5])) for r in rows}
 
 
-def test_a_keyless_table_takes_every_write_on_the_source(pair, procs, tmp_path) -> None:  # noqa: F811
+def test_a_keyless_table_takes_every_write_on_the_source(pair, procs, tmp_path) -> None:
     """Published insert-only, followed, seen diverging, copied again under the fence, both publications dropped."""
     pub, tgt = pair.publisher, pair.target
     proc, log = following(pair, procs, tmp_path, SCHEMA)

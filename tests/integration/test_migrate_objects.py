@@ -10,21 +10,24 @@ import json
 import os
 import re
 import signal
-import stat
 import threading
 from pathlib import Path
 
 import psycopg
 import pytest
 from psycopg import sql
-from test_migrate_cutover import migrate
-from test_migrate_plan import pg15  # noqa: F401 - a fixture
-from test_migrate_start import exit_status, phase, procs, schema_dump, start, wait_phase  # noqa: F401 - a fixture
 
-from applier.migrate.tools import find_dump_tools
 from applier.testing import Database, assert_tables_equal, wait_until
-
-LOS = "SELECT oid::int8, md5(lo_get(oid)), lomacl::text FROM pg_largeobject_metadata ORDER BY 1"
+from tests.support.migrate import (
+    LOS,
+    exit_status,
+    migrate,
+    phase,
+    schema_dump,
+    slow_pg_dump,
+    start,
+    wait_phase,
+)
 
 OBJECTS = """
 CREATE TABLE item (id int PRIMARY KEY, grp int NOT NULL, doc oid);
@@ -40,7 +43,7 @@ CREATE MATERIALIZED VIEW never AS SELECT id FROM item WITH NO DATA;
 
 
 @pytest.mark.core
-def test_large_objects_and_materialized_views_are_equal_after_the_cutover(pair, procs, tmp_path) -> None:  # noqa: F811
+def test_large_objects_and_materialized_views_are_equal_after_the_cutover(pair, procs, tmp_path) -> None:
     pub, tgt = pair.publisher, pair.target
     pub.execute(OBJECTS)
     log = tmp_path / "start.log"
@@ -106,7 +109,7 @@ FROM pg_index x JOIN pg_class c ON c.oid = x.indexrelid WHERE x.indrelid = 'publ
 """
 
 
-def test_a_materialized_views_indexes_keep_their_cluster_on_and_comments(pair, procs, tmp_path) -> None:  # noqa: F811
+def test_a_materialized_views_indexes_keep_their_cluster_on_and_comments(pair, procs, tmp_path) -> None:
     """pg_dump restores ``ALTER MATERIALIZED VIEW … CLUSTER ON`` and ``COMMENT ON INDEX`` for a view's indexes: made
     after the step that builds them, and kept through the cutover's refresh."""
     pub, tgt = pair.publisher, pair.target
@@ -175,7 +178,7 @@ PARTS = (
 )
 
 
-def test_range_and_list_partitioned_tables_migrate_with_their_keys(pair, procs, tmp_path) -> None:  # noqa: F811
+def test_range_and_list_partitioned_tables_migrate_with_their_keys(pair, procs, tmp_path) -> None:
     pub, tgt = pair.publisher, pair.target
     pub.execute(PARTITIONED)
     plan = json.loads(migrate(tgt, "plan", "--source", pub.dsn, "--json").stdout)
@@ -235,7 +238,7 @@ WHERE c.relname LIKE 'booking%' AND k.contype <> 'n' ORDER BY 1, 2
 """
 
 
-def test_exclusion_constraints_of_a_partitioned_table_and_of_a_partition(pair, procs, tmp_path) -> None:  # noqa: F811
+def test_exclusion_constraints_of_a_partitioned_table_and_of_a_partition(pair, procs, tmp_path) -> None:
     """PostgreSQL 17+ takes an exclusion constraint on a partitioned table (with the partition key compared by
     ``=``): it moves as pg_dump restores it, the parent's ``ADD CONSTRAINT`` on ``ONLY`` the parent, each
     partition's copy built as the partition lands and its index attached to the parent's (the copies are the
@@ -306,7 +309,7 @@ INSERT INTO booking SELECT g, 1 + g % 4, 'guest' || g % 7,
 """
 
 
-def test_partitions_own_exclusion_constraints_from_a_pg15_source(pair, pg15, procs, tmp_path) -> None:  # noqa: F811
+def test_partitions_own_exclusion_constraints_from_a_pg15_source(pair, pg15, procs, tmp_path) -> None:
     """Before PostgreSQL 17 the parent takes no exclusion constraint, but each partition may have its own: built as
     the partition lands (into the 18 target), and refusing there what it refuses on the source."""
     tgt = pair.target
@@ -337,28 +340,11 @@ def test_partitions_own_exclusion_constraints_from_a_pg15_source(pair, pg15, pro
             c.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(pair.name)))
 
 
-def _slow_pg_dump(tmp_path: Path, source: Database) -> Path:
-    """A bin directory whose pg_dump answers ``--version`` at once and otherwise says so in a file and blocks on a
-    FIFO nobody writes (the test kills it there): the schema phase held open until the kill."""
-    tools, _ = find_dump_tools(source.scalar("SELECT current_setting('server_version_num')::int") // 10000)
-    assert tools is not None
-    bindir = tmp_path / "slowbin"
-    bindir.mkdir()
-    script = bindir / "pg_dump"
-    hold = tmp_path / "hold"
-    os.mkfifo(hold)
-    script.write_text(f'#!/bin/sh\n[ "$1" = --version ] && exec {tools.pg_dump} "$@"\ntouch {tmp_path}/dumping\n'
-                      f'cat {hold} >/dev/null\nexec {tools.pg_dump} "$@"\n')  # fmt: skip
-    script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    (bindir / "pg_restore").symlink_to(tools.pg_restore)
-    return bindir
-
-
-def test_a_kill_in_the_schema_phase_starts_over_cleanly(pair, procs, tmp_path) -> None:  # noqa: F811
+def test_a_kill_in_the_schema_phase_starts_over_cleanly(pair, procs, tmp_path) -> None:
     pub, tgt = pair.publisher, pair.target
     pub.execute(OBJECTS)
     log = tmp_path / "start.log"
-    proc = start(pair, "mig", env={"APPLIER_PG_BINDIR": str(_slow_pg_dump(tmp_path, pub))}, log=log)
+    proc = start(pair, "mig", env={"APPLIER_PG_BINDIR": str(slow_pg_dump(tmp_path, pub))}, log=log)
     procs.append(proc)
     wait_until(lambda: proc.poll() is not None or (tmp_path / "dumping").exists(), timeout=120,
                what="pg_dump of the pre-data")  # fmt: skip
@@ -382,7 +368,7 @@ def test_a_kill_in_the_schema_phase_starts_over_cleanly(pair, procs, tmp_path) -
     assert schema_dump(tgt) == schema_dump(pub)
 
 
-def test_a_kill_while_following_with_prepared_open_applies_nothing_twice(pair, procs, tmp_path) -> None:  # noqa: F811
+def test_a_kill_while_following_with_prepared_open_applies_nothing_twice(pair, procs, tmp_path) -> None:
     pub, tgt = pair.publisher, pair.target
     # the slot's walsender streams a transaction past 64 kB (a database setting it reads when it connects)
     pub.execute(
@@ -485,7 +471,7 @@ CREATE EVENT TRIGGER log_ddl ON ddl_command_end WHEN TAG IN ('CREATE TABLE', 'CR
 
 
 @pytest.mark.core
-def test_rules_policies_and_statistics_are_created_and_leave_the_apply_alone(pair, procs, tmp_path) -> None:  # noqa: F811
+def test_rules_policies_and_statistics_are_created_and_leave_the_apply_alone(pair, procs, tmp_path) -> None:
     """Rules, row-level security (enabled and forced) with its policies, statistics objects, ``CLUSTER ON`` and
     comments are made after the copy, event triggers at the end of the cutover; while following, a rule on a
     migrated table does not fire for the applied rows (the source's own rule writes the audit rows, which arrive
@@ -493,7 +479,7 @@ def test_rules_policies_and_statistics_are_created_and_leave_the_apply_alone(pai
     _rules_round_trip(pair, pair.publisher, procs, tmp_path)
 
 
-def test_rules_policies_and_statistics_from_a_postgresql_15_source(pair, pg15, procs, tmp_path) -> None:  # noqa: F811
+def test_rules_policies_and_statistics_from_a_postgresql_15_source(pair, pg15, procs, tmp_path) -> None:
     """The same from a PostgreSQL 15 source into the 18 target (``stxstattarget`` is -1 there, not NULL)."""
     src = pg15.create_database(pair.name)
     try:
@@ -507,7 +493,7 @@ def _major(db: Database) -> int:
     return int(db.scalar("SELECT current_setting('server_version_num')::int / 10000"))
 
 
-def _rules_round_trip(pair, pub: Database, procs, tmp_path: Path) -> None:  # noqa: F811
+def _rules_round_trip(pair, pub: Database, procs, tmp_path: Path) -> None:
     tgt = pair.target
     role = pair.name  # roles belong to the cluster, which later tests share: one of its own
     pub.execute(TELLER.replace("teller", role))  # no privilege of its own: only the policy names it

@@ -20,12 +20,9 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
-from test_migrate_cutover import Writer, migrate
-from test_migrate_objects import LOS, _slow_pg_dump
-from test_migrate_plan import pg14  # noqa: F401 - a fixture
-from test_migrate_start import exit_status, phase, procs, start, wait_phase  # noqa: F401 - procs is a fixture
 
 from applier.testing import Database, PostgresCluster, assert_tables_equal, wait_until
+from tests.support.migrate import LOS, Writer, exit_status, migrate, phase, slow_pg_dump, start, wait_phase
 
 SCHEMA = """
 CREATE TABLE acc (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, v int NOT NULL);
@@ -48,7 +45,7 @@ JOURNAL = "SELECT note, count(*), sum(delta), count(DISTINCT acc) FROM journal G
 
 
 @pytest.fixture
-def src14(pair, pg14: PostgresCluster) -> Iterator[Database]:  # noqa: F811
+def src14(pair, pg14: PostgresCluster) -> Iterator[Database]:
     """A database of the pair's name on the PostgreSQL 14 cluster, dropped afterwards (fenced or not)."""
     db = pg14.create_database(pair.name)
     try:
@@ -72,7 +69,7 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
 
 
 @pytest.mark.parametrize("when", ["schema", "copy", "following"])
-def test_a_kill_from_14_resumes_and_applies_nothing_twice(pair, src14, procs, tmp_path, when) -> None:  # noqa: F811
+def test_a_kill_from_14_resumes_and_applies_nothing_twice(pair, src14, procs, tmp_path, when) -> None:
     """``kill -9`` of ``migrate start`` (its whole process group) while the source takes writes: in the schema
     phase (pg_dump held on a FIFO: nothing of the pre-data committed, the slot of the interrupted start dropped), in
     the copy (a table finished: not copied again; the others copied at a later snapshot) or while following (a
@@ -98,7 +95,7 @@ def test_a_kill_from_14_resumes_and_applies_nothing_twice(pair, src14, procs, tm
         env = {"APPLIER_MIGRATE_PARTITION_BYTES": str(1 << 20)}
         extra = ["--table-jobs", "1"]
     log = tmp_path / "start.log"
-    first_env = env | ({"APPLIER_PG_BINDIR": str(_slow_pg_dump(tmp_path, src14))} if when == "schema" else {})
+    first_env = env | ({"APPLIER_PG_BINDIR": str(slow_pg_dump(tmp_path, src14))} if when == "schema" else {})
     proc = start(pair, "mig", *extra, env=first_env, log=log, source=src14)
     procs.append(proc)
 
@@ -211,7 +208,7 @@ BALANCES = """SELECT (SELECT count(*) FROM pgbench_history), (SELECT sum(delta) 
     (SELECT sum(tbalance) FROM pgbench_tellers)"""
 
 
-def test_a_cutover_from_14_under_pgbench_loses_nothing(pair, src14, pg14, procs, tmp_path) -> None:  # noqa: F811
+def test_a_cutover_from_14_under_pgbench_loses_nothing(pair, src14, pg14, procs, tmp_path) -> None:
     """pgbench writes on the 14 source from before ``start`` until the cutover's fence ends its sessions: the
     target holds exactly the source's rows afterwards (pgbench_history: no primary key, so a duplicate shows in its
     count), its balances agree (branches = tellers = accounts = the history's deltas), and the cutover reports its

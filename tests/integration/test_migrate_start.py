@@ -7,19 +7,19 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
 from psycopg import sql
 
-from applier.migrate.tools import find_dump_tools
-from applier.testing import Database, assert_tables_equal, wait_until
-from tests.support.cli import APPLIER
+from applier.testing import assert_tables_equal, wait_until
+from tests.support import migrate as support
+from tests.support.migrate import phase, schema_dump, start, stop, wait_phase
 
 pytestmark = pytest.mark.core
+
+# test_migrate_chaos.py, being written in parallel, still imports these three from here (procs is a fixture, which
+# tests/integration/conftest.py offers to every other module): remove them once its imports move to tests.support
+exit_status, following, procs = support.exit_status, support.following, support.procs
 
 SCHEMA = """
 CREATE SCHEMA app;
@@ -71,79 +71,6 @@ UPDATE app.customers SET attrs = hstore('k', id::text);
 """
 
 TABLES = ("app.customers", "app.orders", "public.rooms", "public.events", "public.tags")
-
-
-def start(pair, name: str, *extra: str, env: dict[str, str] | None = None, log: Path,
-          source: Database | None = None) -> subprocess.Popen[bytes]:  # fmt: skip
-    """``applier migrate start NAME`` in the background (its own process group, so a kill takes all of it)."""
-    out = open(log, "ab")  # noqa: SIM115 - the child writes it; closed with the test's tmp_path
-    src = (source or pair.publisher).dsn
-    return subprocess.Popen(
-        [*APPLIER, "migrate", "start", name, "--source", src, "--target", pair.target.dsn, *extra],
-        stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})},
-    )  # fmt: skip
-
-
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-
-
-def phase(target: Database, name: str) -> str | None:
-    if not target.scalar("SELECT to_regclass('applier.migration') IS NOT NULL"):
-        return None
-    return target.scalar("SELECT phase FROM applier.migration WHERE name = %s", (name,))
-
-
-def wait_phase(target: Database, name: str, want: str, proc: subprocess.Popen[bytes], log: Path,
-               timeout: float = 240) -> None:  # fmt: skip
-    wait_until(lambda: proc.poll() is not None or phase(target, name) == want, timeout=timeout,
-               what=f"phase {want}")  # fmt: skip
-    assert proc.poll() is None, log.read_text()
-
-
-def following(
-    pair: Any, started: list[Any], tmp_path: Path, schema: str
-) -> tuple[subprocess.Popen[bytes], Path]:
-    """``schema`` on the publisher, then ``migrate start`` (added to ``started``, the ``procs`` fixture) until the
-    migration follows: its process and log."""
-    pair.publisher.execute(schema)
-    log = tmp_path / "start.log"
-    proc = start(pair, "mig", log=log)
-    started.append(proc)
-    wait_phase(pair.target, "mig", "following", proc, log)
-    return proc, log
-
-
-def exit_status(proc: subprocess.Popen[bytes], log: Path, timeout: float = 120) -> int:
-    """``proc``'s exit status; its log in the failure when it does not end in time."""
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"start did not end within {timeout:.0f}s:\n{log.read_text()}")
-
-
-def stop(proc: subprocess.Popen[bytes], log: Path) -> str:
-    """SIGTERM: start stops cleanly with status 0."""
-    proc.send_signal(signal.SIGTERM)
-    assert exit_status(proc, log) == 0, log.read_text()
-    return log.read_text()
-
-
-def schema_dump(db: Database) -> str:
-    """``pg_dump --schema-only`` without our catalog, publications, comments and psql's restrict keys."""
-    tools, _ = find_dump_tools(db.scalar("SELECT current_setting('server_version_num')::int") // 10000)
-    assert tools is not None
-    out = subprocess.run([tools.pg_dump, "--schema-only", "--no-publications", "--no-subscriptions",
-                          "--exclude-schema=applier", "--dbname", db.dsn], capture_output=True, text=True,
-                         check=True).stdout  # fmt: skip
-    lines = [ln for ln in out.splitlines() if ln and not ln.startswith(("--", "\\restrict", "\\unrestrict"))]
-    return "\n".join(lines)
 
 
 def test_schema_data_and_indexes_equal_the_source_then_changes_follow(pair, procs, tmp_path) -> None:

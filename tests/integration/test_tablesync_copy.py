@@ -11,13 +11,13 @@ import sys
 import psycopg
 import pytest
 from psycopg import sql
-from test_trust import _evil_trigger, _owned_table, _superuser, mallory  # noqa: F401 - mallory is a fixture
 
 from applier.catalog.store import Catalog
 from applier.testing import table_digest, wait_until
 from tablesync import InitialCopy, run_initial_copy
 from tablesync.copy import SupersededError, copy_partition
 from tablesync.testing import local_spark, subscribe
+from tests.support.trust import evil_trigger, owned_table, superuser
 
 pytestmark = [pytest.mark.spark]
 
@@ -459,15 +459,15 @@ def test_a_failing_copy_reports_the_server_error_and_leaves_tables_to_redo(pair,
     )
 
 
-def test_the_trust_check_refuses_an_owners_trigger_in_a_spark_task(pair, spark, monkeypatch, mallory):  # noqa: F811
+def test_the_trust_check_refuses_an_owners_trigger_in_a_spark_task(pair, spark, monkeypatch, mallory):
     """The copy's trust check runs in Spark's tasks as on the driver (test_trust.py): a table owned by an
     unprivileged role, with an ALWAYS trigger of that role's, is refused (SQLSTATE 42501) before a row is written;
     the trigger never runs (it would make its owner a superuser) and the refusal ends the job at once."""
     from tablesync import TablesyncError
 
     monkeypatch.setenv("APPLIER_TABLESYNC_HEAD_START", "0")
-    _owned_table(pair, mallory)
-    _evil_trigger(pair, mallory, "BEFORE INSERT")
+    owned_table(pair, mallory)
+    evil_trigger(pair, mallory, "BEFORE INSERT")
     pair.publisher.execute("INSERT INTO t SELECT g, 'row ' || g FROM generate_series(1, 100) g")
     pair.publisher.execute("CREATE PUBLICATION pub FOR TABLE t")
     subscribe(pair.target.dsn, pair.publisher.dsn, pair.name, ["public.t"])
@@ -475,7 +475,7 @@ def test_the_trust_check_refuses_an_owners_trigger_in_a_spark_task(pair, spark, 
         run_initial_copy(pair.target.dsn, pair.name, progress=False)
     assert "InsufficientPrivilege" in str(failed.value) and failed.value.relation == "public.t"
     assert pair.target.scalar("SELECT count(*) FROM t") == 0
-    assert not _superuser(pair, mallory)
+    assert not superuser(pair, mallory)
 
 
 @pytest.mark.core

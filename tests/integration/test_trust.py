@@ -9,7 +9,6 @@ deployments use): code that runs ``ALTER ROLE <owner> SUPERUSER`` when a replica
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,49 +17,9 @@ from psycopg import sql
 from applier.apply.testing import ApplySetup, setup_subscription
 from applier.testing import wait_for_catchup, wait_until
 from tests.support.cli import APPLIER, applier, ok, status
+from tests.support.trust import escalating_function, evil_trigger, owned_table, superuser
 
 pytestmark = pytest.mark.core
-
-#: the body of every attack: make the table's owner a superuser, with the rights of whoever runs it
-_ESCALATE = "BEGIN EXECUTE format('ALTER ROLE %I SUPERUSER', {owner}); RETURN {ret}; END"
-
-
-@pytest.fixture
-def mallory(pair: Any) -> Iterator[str]:
-    """An unprivileged role on the target (the owner of a replicated table), dropped at the end."""
-    role = f"m_{pair.name}"[:63]
-    pair.target.cluster.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
-    yield role
-    for stmt in ("DROP OWNED BY {} CASCADE", "DROP ROLE {}"):
-        pair.target.execute(sql.SQL(stmt).format(sql.Identifier(role)))
-
-
-def _superuser(pair: Any, role: str) -> bool:
-    return bool(pair.target.scalar("SELECT rolsuper FROM pg_roles WHERE rolname = %s", (role,)))
-
-
-def _owned_table(pair: Any, role: str, target_extra: str = "") -> None:
-    """Table t on both sides; on the target owned by ``role`` (with ``target_extra`` columns)."""
-    pair.publisher.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
-    pair.target.execute(f"CREATE TABLE t (id int PRIMARY KEY, v text{target_extra})")
-    pair.target.execute(sql.SQL("ALTER TABLE t OWNER TO {}").format(sql.Identifier(role)))
-
-
-def _function(pair: Any, role: str, signature: str, returns: str, ret: str) -> None:
-    """A plpgsql function owned by ``role`` that makes ``role`` a superuser when it runs."""
-    body = _ESCALATE.format(owner=sql.Literal(role).as_string(None), ret=ret)
-    pair.target.execute(
-        f"CREATE FUNCTION public.{signature} RETURNS {returns} LANGUAGE plpgsql AS $$ {body} $$"
-    )
-    pair.target.execute(
-        sql.SQL("ALTER FUNCTION public.{} OWNER TO {}").format(sql.SQL(signature), sql.Identifier(role))
-    )
-
-
-def _evil_trigger(pair: Any, role: str, when: str = "BEFORE INSERT OR UPDATE") -> None:
-    _function(pair, role, "evil()", "trigger", "NEW")
-    pair.target.execute(f"CREATE TRIGGER evil {when} ON t FOR EACH ROW EXECUTE FUNCTION public.evil()")
-    pair.target.execute("ALTER TABLE t ENABLE ALWAYS TRIGGER evil")
 
 
 def _refused(s: ApplySetup, *words: str) -> dict[str, Any]:
@@ -83,17 +42,17 @@ def test_trigger_attached_while_the_worker_runs_is_refused_and_nothing_is_lost(p
     """The apply path: a row applied, then the owner attaches an ALWAYS trigger; the next change is refused
     (the guard's plan was cached for the table: the new trigger must invalidate it), the owner stays
     unprivileged, the first row stays, and once the trigger is gone the change is applied, exactly once."""
-    _owned_table(pair, mallory)
+    owned_table(pair, mallory)
     s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"])
     w = s.start()
     try:
         pair.publisher.execute("INSERT INTO t VALUES (1, 'before')")
         wait_for_catchup(pair.publisher, pair.name, timeout=60)
-        _evil_trigger(pair, mallory)
+        evil_trigger(pair, mallory)
         pair.publisher.execute("INSERT INTO t VALUES (2, 'after')")
         e = _refused(s, "public.t", "trigger evil", f"owned by role {mallory}")
         assert e["relation"] == "public.t" and e["message_type"] == "INSERT"
-        assert not _superuser(pair, mallory)
+        assert not superuser(pair, mallory)
         assert pair.target.query("SELECT id FROM t ORDER BY id") == [(1,)]
         pair.target.execute("DROP TRIGGER evil ON t")
         wait_until(
@@ -102,14 +61,14 @@ def test_trigger_attached_while_the_worker_runs_is_refused_and_nothing_is_lost(p
     finally:
         w.stop()
     assert pair.target.query("SELECT id, v FROM t ORDER BY id") == [(1, "before"), (2, "after")]
-    assert not _superuser(pair, mallory)
+    assert not superuser(pair, mallory)
 
 
 def test_trigger_attached_after_many_updates_and_deletes_is_refused(pair, mallory) -> None:
     """A table without domains: its prepared UPDATE and DELETE carry the check themselves (no guard). Each is run
     in ten transactions first, so that PostgreSQL has switched to its cached generic plan: a trigger attached then
     must make it plan again, and so check, before the statement runs (one for UPDATE, then one for DELETE)."""
-    _owned_table(pair, mallory)
+    owned_table(pair, mallory)
     s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"])
     w = s.start()
     try:
@@ -119,11 +78,11 @@ def test_trigger_attached_after_many_updates_and_deletes_is_refused(pair, mallor
             pair.publisher.execute("DELETE FROM t WHERE id = %s", (i + 10,))
         wait_for_catchup(pair.publisher, pair.name, timeout=60)
         for event, change in (("UPDATE", "UPDATE t SET v = 'evil' WHERE id = 21"), ("DELETE", "DELETE FROM t WHERE id = 22")):  # fmt: skip
-            _evil_trigger(pair, mallory, f"BEFORE {event}")
+            evil_trigger(pair, mallory, f"BEFORE {event}")
             pair.publisher.execute(change)
             e = _refused(s, "public.t", "trigger evil", f"owned by role {mallory}")
             assert e["message_type"] == event
-            assert not _superuser(pair, mallory)
+            assert not superuser(pair, mallory)
             pair.target.execute("DROP TRIGGER evil ON t")
             pair.target.execute("DROP FUNCTION public.evil()")
             wait_for_catchup(pair.publisher, pair.name, timeout=60)
@@ -132,19 +91,19 @@ def test_trigger_attached_after_many_updates_and_deletes_is_refused(pair, mallor
     assert pair.target.query("SELECT id, v FROM t ORDER BY id") == pair.publisher.query(
         "SELECT id, v FROM t ORDER BY id"
     )
-    assert not _superuser(pair, mallory)
+    assert not superuser(pair, mallory)
 
 
 def test_default_of_a_column_the_publisher_does_not_send_is_refused(pair, mallory) -> None:
     """The owner's volatile function as the DEFAULT of a column only the target has."""
-    _function(pair, mallory, "stamp()", "text", "'x'")
-    _owned_table(pair, mallory, ", extra text DEFAULT public.stamp()")
+    escalating_function(pair, mallory, "stamp()", "text", "'x'")
+    owned_table(pair, mallory, ", extra text DEFAULT public.stamp()")
     s = setup_subscription(pair.publisher, pair.target, pair.name, ["public.t"])
     w = s.start()
     try:
         pair.publisher.execute("INSERT INTO t VALUES (1, 'one')")
         _refused(s, "default of column extra", f"runs function public.stamp() owned by role {mallory}")
-        assert not _superuser(pair, mallory)
+        assert not superuser(pair, mallory)
         assert pair.target.scalar("SELECT count(*) FROM t") == 0
     finally:
         w.stop()
@@ -154,7 +113,7 @@ def test_always_rule_and_domain_constraint_are_refused(pair, mallory) -> None:
     """A rule enabled ALWAYS on the owner's table, then (once it is dropped) a CHECK on a domain the owner owns,
     added while the worker runs: a domain constraint does not touch the table, so only the guard's dependency on
     the domain can notice it."""
-    _function(pair, mallory, "ok(int)", "boolean", "true")
+    escalating_function(pair, mallory, "ok(int)", "boolean", "true")
     pair.target.execute("CREATE DOMAIN public.pos AS int")
     pair.target.execute(sql.SQL("ALTER DOMAIN public.pos OWNER TO {}").format(sql.Identifier(mallory)))
     pair.publisher.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
@@ -174,7 +133,7 @@ def test_always_rule_and_domain_constraint_are_refused(pair, mallory) -> None:
         pair.publisher.execute("INSERT INTO t VALUES (2, 'two')")
         _refused(s, "constraint c of domain public.pos", f"owned by role {mallory}")
         assert pair.target.scalar("SELECT count(*) FROM t") == 1
-        assert not _superuser(pair, mallory)
+        assert not superuser(pair, mallory)
     finally:
         w.stop()
 
@@ -183,7 +142,7 @@ def test_trusted_trigger_keeps_working_and_a_replaced_one_is_refused(pair, mallo
     """The benign case: an ALWAYS audit trigger owned by the apply role on a table another role owns runs. The
     owner then replaces the trigger with one of its own (CREATE OR REPLACE TRIGGER, while the worker runs): the
     next change is refused."""
-    _owned_table(pair, mallory)
+    owned_table(pair, mallory)
     pair.target.execute("CREATE TABLE audit (id int)")
     pair.target.execute(
         "CREATE FUNCTION public.audit() RETURNS trigger LANGUAGE plpgsql AS"
@@ -198,7 +157,7 @@ def test_trusted_trigger_keeps_working_and_a_replaced_one_is_refused(pair, mallo
         wait_until(
             lambda: pair.target.scalar("SELECT count(*) FROM audit") == 1, timeout=60, what="audit row"
         )
-        _function(pair, mallory, "evil()", "trigger", "NEW")
+        escalating_function(pair, mallory, "evil()", "trigger", "NEW")
         pair.target.execute(
             "CREATE OR REPLACE TRIGGER audit AFTER INSERT ON t FOR EACH ROW EXECUTE FUNCTION public.evil()"
         )
@@ -206,7 +165,7 @@ def test_trusted_trigger_keeps_working_and_a_replaced_one_is_refused(pair, mallo
         pair.target.execute("ALTER TABLE t ENABLE ALWAYS TRIGGER audit")
         pair.publisher.execute("INSERT INTO t VALUES (2, 'two')")
         _refused(s, "trigger audit", f"runs function public.evil() owned by role {mallory}")
-        assert not _superuser(pair, mallory)
+        assert not superuser(pair, mallory)
         assert pair.target.scalar("SELECT count(*) FROM t") == 1
     finally:
         w.stop()
@@ -215,7 +174,7 @@ def test_trusted_trigger_keeps_working_and_a_replaced_one_is_refused(pair, mallo
 def test_run_as_owner_trusts_the_owner(pair, mallory) -> None:
     """With run_as_owner the owner's trigger runs with the apply role's rights, as the option says (native runs
     it as the apply role too with run_as_owner = true); status shows the option."""
-    _owned_table(pair, mallory)
+    owned_table(pair, mallory)
     pair.target.execute("CREATE TABLE seen (id int)")
     pair.target.execute(sql.SQL("GRANT INSERT ON seen TO {}").format(sql.Identifier(mallory)))
     pair.target.execute(
@@ -241,7 +200,7 @@ def test_run_as_owner_trusts_the_owner(pair, mallory) -> None:
 def test_alter_run_as_owner_restarts_with_the_new_trust(pair, mallory) -> None:
     """``alter --set run_as_owner=true`` lets a refused change through (the worker restarts its session);
     ``=false`` refuses again; status says which."""
-    _owned_table(pair, mallory)
+    owned_table(pair, mallory)
     pair.target.execute(
         "CREATE FUNCTION public.noop() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RETURN NEW; END $$"
     )
@@ -288,10 +247,10 @@ def test_copy_path_refused_on_the_driver(pair, mallory, tmp_path) -> None:
     module's shared session.)"""
     import subprocess
 
-    _owned_table(pair, mallory)
+    owned_table(pair, mallory)
     pair.publisher.execute("INSERT INTO t SELECT g, 'row ' || g FROM generate_series(1, 100) g")
     pair.publisher.execute("CREATE PUBLICATION p FOR TABLE t")
-    _evil_trigger(pair, mallory, "BEFORE INSERT")
+    evil_trigger(pair, mallory, "BEFORE INSERT")
     res = applier(pair.target, "create", "s", "--publisher", pair.publisher.dsn, "--publication", "p")
     assert res.returncode == 0, res.stderr
     # create says at once what will be refused, and how to trust the owner instead
@@ -306,7 +265,7 @@ def test_copy_path_refused_on_the_driver(pair, mallory, tmp_path) -> None:
         e = status(pair.target, "s")["last_error"]
         assert e["message_type"] == "COPY" and e["relation"] == "public.t" and "trigger evil" in e["message"]
         assert proc.poll() is None
-        assert not _superuser(pair, mallory)
+        assert not superuser(pair, mallory)
         assert pair.target.scalar("SELECT count(*) FROM t") == 0
         text = (tmp_path / "run.log").read_text()
         assert "starting Spark" not in text, text[-3000:]
@@ -316,7 +275,7 @@ def test_copy_path_refused_on_the_driver(pair, mallory, tmp_path) -> None:
         proc.terminate()
         proc.wait(timeout=120)
         log.close()
-    assert not _superuser(pair, mallory)
+    assert not superuser(pair, mallory)
 
 
 def test_row_level_security_is_refused_for_a_non_superuser_apply_role(pair, mallory, tmp_path) -> None:
@@ -326,8 +285,8 @@ def test_row_level_security_is_refused_for_a_non_superuser_apply_role(pair, mall
 
     from applier.testing.roles import create_apply_role, drop_role
 
-    _owned_table(pair, mallory)
-    _function(pair, mallory, "visible(int)", "boolean", "true")
+    owned_table(pair, mallory)
+    escalating_function(pair, mallory, "visible(int)", "boolean", "true")
     pair.target.execute("ALTER TABLE t ENABLE ROW LEVEL SECURITY")
     pair.target.execute("CREATE POLICY p ON t USING (public.visible(id)) WITH CHECK (public.visible(id))")
     pair.publisher.execute("CREATE PUBLICATION p FOR TABLE t")
@@ -348,7 +307,7 @@ def test_row_level_security_is_refused_for_a_non_superuser_apply_role(pair, mall
 
             wait_until(refused, timeout=60, what="the RLS refusal in status")
             assert f'user "{role}"' in status(tgt, "s")["last_error"]["message"]
-            assert not _superuser(pair, mallory) and pair.target.scalar("SELECT count(*) FROM t") == 0
+            assert not superuser(pair, mallory) and pair.target.scalar("SELECT count(*) FROM t") == 0
         finally:
             proc.terminate()
             proc.wait(timeout=120)
@@ -365,8 +324,8 @@ def test_native_subscriber_also_keeps_the_owner_unprivileged(pair, mallory) -> N
     before the trigger runs, and say why)."""
     if int(pair.target.cluster.scalar("SHOW server_version_num")) < 160000:
         pytest.skip("run_as_owner exists from PostgreSQL 16 (15's subscriber runs the trigger as its owner)")
-    _owned_table(pair, mallory)
-    _evil_trigger(pair, mallory)
+    owned_table(pair, mallory)
+    evil_trigger(pair, mallory)
     pair.publisher.execute("CREATE PUBLICATION p FOR TABLE t")
     name = f"n_{pair.name}"[:63]
     pair.target.execute(
@@ -381,7 +340,7 @@ def test_native_subscriber_also_keeps_the_owner_unprivileged(pair, mallory) -> N
                 "SELECT apply_error_count FROM pg_stat_subscription_stats WHERE subname = %s", (name,)
             ) >= 1, timeout=60, what="the native apply worker's error",
         )  # fmt: skip
-        assert not _superuser(pair, mallory) and pair.target.scalar("SELECT count(*) FROM t") == 0
+        assert not superuser(pair, mallory) and pair.target.scalar("SELECT count(*) FROM t") == 0
         assert "permission denied" in pair.target.cluster.log_tail(200)
     finally:
         pair.target.execute(sql.SQL("ALTER SUBSCRIPTION {} DISABLE").format(sql.Identifier(name)))
@@ -395,7 +354,7 @@ def test_domain_constraints_are_found_through_arrays_composites_ranges_and_domai
     from applier.catalog.store import Catalog
 
     Catalog.connect(pair.target.dsn).ensure()
-    _function(pair, mallory, "ok(int)", "boolean", "true")
+    escalating_function(pair, mallory, "ok(int)", "boolean", "true")
     with pair.target.connect() as c:
         c.execute("CREATE DOMAIN public.pos AS int CHECK (public.ok(VALUE))")
         c.execute(sql.SQL("ALTER DOMAIN public.pos OWNER TO {}").format(sql.Identifier(mallory)))
