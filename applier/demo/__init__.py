@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from applier.argtypes import positive_float, positive_int
 from applier.demo.dataset import TABLES, create_schema, populate
 from applier.demo.view import Snapshot, Watcher, plain_line, render
 from applier.demo.workload import LiveWorkload
@@ -46,11 +47,19 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="applier demo migrate --help: a whole live migration (plan, start --cutover) on embedded servers",
     )
     p.add_argument(
-        "--orders", type=int, default=400_000, help="orders to create before the copy (about 3.4 rows each)"
+        "--orders",
+        type=positive_int,
+        default=400_000,
+        help="orders to create before the copy (about 3.4 rows each)",
     )
-    p.add_argument("--duration", type=float, default=30.0, help="seconds of live workload after the copy")
     p.add_argument(
-        "--rate", type=float, default=40.0, help="publisher transactions per second during the workload"
+        "--duration", type=positive_float, default=30.0, help="seconds of live workload after the copy"
+    )
+    p.add_argument(
+        "--rate",
+        type=positive_float,
+        default=40.0,
+        help="publisher transactions per second during the workload",
     )
     p.add_argument("--keep", action="store_true", help="leave both servers running and print how to connect")
     p.add_argument("--plain", action="store_true", help="plain log lines even on a terminal")

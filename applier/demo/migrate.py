@@ -26,6 +26,7 @@ from pathlib import Path
 
 import psycopg
 
+from applier.argtypes import positive_float, positive_int
 from applier.demo.dataset import TABLES, create_schema, populate
 from applier.demo.workload import LiveWorkload
 from applier.testing import Database, PostgresCluster, find_binaries, table_digest
@@ -58,13 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="applier demo migrate", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--orders",
-        type=int,
+        type=positive_int,
         default=500_000,
         help="orders on the source before the migration, about 3.4 rows each (default 500000)",
     )
     p.add_argument(
         "--rate",
-        type=float,
+        type=positive_float,
         default=40.0,
         help="source transactions per second during the migration (default 40)",
     )
@@ -79,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", type=Path, default=None, help="where the servers' data directories go")
     p.add_argument(
         "--timeout",
-        type=float,
+        type=positive_float,
         default=600.0,
         help="give up on applier migrate start after this many seconds",
     )

@@ -17,7 +17,7 @@ import psycopg
 from applier.migrate import carry as carrying
 from applier.migrate import ownership, publications, store
 from applier.migrate import reverse as reversing
-from applier.migrate.state import MigrationError
+from applier.migrate.state import MigrationError, Phase
 
 __all__ = ["check_can_start", "refuse_diverging", "wait_for_follower"]
 
@@ -28,7 +28,7 @@ def check_can_start(
     """The migration and its subscription (id, slot), refused when a cutover cannot succeed: not following yet,
     GIDs that cannot be carried (``prepared`` is ``carry``), a new server that cannot be ``reverse``-d."""
     m = store.require(target, name)
-    if m.phase != "following":
+    if m.phase is not Phase.FOLLOWING:
         raise MigrationError(
             f'migration "{m.name}" is in phase {m.phase}: a cutover needs phase following '
             "(post-data complete, the apply loop running)"

@@ -15,13 +15,16 @@ from collections.abc import Sequence
 
 import psycopg
 
-from applier.conninfo import describe, scrub, target_conninfo
+from applier.argtypes import positive_float, positive_int
+from applier.conninfo import connection_failure, describe, failure_reason, scrub, target_conninfo
 from applier.errors import ApplierError
 from applier.signals import Interrupted, interrupt_once
 
 __all__ = ["build_parser", "main"]
 
 _SLOT_NAME = re.compile(r"^[a-z0-9_]{1,63}$")
+#: psycopg's words for a connection that could not be made (3.1: "connection is bad", 3.2: "connection failed")
+_CONNECT_FAILED = re.compile(r"^\s*connection (?:is bad|failed):")
 _TARGET_HELP = "target database (libpq conninfo or URI); default: the PG* environment, as for psql"
 
 
@@ -36,28 +39,6 @@ def _selection(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--exclude-table", action="append", metavar="PAT", help="leave out tables matching PAT (repeat)"
     )
-
-
-def _positive(text: str) -> int:
-    """A count of jobs: a whole number of at least 1 (argparse's usage error otherwise, exit 2)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is less than 1")
-    return value
-
-
-def _seconds(text: str) -> float:
-    """A timeout: a number of seconds above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} is not above 0")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,10 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     _selection(p)
     p.add_argument("--target", metavar="CONNINFO", help=_TARGET_HELP)
     p.add_argument(
-        "--table-jobs", type=_positive, default=2, metavar="N", help="tables copied at once (default 2)"
+        "--table-jobs", type=positive_int, default=2, metavar="N", help="tables copied at once (default 2)"
     )
     p.add_argument(
-        "--index-jobs", type=_positive, default=2, metavar="N", help="indexes built at once (default 2)"
+        "--index-jobs", type=positive_int, default=2, metavar="N", help="indexes built at once (default 2)"
     )
     p.add_argument("--cutover", action="store_true", help="cut over by itself once caught up, then exit")
 
@@ -94,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", metavar="NAME")
     p.add_argument("--target", metavar="CONNINFO", help=_TARGET_HELP)
     p.add_argument(
-        "--timeout", type=_seconds, default=60.0, metavar="SECONDS", help="give up after (default 60)"
+        "--timeout", type=positive_float, default=60.0, metavar="SECONDS", help="give up after (default 60)"
     )
     p.add_argument(
         "--verify", choices=("counts", "full", "none"), default="counts", help="check after (counts)"
@@ -168,14 +149,49 @@ def main(argv: Sequence[str], default_target: str | None = None) -> int:
         with interrupt_once() if args.verb in ("cutover", "abort") else contextlib.nullcontext():
             return _verb(args, target)
     except Interrupted as exc:
-        print(f"ERROR: {args.verb} interrupted by {exc.name}: see applier migrate status", file=sys.stderr)
+        done = "it backed out: the source is not fenced by it" if args.verb == "cutover" else "run it again"
+        print(
+            f"ERROR: {args.verb} interrupted by {exc.name}; {done}; see applier migrate status",
+            file=sys.stderr,
+        )
         return exc.exit_status
     except ApplierError as exc:
         print(f"ERROR: {scrub(str(exc), *secrets)}", file=sys.stderr)
         return 1
+    except psycopg.OperationalError as exc:
+        print(
+            f"ERROR: {_connection_error(exc, target, getattr(args, 'source', None), secrets)}",
+            file=sys.stderr,
+        )
+        return 1
     except psycopg.Error as exc:
         print(f"ERROR: {scrub(str(exc).strip(), *secrets)}", file=sys.stderr)
         return 1
+
+
+def _connection_error(
+    exc: psycopg.OperationalError, target: str, source: str | None, secrets: list[str]
+) -> str:
+    """A connection that failed, said as ``create`` says it: which server (the target when it cannot be reached
+    now, else the source: a migration's verbs talk to those two only), libpq's reason on one line, and what to do.
+    Any other operational error (a session lost mid-way) as the server said it."""
+    text = str(exc).strip()
+    if not _CONNECT_FAILED.match(text):
+        return scrub(text, *secrets)
+    try:
+        psycopg.connect(target, connect_timeout=5).close()
+        side, conninfo = "source", source or ""
+    except psycopg.Error:
+        side, conninfo = "target", target
+    message, _ = (
+        connection_failure(side, conninfo, exc) if conninfo else (f"cannot connect to the {side}", False)
+    )
+    if not conninfo:
+        message += f": {failure_reason(exc, *secrets)}"
+    return (
+        f"{scrub(message, *secrets)}\nHINT: check that the server runs and accepts the connection string; a "
+        "password goes in ~/.pgpass (the migration never records one)"
+    )
 
 
 def _verb(args: argparse.Namespace, target: str) -> int:

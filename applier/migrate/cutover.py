@@ -36,7 +36,7 @@ from applier.migrate import fence as fencing
 from applier.migrate import reverse as reversing
 from applier.migrate import sequences as seqs
 from applier.migrate.leftovers import drop_slot
-from applier.migrate.state import MigrationError
+from applier.migrate.state import MigrationError, Phase
 from applier.migrate.steps import SWITCH_KINDS, StepKind
 from applier.signals import Interrupted
 
@@ -224,7 +224,7 @@ class _Cutover:
                 store.mark_step_done(target, m.name, step.step)
             downtime = time.monotonic() - fenced_at
             target.execute(catalog_sql.DISABLE_SUBSCRIPTION, (subid,))
-            store.set_phase(target, m.name, "done", seconds={"cutover downtime": downtime})
+            store.set_phase(target, m.name, Phase.DONE, seconds={"cutover downtime": downtime})
         return downtime
 
     def run(self) -> int:
@@ -240,7 +240,7 @@ class _Cutover:
             try:
                 admission.wait_for_follower(target, src, m, sub[1], min(FOLLOWER_PATIENCE_S, self.left()))
                 admission.refuse_diverging(src, m)
-                store.set_phase(target, m.name, "cutover")
+                store.set_phase(target, m.name, Phase.CUTOVER)
             except BaseException:
                 src.close()
                 raise
@@ -257,7 +257,7 @@ class _Cutover:
                 self._back_out(src, m, _why(exc), progress)
                 if isinstance(exc, MigrationError):
                     after = "the source is unfenced" if progress.fenced else "nothing was fenced"
-                    raise MigrationError(f"{exc}; {after}, the migration goes on following") from None
+                    raise MigrationError(f"{exc}; {after}, {_what_now(self.opts.target, m.name)}") from None
                 raise
             return self._finish(target, src, m, sub, progress, downtime)
 
@@ -456,7 +456,8 @@ class _Cutover:
                     store.clear_fence(target, m.name)
             counting.drop_slot(fresh, counting.slot_name(m.slot))
             with contextlib.suppress(Exception):
-                store.set_phase(target, m.name, "following", error=error)
+                if store.phase_of(target, m.name) is Phase.CUTOVER:  # not after an abort meanwhile
+                    store.set_phase(target, m.name, Phase.FOLLOWING, error=error)
 
     def _drop_on_source(self, src: psycopg.Connection[Any], m: store.Migration, slot: str) -> bool:
         """The slot (once start has let go of it) and the publication: the old server keeps no WAL for us. Whether
@@ -465,6 +466,14 @@ class _Cutover:
         if m.pub_created:
             publications.drop(src, m.name, self.say)
         return gone
+
+
+def _what_now(target: str, name: str) -> str:
+    """What became of the migration after a failed cutover: following again, or aborted meanwhile."""
+    with contextlib.suppress(psycopg.Error), psycopg.connect(target, autocommit=True) as conn:
+        if store.phase_of(conn, name) is Phase.FAILED:
+            return "the migration was aborted meanwhile"
+    return "the migration goes on following"
 
 
 def _why(exc: BaseException) -> str:

@@ -9,12 +9,14 @@ resumed after the copy begins here, and the set-up's connections and snapshot ar
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import psycopg
 
 from applier.migrate import store
+from applier.migrate.state import Phase
 
 if TYPE_CHECKING:
     from applier.migrate.start import StartOptions
@@ -156,10 +158,10 @@ def outcome(target: psycopg.Connection[Any], name: str, status: int, say: Callab
     decides, then the apply loop's status."""
     m = store.load(target, name)
     phase = m.phase if m is not None else None
-    if phase == "done":
+    if phase is Phase.DONE:
         say(f'migration "{name}" done: the target has taken over')
         return 0
-    if phase == "failed":
+    if phase is Phase.FAILED:
         say(f'migration "{name}" was aborted')
         return 1
     if status == 0:
@@ -179,27 +181,55 @@ def watch(
     stop: threading.Event,
     finished: threading.Event,
     lock: psycopg.Connection[Any] | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> None:
     """Set ``stop`` when the migration is done (a cutover completed) or failed (aborted), as another shell decides;
     return when ``finished`` is set first. Runs through the set-up too: an abort during the copy stops it.
 
     ``lock``: the session that holds ``start``'s lock (:func:`applier.migrate.ownership.hold_start`); the looks
     use it, so it stays alive and is closed when the watch ends. Lost with a restart of the target, the lock is
-    taken again on the next session (a cutover meanwhile sees no ``start`` and fences nothing)."""
+    taken again on the next session (a cutover meanwhile sees no ``start`` and fences nothing). With ``say``, every
+    :data:`DEAD_CUTOVER_S` it also undoes what a cutover that died left (its fence, phase ``cutover``:
+    :func:`applier.migrate.ownership.recover`), so that a ``kill -9`` of a cutover never leaves the source read-only
+    while ``start`` follows."""
     conns: dict[str, psycopg.Connection[Any]] = {} if lock is None else {"target": lock}
+    looked = time.monotonic()
     try:
         while not finished.wait(WATCH_S):
             phase = _phase(conns, target, name, relock=lock is not None)
             if phase is None:
                 finished.wait(0.5)  # the target may be restarting: look again a little later
-            elif phase in ("done", "failed"):
+            elif phase.ended:
                 stop.set()
                 return
+            elif say is not None and time.monotonic() - looked >= DEAD_CUTOVER_S:
+                looked = time.monotonic()
+                _undo_dead_cutover(conns, name, say)
     finally:
         _close_all(conns)
 
 
-def _phase(conns: dict[str, psycopg.Connection[Any]], target: str, name: str, *, relock: bool) -> str | None:
+#: How often a following ``start`` looks for what a dead cutover left (one read of the migration's row).
+DEAD_CUTOVER_S = 1.0
+
+
+def _undo_dead_cutover(
+    conns: dict[str, psycopg.Connection[Any]], name: str, say: Callable[[str], None]
+) -> None:
+    """A cutover that died (no cutover holds its lock) yet left phase ``cutover`` or its fence: undone."""
+    from applier.migrate import ownership
+
+    try:
+        m = store.load(conns["target"], name)
+        if m is not None and not m.phase.ended and (m.phase is Phase.CUTOVER or m.fenced_at is not None):
+            ownership.recover(conns["target"], m, say)
+    except Exception as exc:  # noqa: BLE001 - looked at again in a second; said so the user knows
+        say(f"WARNING: could not undo what an interrupted cutover left: {exc}")
+
+
+def _phase(
+    conns: dict[str, psycopg.Connection[Any]], target: str, name: str, *, relock: bool
+) -> Phase | None:
     """The migration's phase, read through the kept connection (opened again when missing or lost, and then given
     ``start``'s lock again when ``relock``); None when the target cannot be read now."""
     from applier.migrate import ownership

@@ -27,7 +27,7 @@ import psycopg
 
 from applier.migrate import fence as fencing
 from applier.migrate import store
-from applier.migrate.state import MigrationError
+from applier.migrate.state import MigrationError, Phase
 
 __all__ = [
     "CUTOVER_NAMESPACE",
@@ -153,16 +153,16 @@ def recover(
     phase ``cutover`` or its fence is up (not ``done``: the old server stays fenced then, on purpose). Lift the
     fence, put the migration back to ``following`` with the reason, and return it as it is now. Called by
     ``cutover``, ``start`` and ``abort`` before anything else they do."""
-    if m.phase == "done" or cutover_running(target, m.name):
+    if m.phase is Phase.DONE or cutover_running(target, m.name):
         return m
-    if m.fenced_at is None and m.phase != "cutover":
+    if m.fenced_at is None and m.phase is not Phase.CUTOVER:
         return m
     say(f'a cutover of migration "{m.name}" was interrupted: undoing what it left')
     lift_fence(target, m, say)
     with contextlib.suppress(MigrationError):
-        if m.phase == "cutover":
+        if m.phase is Phase.CUTOVER:
             store.set_phase(
-                target, m.name, "following", error="a cutover was interrupted; the source was unfenced"
+                target, m.name, Phase.FOLLOWING, error="a cutover was interrupted; the source was unfenced"
             )
     again = store.load(target, m.name)
     assert again is not None

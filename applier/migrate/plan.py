@@ -165,6 +165,7 @@ class SourceFacts:
         default_factory=dict
     )  # role -> owner, grant, policy, statistics, ...
     privileges: SourcePrivileges = field(default_factory=SourcePrivileges)
+    read_only: bool = False  # the database makes new sessions read-only (a fence, or its owner's setting)
 
     @property
     def major(self) -> int:
@@ -269,6 +270,15 @@ def _blockers(
     if s.wal_level != "logical":
         out.append(Finding("wal_level", f'wal_level on the source is "{s.wal_level}"; a migration needs "logical"',
                            "ALTER SYSTEM SET wal_level = logical; then restart the source"))  # fmt: skip
+    if s.read_only:
+        out.append(Finding("read_only", "the source database makes every new session read-only "
+                           "(default_transaction_read_only = on: a migration's fence, or set on purpose): start "
+                           "could not create its publication, and the applications cannot write either",
+                           "if it is not on purpose (a finished migration's source stays read-only): ALTER DATABASE "
+                           "... RESET default_transaction_read_only"))  # fmt: skip
+    if not s.tables:
+        out.append(Finding("no_tables", "the selection covers no table on the source",
+                           "check --schema, --table and --exclude-table against the source's tables"))  # fmt: skip
     free_slots = s.max_replication_slots - s.slots_used
     if free_slots < SLOTS_NEEDED:
         out.append(Finding("replication_slots", f"the source has {free_slots} free replication slot(s) "
@@ -424,8 +434,6 @@ def _privilege_warnings(s: SourceFacts, t: TargetFacts, selection: Selection) ->
 
 def _warnings(s: SourceFacts, t: TargetFacts, selection: Selection) -> list[Finding]:
     out: list[Finding] = []
-    if not s.tables:
-        out.append(Finding("no_tables", "the selection covers no table"))
     for tf in s.tables:
         if tf.persistence == "u":
             out.append(Finding("unlogged", f"table {tf.qualified} is unlogged: it cannot be published, so it is "
@@ -459,14 +467,15 @@ def _warnings(s: SourceFacts, t: TargetFacts, selection: Selection) -> list[Find
     return out
 
 
-def insert_only_ways_out(table: str) -> str:
+def insert_only_ways_out(table: str, *, started: bool = False) -> str:
     """The three ways out for a table without a key or usable replica identity, as a hint: each makes all of its
     changes migrate (the first two) or leaves it to the user (the third). Shared by plan's findings and the
-    cutover's refusal, so that both name the same fixes."""
+    cutover's refusal, so that both name the same fixes; ``started``: the migration exists already (the cutover),
+    so the fix takes an ``abort`` and a new ``start``."""
+    again = ", then applier migrate abort and start again" if started else ""
     return (
-        f"on the source ALTER TABLE {table} REPLICA IDENTITY FULL (or USING INDEX a unique index), then applier "
-        f"migrate abort and start again; or add a primary key to {table} (then abort and start again); or leave it "
-        f"out with --exclude-table {table} and move it yourself"
+        f"on the source ALTER TABLE {table} REPLICA IDENTITY FULL (or USING INDEX a unique index) or add a primary "
+        f"key to {table}{again}; or leave it out with --exclude-table {table} and move it yourself"
     )
 
 

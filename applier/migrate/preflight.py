@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
+from applier.conninfo import describe, has_password, without_password
 from applier.migrate import fence as fencing
 from applier.migrate import publications, store
 from applier.migrate.leftovers import drop_slot
@@ -26,7 +27,7 @@ from applier.migrate.tools import find_dump_tools
 if TYPE_CHECKING:
     from applier.migrate.start import StartOptions
 
-__all__ = ["START_FAILED", "check", "undo"]
+__all__ = ["START_FAILED", "check", "check_source_password", "undo"]
 
 #: How a failed start's error begins in the migration's record: the next start clears it (and no other error).
 START_FAILED = "start failed: "
@@ -43,10 +44,34 @@ def check(opts: StartOptions) -> None:
     tools, found = find_dump_tools(source.major)
     result = planning.assess(source, target, opts.selection, tools, found)
     if result.blockers:
-        each = "; ".join(b.message + (f" (fix: {b.hint})" if b.hint else "") for b in result.blockers)
-        raise MigrationError(
-            f"{len(result.blockers)} blocker(s), nothing was created: {each}; see applier migrate plan"
+        each = "".join(
+            f"\n  - {b.message}" + (f"\n    HINT: {b.hint}" if b.hint else "") for b in result.blockers
         )
+        raise MigrationError(
+            f"{len(result.blockers)} blocker(s), nothing was created (applier migrate plan shows them too):{each}"
+        )
+
+
+#: libpq's words when the server wants a password the connection string does not give
+_NO_PASSWORD = ("no password supplied", "password authentication failed")
+
+
+def check_source_password(source: str) -> None:
+    """A password given in ``--source`` is used by ``start``'s own sessions, but never kept: the migration's record
+    and its subscription (which the copy and the apply read) hold the connection string without it, as every
+    catalog of ours does (docs/security.md). When the source refuses that string, the copy would fail after the
+    slot is made; refused here instead, before anything is created, with the ways to give the password."""
+    if not has_password(source):
+        return
+    try:
+        psycopg.connect(without_password(source, "source"), connect_timeout=10).close()
+    except psycopg.OperationalError as exc:
+        if any(words in str(exc) for words in _NO_PASSWORD):
+            raise MigrationError(
+                f"the source ({describe(source)}) asks for a password, and the one in --source is never kept: the "
+                "copy and the apply connect with the connection string the migration records, without it; put "
+                "the password in ~/.pgpass (or the file PGPASSFILE names), then start again; nothing was created"
+            ) from None
 
 
 def undo(

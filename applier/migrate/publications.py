@@ -38,7 +38,7 @@ from psycopg import sql
 from applier.humanize import human_bytes
 from applier.migrate import store
 from applier.migrate.plan import RECOPY_MAX_BYTES, insert_only_ways_out
-from applier.migrate.state import MigrationError
+from applier.migrate.state import MigrationError, Phase
 from applier.migrate.survey import IDENTITY_USABLE
 
 __all__ = [
@@ -203,7 +203,7 @@ def create(
     main, ins = names(m.name)
     found = existing(src, m.name)
     _check_ours(m, found)
-    if found and m.phase not in ("schema", "copy"):
+    if found and m.phase not in (Phase.SCHEMA, Phase.COPY):
         return None
     split = _split(src, tables)
     store.mark_publication_created(target, m.name)
@@ -304,7 +304,7 @@ def refuse_before_fence(tables: Sequence[Diverging], limit_bytes: int = RECOPY_M
     large = [d for d in tables if d.bytes > limit_bytes]
     if not large:
         return None
-    ways = "; ".join(f"for {d.table}: {insert_only_ways_out(d.table)}" for d in large)
+    ways = "; ".join(f"for {d.table}: {insert_only_ways_out(d.table, started=True)}" for d in large)
     return (
         f"{len(large)} table(s) without a primary key or usable replica identity received UPDATE/DELETE on the "
         "source during the migration, which are not migrated (they are published for INSERT and TRUNCATE only), and "

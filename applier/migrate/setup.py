@@ -37,7 +37,7 @@ from applier.migrate import (
 from applier.migrate import publications as pubs
 from applier.migrate.follow import outcome
 from applier.migrate.selection import SourceTables
-from applier.migrate.state import MigrationError
+from applier.migrate.state import MigrationError, Phase
 from applier.migrate.steps import Step
 from applier.migrate.survey import source_tables
 from applier.migrate.tools import find_dump_tools
@@ -134,7 +134,7 @@ class SetUp:
         assert m is not None
         return m
 
-    def phase(self, phase: str, **seconds: float) -> None:
+    def phase(self, phase: Phase, **seconds: float) -> None:
         store.set_phase(self.target, self.opts.name, phase, seconds=seconds)
         self.say(f"phase {phase}")
 
@@ -433,23 +433,24 @@ class SetUp:
     def run(self) -> store.Migration | int:
         """Every set-up step the migration's phase has not passed; the migration to follow, or start's exit status
         when it ends here (done already, or stopped during the copy)."""
+        preflight.check_source_password(self.opts.source)
         with psycopg.connect(self.opts.source, autocommit=True) as src:
             tables = source_tables(src, self.opts.selection)
         if not tables.tables:
             raise MigrationError("the selection covers no table on the source (see applier migrate plan)")
         known = store.load(self.target, self.opts.name)
-        if known is None or (known.phase == "schema" and known.snapshot_lsn is None):
+        if known is None or (known.phase is Phase.SCHEMA and known.snapshot_lsn is None):
             preflight.check(self.opts)
         m = self.register(tables)
-        if m.phase == "done":
+        if m.phase is Phase.DONE:
             self.say(f'migration "{m.name}" is done')
             return 0
-        if m.phase == "failed":
+        if m.phase is Phase.FAILED:
             raise MigrationError(f'migration "{m.name}" failed: {m.error}; abort it (applier migrate abort)')
         m = ownership.recover(self.target, m, self.say)
         if (m.error or "").startswith(preflight.START_FAILED):
             store.record_error(self.target, m.name, None)
-        if m.phase == "schema":
+        if m.phase is Phase.SCHEMA:
             try:
                 m = self.schema(m, tables)
             except BaseException as exc:
@@ -457,11 +458,11 @@ class SetUp:
                 raise
         else:
             self.publication(m, tables)
-        if m.phase == "copy":
+        if m.phase is Phase.COPY:
             if not self.copy_and_post_data(m):
                 return outcome(self.target, self.opts.name, 0, self.say)
             two_phase_from_the_start(self.opts.target, m.subname, self.say)
-            self.phase("following", **{k: v for k, v in self.times.items() if k != "schema"})
+            self.phase(Phase.FOLLOWING, **{k: v for k, v in self.times.items() if k != "schema"})
         return m
 
     def schema(self, m: store.Migration, tables: SourceTables) -> store.Migration:
@@ -483,7 +484,7 @@ class SetUp:
             )
         ]
         self.subscription(m, quoted)
-        self.phase("copy", schema=time.monotonic() - started)
+        self.phase(Phase.COPY, schema=time.monotonic() - started)
         return self.migration()
 
     def undo(self, m: store.Migration, exc: BaseException) -> None:

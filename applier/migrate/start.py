@@ -73,7 +73,10 @@ def start(opts: StartOptions, say: Callable[[str], None]) -> int:
     previous = {s: signal.signal(s, set_once(stop, on_signal)) for s in STOP_SIGNALS}
     finished = threading.Event()
     watcher = threading.Thread(
-        target=watch, args=(opts.target, opts.name, stop, finished, lock), name="migration-watch", daemon=True
+        target=watch,
+        args=(opts.target, opts.name, stop, finished, lock, say),
+        name="migration-watch",
+        daemon=True,
     )
     watcher.start()
     try:
@@ -97,7 +100,7 @@ def _record(opts: StartOptions, exc: BaseException) -> None:
     target may be what failed). The set-up's own failures say it themselves (:meth:`SetUp.undo`)."""
     with contextlib.suppress(Exception), psycopg.connect(opts.target, autocommit=True) as target:
         m = store.load(target, opts.name)
-        if m is None or m.phase in ("done", "failed") or (m.error or "").startswith(START_FAILED):
+        if m is None or m.phase.ended or (m.error or "").startswith(START_FAILED):
             return
         where = (
             f"; the slot {m.slot} keeps WAL on the source until start resumes (abort removes it)"

@@ -19,7 +19,9 @@ from applier.catalog.store import origin_name
 from applier.lsn import parse_lsn
 from applier.migrate import carry as carrying
 from applier.migrate import ownership, publications, store
+from applier.migrate.state import Phase
 from applier.migrate.steps import CUTOVER_KINDS, SWITCH_KINDS
+from applier.migrate.survey import database_read_only
 
 __all__ = ["SAMPLE_OVER_BYTES", "SAMPLE_SECONDS", "dumps", "format_status", "ready_for_cutover", "status"]
 
@@ -37,7 +39,7 @@ def status(target_conninfo: str, name: str) -> dict[str, Any]:
         sub = store.subscription_of(target, m)
         origin = _applied(target, sub[0]) if sub is not None else None
         carried = carrying.prepared_on_target(target, sub[0]) if sub is not None else []
-        deferred = store.steps_to_run(target, name, SWITCH_KINDS) if m.phase == "done" else []
+        deferred = store.steps_to_run(target, name, SWITCH_KINDS) if m.phase is Phase.DONE else []
         pending = [s for step in deferred for s in step.statements]
         holder = ownership.start_holder(target, name)
         cutting = ownership.cutover_running(target, name)
@@ -84,8 +86,8 @@ def _add_source(
     cutover would cost now. A source that cannot be reached is ``source_error``, the rest staying unknown."""
     try:
         with psycopg.connect(m.source, autocommit=True, connect_timeout=5) as src:
-            doc["fence"]["source_read_only"] = _read_only(src)
-            if sub is None or m.phase in ("done", "schema"):
+            doc["fence"]["source_read_only"] = database_read_only(src)
+            if sub is None or m.phase in (Phase.DONE, Phase.SCHEMA):
                 return
             doc["diverging"] = publications.report(src, m)
             doc["lag_bytes"], seconds = _source_lag(src, sub[1], origin_lsn)
@@ -99,17 +101,6 @@ def _add_source(
     if doc["start"]["running"]:
         doc["cutover_estimate"] = _cutover_estimate(target_conninfo, m, origin_name(sub[0]), doc)
         doc["cutover_estimate_seconds"] = (doc["cutover_estimate"] or {}).get("total")
-
-
-def _read_only(src: psycopg.Connection[Any]) -> bool:
-    """Whether the source's database makes new sessions read-only (a fence's ``ALTER DATABASE`` setting, ours or
-    anyone's)."""
-    row = src.execute(
-        "SELECT coalesce(bool_or(c = 'default_transaction_read_only=on'), false) FROM pg_db_role_setting s,"
-        " unnest(s.setconfig) c WHERE s.setrole = 0"
-        " AND s.setdatabase = (SELECT oid FROM pg_database WHERE datname = current_database())"
-    ).fetchone()
-    return bool(row and row[0])
 
 
 def _applied(target: psycopg.Connection[Any], subid: int) -> str | None:
@@ -148,7 +139,7 @@ def ready_for_cutover(
     caller's connection, kept open between looks) only once the target is ready: :func:`status` opens a new
     source connection and samples the apply rate for its estimate, which a look every second does not need."""
     m = store.load(target, name)
-    if m is None or m.phase != "following":
+    if m is None or m.phase is not Phase.FOLLOWING:
         return None
     states = [r[1] for r in target.execute(catalog_sql.SUBSCRIPTION_TABLE_PROGRESS, (m.subname,))]
     sub = store.subscription_of(target, m)
@@ -234,7 +225,7 @@ def _start_line(doc: dict[str, Any]) -> str:
     if doc["start"]["running"]:
         cutting = "; a cutover is running" if doc["cutover_running"] else ""
         return f"start: running ({doc['start']['holder']}){cutting}"
-    if doc["phase"] in ("done", "failed"):
+    if Phase(doc["phase"]).ended:
         return "start: not running"
     return "start: not running; a cutover needs it (applier migrate start again resumes where it stopped)"
 
@@ -245,7 +236,10 @@ def _fence_line(doc: dict[str, Any]) -> str:
     read_only = fence["source_read_only"]
     if fence["fenced_at"] is not None:
         state = {True: "read-only", False: "writable (the fence is not up)", None: "not reachable"}[read_only]
-        return f"source: fenced by this migration since {fence['fenced_at']}: {state}"
+        line = f"source: fenced by this migration since {fence['fenced_at']}: {state}"
+        if doc["phase"] != Phase.DONE and not doc["cutover_running"]:
+            line += " (no cutover runs: a following start lifts it within seconds; so do cutover and abort)"
+        return line
     if read_only is None:
         return "source: ?"
     return "source: read-only, not by this migration" if read_only else "source: writable"

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import psycopg
 
 from applier.catalog import sql as catalog_sql
 from applier.lsn import format_lsn
-from applier.migrate.state import MigrationError, advance
+from applier.migrate.state import MigrationError, Phase, advance
 from applier.migrate.steps import Step
 
 __all__ = [
@@ -61,7 +61,7 @@ class Migration:
     selection: dict[str, list[str]]
     publication: str
     slot: str
-    phase: str
+    phase: Phase
     pub_created: bool
     slot_created: bool
     snapshot_lsn: str | None
@@ -90,7 +90,10 @@ def load(conn: psycopg.Connection[Any], name: str) -> Migration | None:
         " to_jsonb(m) ->> 'fenced_at' FROM applier.migration m WHERE name = %s",
         (name,),
     ).fetchone()
-    return None if row is None else Migration(*row)
+    if row is None:
+        return None
+    m = Migration(*row)
+    return replace(m, phase=Phase(m.phase))
 
 
 def require(conn: psycopg.Connection[Any], name: str) -> Migration:
@@ -119,10 +122,10 @@ def upgrade(target: str) -> None:
         catalog.engine.dispose()
 
 
-def phase_of(conn: psycopg.Connection[Any], name: str) -> str | None:
+def phase_of(conn: psycopg.Connection[Any], name: str) -> Phase | None:
     """Only the phase: what ``start`` polls to see another shell's cutover or abort, cheaply."""
     row = conn.execute("SELECT phase FROM applier.migration WHERE name = %s", (name,)).fetchone()
-    return None if row is None else str(row[0])
+    return None if row is None else Phase(row[0])
 
 
 def register(conn: psycopg.Connection[Any], name: str, source: str, selection: dict[str, list[str]]) -> None:
@@ -138,7 +141,7 @@ def register(conn: psycopg.Connection[Any], name: str, source: str, selection: d
 def set_phase(
     conn: psycopg.Connection[Any],
     name: str,
-    phase: str,
+    phase: Phase,
     *,
     seconds: dict[str, float] | None = None,
     error: str | None = None,

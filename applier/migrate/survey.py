@@ -165,6 +165,17 @@ def _setting(conn: psycopg.Connection[Any], name: str) -> str:
     return str(conn.execute("SELECT current_setting(%s)", (name,)).fetchone()[0])  # type: ignore[index]
 
 
+def database_read_only(conn: psycopg.Connection[Any]) -> bool:
+    """Whether the connected database makes new sessions read-only (``ALTER DATABASE ... SET
+    default_transaction_read_only = on``: a migration's fence, ours or anyone's, or its owner's choice)."""
+    row = conn.execute(
+        "SELECT coalesce(bool_or(c = 'default_transaction_read_only=on'), false) FROM pg_db_role_setting s,"
+        " unnest(s.setconfig) c WHERE s.setrole = 0"
+        " AND s.setdatabase = (SELECT oid FROM pg_database WHERE datname = current_database())"
+    ).fetchone()
+    return bool(row and row[0])
+
+
 def gather_source(conninfo: str, selection: Selection) -> SourceFacts:
     """Everything the plan needs from the source, read in one read-only transaction."""
     with _read_only(conninfo, "source") as conn:
@@ -212,6 +223,7 @@ def gather_source(conninfo: str, selection: Selection) -> SourceFacts:
             event_triggers=_event_triggers(conn),
             role_uses={r: sorted(u) for r, u in uses.items()},
             privileges=_source_privileges(conn, selection, covered),
+            read_only=database_read_only(conn),
         )
         conn.rollback()
     return facts

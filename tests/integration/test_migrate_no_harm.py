@@ -7,6 +7,7 @@ The random kills and signals of every verb are in test_migrate_chaos.py."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -14,11 +15,10 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from test_migrate_cutover import SCHEMA, migrate
-from test_migrate_start import exit_status, following, phase, procs, start, wait_phase  # noqa: F401 - procs is a fixture
 
 from applier.testing import Database, wait_until
 from tests.support.cli import APPLIER
+from tests.support.migrate import SCHEMA, exit_status, following, migrate, phase, start, wait_phase
 
 pytestmark = [
     pytest.mark.core,
@@ -56,7 +56,7 @@ def status(target: Database, name: str = "mig") -> dict:  # type: ignore[type-ar
     return json.loads(out.stdout)  # type: ignore[no-any-return]
 
 
-def test_a_cutover_needs_a_live_start_and_start_holds_its_migration(pair, procs, tmp_path) -> None:  # noqa: F811
+def test_a_cutover_needs_a_live_start_and_start_holds_its_migration(pair, procs, tmp_path) -> None:
     """Before: a cutover with no ``start`` fenced production for its whole timeout; two starts raced; SIGHUP
     killed start without its clean stop; status showed a cutover estimate for a migration nobody followed."""
     proc, log = following(pair, procs, tmp_path, SCHEMA)
@@ -81,7 +81,7 @@ def test_a_cutover_needs_a_live_start_and_start_holds_its_migration(pair, procs,
     assert pair.target.scalar("SELECT fenced_at FROM applier.migration WHERE name = 'mig'") is None
 
 
-def test_sigterm_of_a_cutover_under_its_fence_unfences_and_exits_143(pair, procs, tmp_path) -> None:  # noqa: F811
+def test_sigterm_of_a_cutover_under_its_fence_unfences_and_exits_143(pair, procs, tmp_path) -> None:
     """Before: a SIGTERM (systemd, Kubernetes, ``timeout``) of a fenced cutover left the source read-only."""
     proc, log = following(pair, procs, tmp_path, SCHEMA)
     with psycopg.connect(pair.publisher.dsn, autocommit=True) as tm:  # the fence ends this session
@@ -113,7 +113,7 @@ def test_sigterm_of_a_cutover_under_its_fence_unfences_and_exits_143(pair, procs
     assert exit_status(proc, log) == 0, log.read_text()
 
 
-def test_abort_lifts_only_its_own_fence_and_finishes_into_a_closed_pipe(pair, procs, tmp_path) -> None:  # noqa: F811
+def test_abort_lifts_only_its_own_fence_and_finishes_into_a_closed_pipe(pair, procs, tmp_path) -> None:
     """Before: ``abort`` unfenced whatever fenced the source (a newer migration's cutover, its owner), and a
     closed output pipe (``| head -1``) stopped it half way with a traceback."""
     proc, log = following(pair, procs, tmp_path, SCHEMA)
@@ -151,7 +151,7 @@ def test_start_refuses_what_plan_blocks_before_creating_anything(pair, tmp_path)
     assert phase(pair.target, "mig") is None
 
 
-def test_a_start_that_fails_after_its_first_change_takes_it_back(pair, procs, tmp_path) -> None:  # noqa: F811
+def test_a_start_that_fails_after_its_first_change_takes_it_back(pair, procs, tmp_path) -> None:
     """A failure ``plan`` cannot foresee (the target has a type of the source's name: the pre-data fails): the slot
     and publication are dropped again, ``status`` shows the error and what to do, and a start after the fix goes
     on to follow."""
@@ -181,3 +181,85 @@ def test_job_counts_below_one_are_usage_errors(option: str, tmp_path: Path) -> N
     out = subprocess.run([*APPLIER, "migrate", "start", "m", "--source", "dbname=x", "--target", "dbname=y",
                           option, "-1"], capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 2 and "-1 is less than 1" in out.stderr, out
+
+
+def test_a_following_start_lifts_the_fence_of_a_killed_cutover(pair, procs, tmp_path) -> None:  # noqa: F811
+    """Before: ``kill -9`` of a fenced cutover left the source read-only while ``start`` went on following, and a
+    second ``start`` was refused; now the running ``start`` undoes it within seconds."""
+    proc, log = following(pair, procs, tmp_path, SCHEMA)
+    with psycopg.connect(pair.publisher.dsn, autocommit=True) as tm:
+        tm.execute("BEGIN")
+        tm.execute("INSERT INTO acc (v) VALUES (-3)")
+        tm.execute("PREPARE TRANSACTION 'held_too'")
+    cut = subprocess.Popen([*APPLIER, "migrate", "cutover", "mig", "--prepared", "wait", "--timeout", "300",
+                            "--target", pair.target.dsn], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        wait_until(lambda: cut.poll() is not None or read_only(pair.publisher), timeout=90, what="the fence")
+        assert cut.poll() is None
+        cut.kill()
+        cut.wait()
+        killed = time.monotonic()
+        wait_until(
+            lambda: not read_only(pair.publisher), timeout=30, what="start to lift the dead cutover's fence"
+        )
+        assert time.monotonic() - killed < 15
+    finally:
+        if cut.poll() is None:
+            cut.kill()
+    assert writable(pair.publisher) and phase(pair.target, "mig") == "following"
+    assert status(pair.target)["fence"]["fenced_at"] is None
+    assert 'a cutover of migration "mig" was interrupted' in log.read_text(), log.read_text()
+    pair.publisher.execute("COMMIT PREPARED 'held_too'")
+    out = migrate(pair.target, "cutover", "mig")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert exit_status(proc, log) == 0, log.read_text()
+
+
+def test_abort_rolls_back_the_migrations_prepared_transactions_on_the_target(pair, procs, tmp_path) -> None:  # noqa: F811
+    """Before: an abort left the copies of the source's undecided prepared transactions prepared on the target,
+    holding their locks and the xmin horizon there for good."""
+    proc, log = following(pair, procs, tmp_path, SCHEMA)
+    with psycopg.connect(pair.publisher.dsn, autocommit=True) as tm:
+        tm.execute("BEGIN")
+        tm.execute("INSERT INTO acc (v) VALUES (-4)")
+        tm.execute("PREPARE TRANSACTION 'open_at_abort'")
+    on_target = "SELECT count(*) FROM pg_prepared_xacts WHERE database = current_database()"
+    wait_until(
+        lambda: pair.target.scalar(on_target) == 1, timeout=60, what="the prepared transaction applied"
+    )
+    out = migrate(pair.target, "abort", "mig")
+    assert out.returncode == 0, out
+    assert "rolled back on the target" in out.stdout, out.stdout
+    assert pair.target.scalar(on_target) == 0
+    assert pair.publisher.scalar("SELECT count(*) FROM pg_prepared_xacts WHERE gid = 'open_at_abort'") == 1
+    pair.publisher.execute("ROLLBACK PREPARED 'open_at_abort'")
+    assert exit_status(proc, log) == 1, log.read_text()
+
+
+def test_a_password_start_could_not_keep_is_refused_before_anything(pair, tmp_path) -> None:
+    """Before: a password in --source served start's own sessions, then the copy (which reads the recorded,
+    password-free connection string) failed after the slot was made, leaving it to hold WAL on the source."""
+    pub = pair.publisher
+    pub.execute(SCHEMA)
+    pub.execute("DROP ROLE IF EXISTS pw_owner")  # a role is the cluster's: an earlier run's may be there
+    pub.execute("CREATE ROLE pw_owner LOGIN SUPERUSER REPLICATION PASSWORD 'sekret-9'")
+    hba = Path(pub.cluster.datadir) / "pg_hba.conf"  # type: ignore[arg-type]
+    before = hba.read_text()
+    hba.write_text("host all pw_owner 127.0.0.1/32 scram-sha-256\nhost replication pw_owner 127.0.0.1/32 "
+                   "scram-sha-256\n" + before)  # fmt: skip
+    pub.execute("SELECT pg_reload_conf()")
+    try:
+        port = pub.scalar("SHOW port")
+        source = f"host=127.0.0.1 port={port} dbname={pub.name} user=pw_owner password=sekret-9"
+        env = {k: v for k, v in os.environ.items() if k not in ("PGPASSWORD", "PGPASSFILE")}
+        env["PGPASSFILE"] = str(tmp_path / "none")
+        out = subprocess.run([*APPLIER, "migrate", "start", "mig", "--source", source, "--target", pair.target.dsn],
+                             capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    finally:
+        hba.write_text(before)
+        pub.execute("SELECT pg_reload_conf()")
+    assert out.returncode == 1, out
+    assert "asks for a password" in out.stderr and "~/.pgpass" in out.stderr, out.stderr
+    assert "sekret-9" not in out.stderr + out.stdout
+    assert ours_on_source(pub) == {"slots": [], "publications": []}
+    assert phase(pair.target, "mig") is None

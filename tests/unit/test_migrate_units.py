@@ -14,7 +14,6 @@ from applier.migrate.plan import (
     PUBLIC_DEFAULT_OWNER,
     SourceFacts,
     SourcePrivileges,
-    TableFacts,
     TargetFacts,
     TargetPrivileges,
     assess,
@@ -22,35 +21,10 @@ from applier.migrate.plan import (
 from applier.migrate.postdata import LeftOut, Step, ready, step_costs, table_weights
 from applier.migrate.schema import TargetRoles, edit_script, pattern, without_unrestorable
 from applier.migrate.selection import Selection, select_tables
-from applier.migrate.state import PHASES, MigrationError, advance
+from applier.migrate.state import PHASES, TRANSITIONS, MigrationError, Phase, advance
 from applier.migrate.steps import CUTOVER_KINDS, StepKind, step_name
 from applier.migrate.tools import DumpTools, choose
-
-PG18 = DumpTools(Path("/pg18/bin"), 18)
-
-
-def table(name: str = "t", **kw: object) -> TableFacts:
-    base = dict(schema="public", name=name, kind="r", persistence="p", heap_bytes=80_000_000, total_bytes=100_000_000,
-                index_bytes=20_000_000, rows_estimate=1000, has_pk=True, replica_identity="d", identity_usable=True,
-                updates_deletes=5, indexes=1, owner="postgres")  # fmt: skip
-    base.update(kw)
-    return TableFacts(**base)  # type: ignore[arg-type]
-
-
-def source(**kw: object) -> SourceFacts:
-    base = dict(version_num=180001, wal_level="logical", max_replication_slots=10, slots_used=1, max_wal_senders=10,
-                wal_senders_used=1, schemas=["public"], tables=[table()], indexes=[], constraints={}, sequences=[],
-                large_objects=0, extensions={"plpgsql": "1.0"}, publications=[], materialized_views=[],
-                roles=["postgres"])  # fmt: skip
-    base.update(kw)
-    return SourceFacts(**base)  # type: ignore[arg-type]
-
-
-def target(**kw: object) -> TargetFacts:
-    base = dict(version_num=180001, max_prepared_transactions=10, available_extensions={"plpgsql": ["1.0"]},
-                roles=["postgres"], existing_tables=[], free_bytes=None)  # fmt: skip
-    base.update(kw)
-    return TargetFacts(**base)  # type: ignore[arg-type]
+from tests.support.plan_facts import PG18, source, table, target
 
 
 def codes(findings: list) -> list[str]:
@@ -83,6 +57,8 @@ def test_each_blocker_alone() -> None:
     assert blockers(t=target(free_bytes=99_999_999)) == ["disk"]
     assert blockers(t=target(free_bytes=100_000_000)) == []
     assert blockers(tools=None) == ["pg_dump"]
+    assert blockers(source(read_only=True)) == ["read_only"]  # a fenced source: start could create nothing
+    assert blockers(source(tables=[])) == ["no_tables"]  # start refuses an empty selection: so does plan
     assert (
         blockers(source(tables=[table(kind="p")])) == []
     )  # partitioned tables migrate (their leaves as tables)
@@ -468,8 +444,26 @@ def test_phases_move_forward_and_a_failed_cutover_goes_back_to_following() -> No
         with pytest.raises(MigrationError):
             advance(*bad)
     for p in PHASES:
-        if p != "done":
+        if p is not Phase.DONE:
             assert advance(p, "failed") == "failed"
+
+
+@given(st.lists(st.sampled_from([*PHASES, "nonsense"]), max_size=30))
+def test_any_walk_of_the_phases_obeys_the_transition_table(moves: list[str]) -> None:
+    """Whatever order the verbs (start, cutover, abort, a crash and a resume) try moves in: a move is allowed exactly
+    when the table says so, an allowed one lands on the phase asked, a refused one changes nothing, and nothing
+    leaves ``done``."""
+    here = Phase.SCHEMA
+    for new in moves:
+        allowed = new in PHASES and Phase(new) in TRANSITIONS[here]
+        if allowed:
+            here = advance(here, new)
+            assert here == new and isinstance(here, Phase)
+        else:
+            with pytest.raises(MigrationError):
+                advance(here, new)
+        if here is Phase.DONE:
+            assert TRANSITIONS[here] == {Phase.DONE}
 
 
 # --- the pg_dump script ---------------------------------------------------------------------------------------
