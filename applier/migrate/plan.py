@@ -263,9 +263,8 @@ class Plan:
 # --- the pure rules ---------------------------------------------------------------------------------------------
 
 
-def _blockers(
-    s: SourceFacts, t: TargetFacts, tools: DumpTools | None, found: Sequence[DumpTools]
-) -> list[Finding]:
+def _server_blockers(s: SourceFacts, t: TargetFacts) -> list[Finding]:
+    """The servers' settings and state: what no selection changes."""
     out: list[Finding] = []
     if s.wal_level != "logical":
         out.append(Finding("wal_level", f'wal_level on the source is "{s.wal_level}"; a migration needs "logical"',
@@ -276,9 +275,6 @@ def _blockers(
                            "could not create its publication, and the applications cannot write either",
                            "if it is not on purpose (a finished migration's source stays read-only): ALTER DATABASE "
                            "... RESET default_transaction_read_only"))  # fmt: skip
-    if not s.tables:
-        out.append(Finding("no_tables", "the selection covers no table on the source",
-                           "check --schema, --table and --exclude-table against the source's tables"))  # fmt: skip
     free_slots = s.max_replication_slots - s.slots_used
     if free_slots < SLOTS_NEEDED:
         out.append(Finding("replication_slots", f"the source has {free_slots} free replication slot(s) "
@@ -295,6 +291,16 @@ def _blockers(
                            "applies the source's prepared transactions as prepared transactions",
                            "ALTER SYSTEM SET max_prepared_transactions = 100 (at least the source's); then restart "
                            "the target"))  # fmt: skip
+    return out
+
+
+def _blockers(
+    s: SourceFacts, t: TargetFacts, tools: DumpTools | None, found: Sequence[DumpTools]
+) -> list[Finding]:
+    out = _server_blockers(s, t)
+    if not s.tables:
+        out.append(Finding("no_tables", "the selection covers no table on the source",
+                           "check --schema, --table and --exclude-table against the source's tables"))  # fmt: skip
     for tf in s.tables:
         if tf.kind == "r" and not tf.identity_usable and tf.updates_deletes > 0:
             out.append(Finding("no_identity", f"table {tf.qualified} has no primary key or usable replica identity "

@@ -12,14 +12,9 @@ import pytest
 from psycopg import sql
 
 from applier.testing import assert_tables_equal, wait_until
-from tests.support import migrate as support
 from tests.support.migrate import phase, schema_dump, start, stop, wait_phase
 
 pytestmark = pytest.mark.core
-
-# test_migrate_chaos.py, being written in parallel, still imports these three from here (procs is a fixture, which
-# tests/integration/conftest.py offers to every other module): remove them once its imports move to tests.support
-exit_status, following, procs = support.exit_status, support.following, support.procs
 
 SCHEMA = """
 CREATE SCHEMA app;

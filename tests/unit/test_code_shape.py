@@ -170,11 +170,7 @@ def test_no_migration_phase_is_a_bare_string():
 TESTS = ROOT / "tests"
 #: files under tests/ let off the rule that no test module imports another ("path": the reason); remove one once
 #: its imports come from tests/support
-EXEMPT_TEST_IMPORTS: dict[str, str] = {
-    # being written in parallel; move its imports next (to tests.support.migrate; test_migrate_start.py keeps
-    # exit_status, following and procs for it until then)
-    "tests/integration/test_migrate_chaos.py": "being written in parallel; move its imports next",
-}
+EXEMPT_TEST_IMPORTS: dict[str, str] = {}
 
 
 def _test_module_imports(code: str) -> list[str]:
