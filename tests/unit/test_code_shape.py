@@ -223,3 +223,17 @@ def test_the_test_import_measure():
         "def g():\n    from test_h import i\n"
     )
     assert [line.split(":")[0] for line in _test_module_imports(code)] == ["2", "3", "4", "5", "9"]
+
+
+def test_the_migrations_knobs_are_read_in_one_module():
+    """Issue 38: options are parsed once at the edge; the environment's tuning knobs are read only in
+    ``applier/migrate/knobs.py`` (handing the whole environment on to ``pg_dump`` is not reading a knob)."""
+    read = re.compile(r"os\.environ(?:\.get\(|\[)|os\.getenv\(")
+    found = [
+        f"{path.relative_to(ROOT).as_posix()}:{n}"
+        for path in sorted((ROOT / "applier" / "migrate").glob("*.py"))
+        if path.name != "knobs.py"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if read.search(line)
+    ]
+    assert found == []
