@@ -52,6 +52,7 @@ from tablesync.planner import (
     PartitionTask,
     PlanError,
     TablePlan,
+    effective_columns,
     pack_tasks,
     partition_tasks,
     plan_table,
@@ -305,7 +306,8 @@ class InitialCopy:
             for rs in self.to_copy:
                 try:
                     remote = fetch_remote_table(pconn, rs.remote_name, publications)
-                    cols = remote.columns
+                    # the published columns only, as the native check (logicalrep_rel_open) sees them
+                    cols = effective_columns(remote)
                     schema, table, ttypes = fetch_target_table(tconn, rs.relid, cols)
                     plans[rs.name] = plan_table(
                         relid=rs.relid, target_schema=schema, target_name=table, relname=rs.name,

@@ -6,8 +6,11 @@ lists, row filters, sizes) from the publisher and the target, and this module tu
 
 The rules follow native tablesync (behaviour 80, ``fetch_remote_table_info`` / ``copy_table``):
 
-* columns are the publisher's attributes that are not dropped and not generated, limited to the publication's
-  column list; two publications with different column lists for the same table are an error;
+* columns are the publisher's attributes that are not dropped, limited to the publication's column list; two
+  publications with different column lists for the same table are an error. Generated columns are left out up to
+  PostgreSQL 17; from 18 the column list decides (``pg_get_publication_tables``: a stored generated column is in it
+  when a column list names it or the publication has ``publish_generated_columns = stored``), and a published one
+  is copied into the target's ordinary column of that name;
 * row filters from all subscribed publications are OR-ed, but are ignored altogether when any publication
   publishes the table without one (FOR ALL TABLES, TABLES IN SCHEMA, or a plain ``TABLE t``);
 * ordinary tables are read with ``ONLY`` so inheritance children are not copied twice.
@@ -78,7 +81,9 @@ class RemoteTable:
     schema: str
     name: str
     relkind: str  # 'r' ordinary, 'p' partitioned (publish_via_partition_root)
-    columns: tuple[str, ...]  # not dropped, not generated, in attnum order
+    #: not dropped, in attnum order; generated ones only from PostgreSQL 18 (the column lists then pick those that
+    #: are published)
+    columns: tuple[str, ...]
     types: dict[str, ColumnType]
     published: tuple[PublishedRow, ...]
     pages: int  # heap pages now (max of relpages and the file's size)

@@ -101,6 +101,10 @@ def resolve_relation(conn: psycopg.Connection[Any], name: str) -> tuple[int, str
     return row  # type: ignore[return-value]
 
 
+#: ``server_version_num`` from which a publication can publish stored generated columns (PostgreSQL 18).
+PUBLISHED_GENERATED_COLUMNS = 180000
+
+
 def relation_columns(conn: psycopg.Connection[Any], relid: int) -> list[tuple[str, int, bool]]:
     """(name, type OID, generated) of every live column, in attnum order."""
     return [
@@ -125,7 +129,13 @@ def fetch_remote_table(
         raise PlanError(f'table "{remote_name}" does not exist on the publisher')
     oid, schema, table, relkind = rel
     facts = _TypeFacts(conn)
-    cols = [(n, t) for n, t, generated in relation_columns(conn, oid) if not generated]
+    # As PostgreSQL 18's fetch_remote_table_info: up to 17 a generated column is never published (its attribute
+    # query has "AND a.attgenerated = ''"); from 18 every column may be, and the publication decides through its
+    # column list below, pg_get_publication_tables' attrs (pg_publication_tables.attnames): a stored generated
+    # column is in it when the publication's column list names it, or, without a list, when the publication has
+    # publish_generated_columns = stored (pg_publication.pubgencols = 's'); a virtual one never is.
+    gencols = conn.info.server_version >= PUBLISHED_GENERATED_COLUMNS
+    cols = [(n, t) for n, t, generated in relation_columns(conn, oid) if gencols or not generated]
     if conn.info.server_version >= 150000:
         rows = conn.execute(
             "SELECT pubname::text, attnames::text[], rowfilter FROM pg_publication_tables"
@@ -166,8 +176,12 @@ def fetch_remote_table(
 def fetch_target_table(
     conn: psycopg.Connection[Any], relid: int, columns: Sequence[str]
 ) -> tuple[str, str, dict[str, ColumnType]]:
-    """(schema, table, types of ``columns``) of the target table; errors name what is missing, like
-    the native "target relation is missing replicated column(s)"."""
+    """(schema, table, types of ``columns``) of the target table.
+
+    ``columns`` (the publisher's, in its order) must all exist on the target and none may be generated there: the
+    checks and words of PostgreSQL 18's ``logicalrep_rel_open`` (``logicalrep_report_missing_or_gen_attrs``), which
+    its ``copy_table`` meets before the COPY, as the apply path does (:func:`applier.apply.relmap.map_relation`).
+    A published generated column thus lands in an ordinary column of the target, as natively."""
     row = conn.execute(
         "SELECT n.nspname::text, c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
         " WHERE c.oid = %s",
@@ -180,14 +194,15 @@ def fetch_target_table(
     live = {n: (t, g) for n, t, g in relation_columns(conn, relid)}
     missing = [c for c in columns if c not in live]
     if missing:
-        raise PlanError(
-            f'logical replication target relation "{schema}.{table}" is missing replicated column(s): '
-            + ", ".join(f'"{c}"' for c in missing)
-        )
+        raise PlanError(_columns_error(schema, table, "is missing replicated", missing))
     generated = [c for c in columns if live[c][1]]
     if generated:
-        raise PlanError(
-            f'target relation "{schema}.{table}" has generated column(s) that the publisher sends: '
-            + ", ".join(f'"{c}"' for c in generated)
-        )
+        raise PlanError(_columns_error(schema, table, "has incompatible generated", generated))
     return schema, table, {c: facts.column_type(live[c][0]) for c in columns}
+
+
+def _columns_error(schema: str, table: str, what: str, columns: Sequence[str]) -> str:
+    """``logical replication target relation "s.t" <what> column(s): "a", "b"`` (PostgreSQL's ``errmsg_plural``)."""
+    noun = "column" if len(columns) == 1 else "columns"
+    listed = ", ".join(f'"{c}"' for c in columns)
+    return f'logical replication target relation "{schema}.{table}" {what} {noun}: {listed}'
