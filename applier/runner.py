@@ -152,7 +152,15 @@ def prefork() -> None:
     ctx.set_forkserver_preload(["applier.runner"])
     from multiprocessing import forkserver
 
-    forkserver.ensure_running()
+    # The server lives in our process group: a SIGTERM or SIGHUP to the group (systemd's stop, a closed terminal)
+    # would kill it, and with it the parent's view of every worker it forked ("exited with status 255"). Started
+    # with those two blocked (a mask survives fork and exec; it ignores SIGINT itself), it outlives them; each
+    # worker unblocks them first thing (worker_main), so a worker still stops on its own SIGTERM.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGHUP})
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     _context = ctx
 
 
@@ -379,6 +387,9 @@ def worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal: the parent stops us, as for SIGINT
     signal.signal(signal.SIGTERM, set_once(stop))  # a second SIGTERM inside the first must not deadlock
+    signal.pthread_sigmask(
+        signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGHUP}
+    )  # blocked in a fork server: prefork
     _wake_on_signals()
     threading.Thread(target=_orphan_watch, args=(stop,), name="orphan-watch", daemon=True).start()
     wlog = logging.getLogger(f"applier.worker.{subname}")
@@ -581,10 +592,10 @@ def _copy_failed(
     """Record the initial copy's ``failures``-th failure in a row (the error row ``applier status`` shows, the
     metric) and log it; the wait before the next attempt, or None when ``disable_on_error`` disabled the
     subscription."""
-    WorkerMetrics(subname).sync_error()
     delay = retry_delay(failures, cap=cap)
     with target_errors(target):
         sub = require_subscription(catalog, subname)
+        WorkerMetrics(subname, catalog, sub.subid).sync_error()  # Prometheus and sync_error_count
         disable = sub.subdisableonerr
         catalog.record_error(
             sub.subid,

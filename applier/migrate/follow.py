@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
+from applier.errors import ApplierError
 from applier.migrate import store
 from applier.migrate.state import Phase
 
@@ -50,8 +51,11 @@ class Follower:
 
         self.slot = m.slot
         self.summary()
-        if self.stop.is_set():
-            return 0
+        if (
+            self.stop.is_set()
+        ):  # a signal, or another shell's cutover or abort, during the set-up's last steps
+            with psycopg.connect(self.opts.target, autocommit=True) as target:
+                return outcome(target, self.opts.name, 0, self.say)
         self.say(
             f'following the source (subscription "{m.subname}") until a cutover; Ctrl-C stops, start resumes'
         )
@@ -65,6 +69,11 @@ class Follower:
             auto.start()
         try:
             status = runner.run(self.opts.target, [m.subname], wait_target=runner.WAIT_TARGET, stop=self.stop)
+        except ApplierError:
+            ended = self._ended()  # an abort in another shell removed the subscription under us
+            if ended is None:
+                raise
+            return ended
         finally:
             finished.set()
             if auto is not None:
@@ -74,6 +83,12 @@ class Follower:
             return 1
         with psycopg.connect(self.opts.target, autocommit=True) as target:
             return outcome(target, self.opts.name, status, self.say)
+
+    def _ended(self) -> int | None:
+        """start's exit status when the migration was done or aborted meanwhile (:func:`outcome`), else None."""
+        with psycopg.connect(self.opts.target, autocommit=True) as target:
+            m = store.load(target, self.opts.name)
+            return outcome(target, self.opts.name, 0, self.say) if m is not None and m.phase.ended else None
 
     def summary(self) -> None:
         """The time each phase took, as recorded by this start or the ones it resumed."""

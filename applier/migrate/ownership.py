@@ -152,18 +152,29 @@ def recover(
     """After a cutover that died (``kill -9``, a lost machine): no cutover holds the lock, yet the migration is in
     phase ``cutover`` or its fence is up (not ``done``: the old server stays fenced then, on purpose). Lift the
     fence, put the migration back to ``following`` with the reason, and return it as it is now. Called by
-    ``cutover``, ``start`` and ``abort`` before anything else they do."""
-    if m.phase is Phase.DONE or cutover_running(target, m.name):
+    ``cutover``, ``start`` and ``abort`` before anything else they do (a following ``start`` every second).
+
+    It holds the cutover's lock while it looks and acts (taken again by a cutover that holds it already: advisory
+    locks count per session), so that no cutover can begin, or end and back out, between the look and the act,
+    and it acts on the migration as read under that lock, never on ``m`` as the caller read it before."""
+    if m.phase is Phase.DONE or not _take(target, CUTOVER_NAMESPACE, m.name):
         return m
-    if m.fenced_at is None and m.phase is not Phase.CUTOVER:
-        return m
-    say(f'a cutover of migration "{m.name}" was interrupted: undoing what it left')
-    lift_fence(target, m, say)
-    with contextlib.suppress(MigrationError):
-        if m.phase is Phase.CUTOVER:
-            store.set_phase(
-                target, m.name, Phase.FOLLOWING, error="a cutover was interrupted; the source was unfenced"
-            )
+    try:
+        now = store.load(target, m.name) or m
+        if now.phase is Phase.DONE or (now.fenced_at is None and now.phase is not Phase.CUTOVER):
+            return now
+        say(f'a cutover of migration "{now.name}" was interrupted: undoing what it left')
+        lift_fence(target, now, say)
+        with contextlib.suppress(MigrationError):
+            if now.phase is Phase.CUTOVER:
+                store.set_phase(
+                    target,
+                    now.name,
+                    Phase.FOLLOWING,
+                    error="a cutover was interrupted; the source was unfenced",
+                )
+    finally:
+        target.execute("SELECT pg_advisory_unlock(%s::int4, hashtext(%s))", (CUTOVER_NAMESPACE, m.name))
     again = store.load(target, m.name)
     assert again is not None
     return again

@@ -78,12 +78,13 @@ def undo(
     target: psycopg.Connection[Any],
     source: str,
     m: store.Migration,
-    exc: BaseException,
+    exc: BaseException | None,
     say: Callable[[str], None],
 ) -> None:
     """Drop what the migration's record says it created on the source (its slot, its publication; never one it
-    found there), then record ``exc`` with what is left and what to do. Best effort: a source that cannot be
-    reached is named in the record, and ``abort`` removes what is left."""
+    found there), then record ``exc`` with what is left and what to do (None: a stop, not a failure, recorded only
+    when something is left). Best effort: a source that cannot be reached is named in the record, and ``abort``
+    removes what is left."""
     left: list[str] = []
     try:
         with fencing.open_source(source) as src:
@@ -99,6 +100,8 @@ def undo(
         if left
         else "; nothing of it is left on the source"
     )
-    why = "interrupted" if isinstance(exc, KeyboardInterrupt) else str(exc)
+    if exc is None and not left:
+        return
+    why = "stopped" if exc is None else "interrupted" if isinstance(exc, KeyboardInterrupt) else str(exc)
     with contextlib.suppress(Exception):
         store.record_error(target, m.name, f"{START_FAILED}{why}{after}; fix it and run start again")

@@ -453,6 +453,13 @@ class SetUp:
         if m.phase is Phase.SCHEMA:
             try:
                 m = self.schema(m, tables)
+            except Exception as exc:
+                if not self.stop.is_set():
+                    self.undo(m, exc)
+                    raise
+                # a signal to the process group stopped pg_dump too: a stop, not a failure
+                self.undo(m, None)
+                return outcome(self.target, self.opts.name, 0, self.say)
             except BaseException as exc:
                 self.undo(m, exc)
                 raise
@@ -487,9 +494,9 @@ class SetUp:
         self.phase(Phase.COPY, schema=time.monotonic() - started)
         return self.migration()
 
-    def undo(self, m: store.Migration, exc: BaseException) -> None:
-        """After a failure in phase ``schema``: the held snapshot released, then what this start created on the
-        source taken back (:func:`applier.migrate.preflight.undo`)."""
+    def undo(self, m: store.Migration, exc: BaseException | None) -> None:
+        """After a failure (``exc``) or a stop (None) in phase ``schema``: the held snapshot released, then what
+        this start created on the source taken back (:func:`applier.migrate.preflight.undo`)."""
         if self.slot_conn is not None:
             with contextlib.suppress(Exception):
                 self.slot_conn.close()

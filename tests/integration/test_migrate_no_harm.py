@@ -18,7 +18,16 @@ import pytest
 
 from applier.testing import Database, wait_until
 from tests.support.cli import APPLIER
-from tests.support.migrate import SCHEMA, exit_status, following, migrate, phase, start, wait_phase
+from tests.support.migrate import (
+    SCHEMA,
+    exit_status,
+    following,
+    migrate,
+    phase,
+    slow_pg_dump,
+    start,
+    wait_phase,
+)
 
 pytestmark = [
     pytest.mark.core,
@@ -263,3 +272,31 @@ def test_a_password_start_could_not_keep_is_refused_before_anything(pair, tmp_pa
     assert "sekret-9" not in out.stderr + out.stdout
     assert ours_on_source(pub) == {"slots": [], "publications": []}
     assert phase(pair.target, "mig") is None
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_to_starts_whole_process_group_stops_it_cleanly(pair, procs, tmp_path, signum) -> None:  # noqa: F811
+    """What systemd's default stop and a closed terminal send: the whole process group. Before: the workers' fork
+    server died with it and start exited 1 ("the worker process exited with status 255 without a report"); while
+    pg_dump ran, the dump's death was reported as a failure ("pg_dump ... failed: ")."""
+    proc, log = following(pair, procs, tmp_path, SCHEMA)
+    os.killpg(proc.pid, signum)
+    assert exit_status(proc, log) == 0, log.read_text()
+    assert "start again resumes" in log.read_text() and "255" not in log.read_text(), log.read_text()
+
+
+def test_a_signal_to_the_group_while_pg_dump_runs_is_a_stop_not_a_failure(pair, procs, tmp_path) -> None:  # noqa: F811
+    """Before: Ctrl-C in the terminal (SIGINT to the group) while pg_dump ran killed pg_dump too, and start
+    reported "pg_dump of the source's schema failed: " and exited 1."""
+    pair.publisher.execute(SCHEMA)
+    log = tmp_path / "start.log"
+    proc = start(pair, "mig", env={"APPLIER_PG_BINDIR": str(slow_pg_dump(tmp_path, pair.publisher))}, log=log)
+    procs.append(proc)
+    wait_until(
+        lambda: (tmp_path / "dumping").exists() or proc.poll() is not None, timeout=120, what="pg_dump"
+    )
+    os.killpg(proc.pid, signal.SIGINT)
+    assert exit_status(proc, log) == 0, log.read_text()
+    assert "failed" not in log.read_text() and "start again resumes" in log.read_text(), log.read_text()
+    assert ours_on_source(pair.publisher) == {"slots": [], "publications": []}
+    assert status(pair.target)["error"] is None
