@@ -309,6 +309,12 @@ def _add_alter(sub: _Subcommands, common: argparse.ArgumentParser) -> None:
         help="the publisher's new connection (checked first: publications and slot must be there)",
     )
     action.add_argument(
+        "--reset-stats",
+        action="store_true",
+        help="zero the subscription's counters (status' stats) and set stats_reset, as "
+        "pg_stat_reset_subscription_stats does",
+    )
+    action.add_argument(
         "--refresh-publication",
         action="store_true",
         help="add newly published tables and remove unpublished ones",
@@ -480,6 +486,8 @@ def _alter(args: argparse.Namespace, target: str, console: Console, parser: argp
         subs.alter_options(target, args.name, args.set_options, force=args.force, console=console)
     elif args.connection is not None:
         subs.set_connection(target, args.name, args.connection, console)
+    elif args.reset_stats:
+        subs.reset_stats(target, args.name, console)
     else:
         subs.refresh_publication(target, args.name, copy_data=args.copy_data, console=console)
 

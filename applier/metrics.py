@@ -22,7 +22,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -117,28 +117,37 @@ def observe_counts(child: Any, delta: HistogramDelta) -> None:
             bucket.inc(count)
 
 
+class StatsStore(Protocol):
+    """Where the counters kept across restarts go: :meth:`applier.catalog.store.Catalog.count_stats`
+    (``applier.subscription_stats``, pg_stat_subscription_stats' columns)."""
+
+    def count_stats(self, subid: int, counts: dict[str, int]) -> None: ...
+
+
 class WorkerMetrics:
     """A worker's view of the counters: it hands over its running totals now and then (about once a second, off
-    the per-row path) and this turns them into increments."""
+    the per-row path) and this turns them into increments. Errors and conflicts are counted as they happen
+    (:meth:`error`, :meth:`sync_error`, :meth:`conflict`), each into Prometheus and, given a ``store`` and the
+    subscription's ``subid``, into the catalog's ``subscription_stats`` (what ``status`` shows as ``stats``)."""
 
-    def __init__(self, subscription: str) -> None:
+    def __init__(self, subscription: str, store: StatsStore | None = None, subid: int | None = None) -> None:
         self.subscription = subscription
+        self.store = store
+        self.subid = subid
         self._seen: dict[tuple[str, str], int] = {}
 
     def publish(
         self,
         kinds: Mapping[str, int],
         rows: Mapping[str, int],
-        conflicts: Mapping[str, int] | None = None,
         bulk: int = 0,
         folded: int = 0,
     ) -> None:
-        """``kinds``/``rows``/``conflicts``/``bulk``/``folded`` are totals that only grow while one session lasts
-        (see :meth:`session_ended`)."""
+        """``kinds``/``rows``/``bulk``/``folded`` are totals that only grow while one session lasts (see
+        :meth:`session_ended`); conflicts are counted as they are met (:meth:`conflict`)."""
         for family, counter, totals in (
             ("k", TRANSACTIONS, kinds),
             ("r", ROWS, rows),
-            ("c", CONFLICTS, conflicts or {}),
         ):
             for key, total in totals.items():
                 seen = self._seen.get((family, key), 0)
@@ -161,12 +170,36 @@ class WorkerMetrics:
         self._seen.clear()
 
     def error(self, exc: BaseException) -> None:
-        """Count an error that rolled back a local transaction; a unique violation is also an ``insert_exists``
-        conflict (PostgreSQL 18's name for it)."""
+        """Count an error that ended an apply attempt (``apply_error_count``, every attempt); a unique violation
+        is also an ``insert_exists`` conflict (PostgreSQL 18's name for it)."""
         ERRORS.labels(self.subscription, type(exc).__name__).inc()
+        counts = {"apply_error_count": 1}
         cause = exc.__cause__ or exc.__context__
         if "23505" in (getattr(exc, "sqlstate", None), getattr(cause, "sqlstate", None)):
             CONFLICTS.labels(self.subscription, "insert_exists").inc()
+            counts["confl_insert_exists"] = 1
+        self._store(counts)
+
+    def conflict(self, kind: str) -> None:
+        """Count a conflict met while applying (``update_missing``, ``delete_missing``, ...), when it is met: the
+        count stays when the attempt that met it is rolled back, as PostgreSQL's does."""
+        CONFLICTS.labels(self.subscription, kind).inc()
+        self._store({f"confl_{kind}": 1})
+
+    def _store(self, counts: dict[str, int]) -> None:
+        """The counts into the catalog (its own short transaction); a target that cannot take them now (it is
+        what failed, or restarting) loses them with a warning rather than failing the worker."""
+        if self.store is None or self.subid is None:
+            return
+        try:
+            self.store.count_stats(self.subid, counts)
+        except Exception as exc:  # noqa: BLE001 - a count must never stop the apply or its retry
+            log.warning(
+                'subscription "%s": could not count %s in the catalog: %s',
+                self.subscription,
+                ", ".join(counts),
+                exc,
+            )
 
     def stalled(self, waiting_on: str) -> None:
         """Count a stall that began (applier.apply.stall)."""
@@ -179,6 +212,7 @@ class WorkerMetrics:
     def sync_error(self) -> None:
         """Count a failed table synchronization (``sync_error_count``)."""
         SYNC_ERRORS.labels(self.subscription).inc()
+        self._store({"sync_error_count": 1})
 
 
 def enable_multiprocess() -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,9 @@ class ApplyStats:
     records_batched: int = 0  # prepared_xact records written ahead, with an earlier one
     folded_prepares: int = 0  # prepared transactions applied folded (applier.apply.fold)
     converted_rows: int = 0  # Inserts that went into a COPY through copytext, a stretch at a time
+    #: told of each conflict as it is detected (the worker's WorkerMetrics.conflict: Prometheus and the catalog's
+    #: subscription_stats, outside the apply transaction, so a rolled-back attempt's conflicts stay counted)
+    on_conflict: Callable[[str], None] | None = None
 
     def count(self, kind: str) -> None:
         """A remote transaction of ``kind`` ended: its pending row changes count now."""
@@ -103,6 +107,8 @@ class ApplyStats:
         op = "update" if ctx is not None and ctx.message_type == "UPDATE" else "delete"
         kind = f"{op}_missing"
         self.conflicts[kind] += 1
+        if self.on_conflict is not None:
+            self.on_conflict(kind)
         log.info(
             'conflict detected on relation "%s": conflict=%s\nDETAIL:  Could not find the row to be %sd.'
             "\nCONTEXT:  %s",

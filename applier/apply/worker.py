@@ -157,7 +157,7 @@ class ApplyWorker:
         self.retry_max = retry_max if retry_max is not None else max_retry_interval_default()
         self.catalog = Catalog.connect(target_conninfo)
         self.stats = WorkerStats()
-        self.metrics = WorkerMetrics(subname)
+        self.metrics = WorkerMetrics(subname, self.catalog)  # and subscription_stats, once subid is set
         #: apply lag samples (applier.apply.lag), kept across sessions; summarised into the catalog for status
         self.lag = LagWindow(histogram_bounds=APPLY_LAG_BOUNDS)
         self._lag_written = 0  # LagWindow.added when the summary was last written
@@ -224,7 +224,7 @@ class ApplyWorker:
         if isinstance(sub, Outcome):
             return sub
         self.stats.sessions += 1
-        self.subid = sub.subid
+        self.subid = self.metrics.subid = sub.subid
         tables = CatalogTables(self.catalog, sub, self.log, self._live)
         target = self._connect_target(sub)
         target.lag = self.lag
@@ -324,6 +324,7 @@ class ApplyWorker:
             bulk=self.bulk,
         )
         applier.records.original_gids = sub.original_gids
+        applier.stats.on_conflict = self.metrics.conflict
         self.retries.session_started(self.group_commit)
         return Session(sub, repl, target, applier, tracker, tables, skip)
 
@@ -436,7 +437,7 @@ class ApplyWorker:
         """Counters and lag samples to the metrics; the lag summary to the catalog (not when a session ends: the
         target may be what failed, and a connection attempt must not delay the reconnect)."""
         self.metrics.publish(
-            applier.kinds, applier.rows, applier.conflicts, applier.bulk_transactions, applier.folded_prepares
+            applier.kinds, applier.rows, bulk=applier.bulk_transactions, folded=applier.folded_prepares
         )
         lag = self.lag
         if lag.added == self._lag_written:

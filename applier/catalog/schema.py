@@ -25,7 +25,7 @@ from applier.lsn import format_lsn, parse_lsn
 
 SCHEMA = "applier"
 #: Bump with a migration in :data:`MIGRATIONS` whenever a table or column changes.
-CATALOG_VERSION = 11
+CATALOG_VERSION = 12
 
 
 # --- PostgreSQL types SQLAlchemy does not know -----------------------------------------------------------------
@@ -219,6 +219,32 @@ apply_lag = sa.Table(
     prefixes=["UNLOGGED"],
 )
 
+#: PostgreSQL 18's ``pg_stat_subscription_stats`` under its column names, one row per subscription (since catalog
+#: version 12): apply errors, table-sync errors and conflicts by kind, each attempt counted as PostgreSQL counts it.
+#: Written by the worker on the catalog's own connection when one happens (never inside the apply transaction, so
+#: a count survives the rollback of the attempt that met it), read by ``status``, zeroed by ``alter --reset-stats``
+#: (which sets ``stats_reset``). A logged table: the counts are kept across restarts of ``run``.
+STATS_COLUMNS = (
+    "apply_error_count",
+    "sync_error_count",
+    "confl_insert_exists",
+    "confl_update_origin_differs",
+    "confl_update_exists",
+    "confl_update_missing",
+    "confl_delete_origin_differs",
+    "confl_delete_missing",
+    "confl_multiple_unique_conflicts",
+)
+subscription_stats = sa.Table(
+    "subscription_stats",
+    metadata,
+    sa.Column(
+        "subid", sa.BigInteger, sa.ForeignKey(subscription.c.subid, ondelete="CASCADE"), primary_key=True
+    ),
+    *(sa.Column(name, sa.BigInteger, nullable=False, server_default="0") for name in STATS_COLUMNS),
+    sa.Column("stats_reset", sa.DateTime(timezone=True), nullable=True),
+)
+
 #: ``applier migrate``'s tables (since catalog version 6; read and written only by :mod:`applier.migrate.store`):
 #: one row per migration and one per post-data step. Plain DDL, not SQLAlchemy tables: no module but that store
 #: touches them, and its statements are psycopg's. ``IF NOT EXISTS`` because releases before version 6 created
@@ -298,4 +324,11 @@ MIGRATIONS: dict[int, list[str]] = {
     # (applier.migrate.ownership): only the migration that fenced lifts it, and a killed cutover's fence is
     # lifted by the next verb of that migration
     11: [f"ALTER TABLE {SCHEMA}.migration ADD COLUMN IF NOT EXISTS fenced_at timestamptz"],
+    # pg_stat_subscription_stats' counters, kept across restarts (applier.catalog.substats)
+    12: [
+        f"CREATE TABLE IF NOT EXISTS {SCHEMA}.subscription_stats (subid bigint PRIMARY KEY REFERENCES"
+        f" {SCHEMA}.subscription (subid) ON DELETE CASCADE, "
+        + ", ".join(f"{name} bigint NOT NULL DEFAULT 0" for name in STATS_COLUMNS)
+        + ", stats_reset timestamptz)"
+    ],
 }

@@ -41,6 +41,7 @@ from applier.catalog.schema import (
     subscription_rel,
     tablesync_partition,
 )
+from applier.catalog.substats import SubscriptionStats
 from applier.catalog.trust import UNTRUSTED_TABLES
 from applier.errors import ApplierError
 from applier.lsn import parse_lsn
@@ -151,7 +152,7 @@ def make_engine(conninfo: str) -> sa.Engine:
     )
 
 
-class Catalog(LiveFigures):
+class Catalog(LiveFigures, SubscriptionStats):
     """Reads and writes the catalog. Methods take an optional SQLAlchemy connection so the worker can run them
     inside its own local transaction; without one they run in a short transaction of their own."""
 

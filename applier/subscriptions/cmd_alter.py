@@ -1,6 +1,6 @@
-"""``applier alter``: ``--enable``/``--disable``, ``--set OPTION=VALUE``, ``--skip-lsn``, ``--connection`` and
-``--refresh-publication``. Every option is validated before any is changed; the transitions the state machines
-decide (:mod:`state.twophase`) are asked before the catalog or the slot is touched."""
+"""``applier alter``: ``--enable``/``--disable``, ``--set OPTION=VALUE``, ``--skip-lsn``, ``--reset-stats``,
+``--connection`` and ``--refresh-publication``. Every option is validated before any is changed; the transitions
+the state machines decide (:mod:`state.twophase`) are asked before the catalog or the slot is touched."""
 
 from __future__ import annotations
 
@@ -362,6 +362,16 @@ def set_skip_lsn(target: str, name: str, value: str, console: Console = QUIET) -
         if lsn
         else f'subscription "{name}": skip-LSN cleared'
     )
+
+
+def reset_stats(target: str, name: str, console: Console = QUIET) -> None:
+    """``alter --reset-stats``: zero the subscription's counters and set ``stats_reset`` to now, as
+    ``pg_stat_reset_subscription_stats`` does (``status`` shows them as ``stats``)."""
+    catalog = open_catalog(target, create=True)  # a catalog older than version 12 gets its stats table
+    with target_errors(target):
+        sub = require_subscription(catalog, name)
+        catalog.reset_stats(sub.subid)
+    console.info(f'subscription "{name}": statistics reset')
 
 
 def refresh_publication(target: str, name: str, *, copy_data: bool = True, console: Console = QUIET) -> None:

@@ -140,6 +140,9 @@ def _status_of(catalog: Catalog, sub: Subscription, publisher_timeout: int) -> d
         lag["updated_at"] = _when(lag["updated_at"])
     result["apply_lag"] = lag
     result["stalled"] = _stall_of(catalog, sub.subid)
+    stats = catalog.subscription_stats(sub.subid)
+    stats["stats_reset"] = _when(stats["stats_reset"])
+    result["stats"] = stats  # pg_stat_subscription_stats' columns (PostgreSQL 18)
     result["replication"] = _publisher_view(sub, origin, publisher_timeout)
     return result
 
@@ -239,6 +242,28 @@ def _stall_line(st: dict[str, Any]) -> str:
     )
 
 
+def _stats_line(st: dict[str, Any]) -> str:
+    """The counters on one line, as ``\\dRs+`` would show them: the errors, then each conflict kind counted."""
+    conflicts = ", ".join(
+        f"{name.removeprefix('confl_')} {n}" for name, n in st.items() if name.startswith("confl_") and n
+    )
+    line = (
+        f"  stats: apply errors {st['apply_error_count']}, sync errors {st['sync_error_count']}, conflicts: "
+    )
+    line += conflicts or "none"
+    if st["stats_reset"]:
+        line += f" (since reset at {st['stats_reset']})"
+    return line
+
+
+def _figure_lines(s: dict[str, Any]) -> list[str]:
+    """The stall going on, if any, and the counters."""
+    return [
+        *([_stall_line(s["stalled"])] if s.get("stalled") else []),
+        *([_stats_line(s["stats"])] if s.get("stats") else []),
+    ]
+
+
 def _worker_lines(s: dict[str, Any]) -> list[str]:
     """Who holds the subscription, and the standbys waiting for it."""
     lines = [f"  worker: {s['worker'] or 'not running'}"]
@@ -296,8 +321,7 @@ def format_status(entries: list[dict[str, Any]]) -> str:
                 f"p50 {_secs(a['p50_s'])}, p99 {_secs(a['p99_s'])}, max {_secs(a['max_s'])} over {a['samples']} "
                 f"local commits in the {a['window_s']:.0f} s before {a['updated_at']}"
             )
-        if s.get("stalled"):
-            lines.append(_stall_line(s["stalled"]))
+        lines.extend(_figure_lines(s))
         lines.append(f"  tables ({len(s['tables'])}):")
         for t in s["tables"]:
             lsn = f" at {t['lsn']}" if t["lsn"] else ""
