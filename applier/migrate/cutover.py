@@ -249,7 +249,7 @@ class _Cutover:
                     self.baseline = counting.before_fence(
                         m.source, self.opts.target, sub[1], self.tables(target, m.subname), self.say
                     )
-                    self._settle(target, m, sub)
+                    self._settle(target, src, sub)
                 downtime = self._fence_and_switch(target, src, m, sub, progress)
             except BaseException as exc:
                 progress.release()
@@ -306,11 +306,14 @@ class _Cutover:
         src.close()
         return 0
 
-    def _settle(self, target: psycopg.Connection[Any], m: store.Migration, sub: tuple[int, str]) -> None:
+    def _settle(
+        self, target: psycopg.Connection[Any], src: psycopg.Connection[Any], sub: tuple[int, str]
+    ) -> None:
         """Before the fence, after the count (the target may have fallen behind while both servers counted): let it
         apply the source's current position again, for up to :data:`SETTLE_SECONDS`, so that the catch-up under the
-        fence has little left to do."""
-        with contextlib.suppress(psycopg.Error), psycopg.connect(m.source, autocommit=True) as src:
+        fence has little left to do. On the cutover's own source session: one opened here and closed just before
+        the fence could still be on its way out when the fence looks, and be counted among the sessions it ended."""
+        with contextlib.suppress(psycopg.Error):
             now = src.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]  # type: ignore[index]
             timeout = min(SETTLE_SECONDS, self.left())
             verify.wait_applied(target, src, origin_name(sub[0]), sub[1], now, timeout=timeout)

@@ -423,9 +423,9 @@ class Chaos:
             f"source writable {writable_within(self.pub, since, f'the {r.sig} to start'):.1f}s after the signal"
         )
 
-    def start_under_a_fence(self, i: int, r: Round) -> None:
-        """``start`` hit while a cutover waits under its fence for a prepared transaction: the cutover sees start
-        gone within its next look, backs out (exit 1) and unfences."""
+    def fenced_cutover(self, i: int) -> tuple[str, Path, subprocess.Popen[bytes]]:
+        """A cutover (``--prepared wait``) waiting under its fence for a prepared transaction of round ``i``: the
+        transaction's GID, the cutover's log and process."""
         self.ready()
         gid = f"chaos_{i}"
         prepare(self.pub, gid, 100000 + i)
@@ -434,6 +434,12 @@ class Chaos:
         cut = cutover_proc(self.tgt, log, "--prepared", "wait", "--timeout", "60")
         self.started.append(cut)
         wait_fenced(self.pub, cut, log)
+        return gid, log, cut
+
+    def start_under_a_fence(self, i: int, r: Round) -> None:
+        """``start`` hit while a cutover waits under its fence for a prepared transaction: the cutover sees start
+        gone within its next look, backs out (exit 1) and unfences."""
+        gid, log, cut = self.fenced_cutover(i)
         time.sleep(r.delay)  # the scheduled point: a random moment under the fence
         since = send(self.start_proc, r.sig, r.group)  # type: ignore[arg-type]
         try:
@@ -495,14 +501,7 @@ class Chaos:
 
     def cutover_after_fence(self, i: int, r: Round) -> None:
         """The cutover hit under its fence, waiting for a prepared transaction (``--prepared wait``)."""
-        self.ready()
-        gid = f"chaos_{i}"
-        prepare(self.pub, gid, 100000 + i)
-        log = self.tmp / f"cutover-{i}.log"
-        self.logs.append(log)
-        cut = cutover_proc(self.tgt, log, "--prepared", "wait", "--timeout", "60")
-        self.started.append(cut)
-        wait_fenced(self.pub, cut, log)
+        gid, log, cut = self.fenced_cutover(i)
         assert fenced_at(self.tgt) is not None, (
             "the source is fenced, and the migration's record does not say so"
         )
