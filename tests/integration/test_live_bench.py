@@ -131,7 +131,9 @@ def test_marker_and_prepare_lag_for_real(pair, side: str) -> None:  # type: igno
     run = lb.SideRun("2pc", 1, side)
     lb._fill_lags(run, writer.committed, listener.visible, load_start, pub_prep, tgt_prep, poller.visible)
     assert run.missing == 0 and run.markers >= 5
-    assert 0.0 <= run.lag["p50"] <= run.lag["p99"] <= run.lag["max"]
+    # the writer stamps a marker once its INSERT has returned, in a thread of its own: with the GIL it can run after
+    # the listener thread stamped the notification of a fast apply (CI: native's p50 at -66 µs); 1 ms bounds that
+    assert -0.001 <= run.lag["p50"] <= run.lag["p99"] <= run.lag["max"]
     assert run.lag_poll["p50"] >= 0.0
     assert run.prepares_seen == run.prepares_published == 1
     # seen on the target after the publisher prepared it, and after the target's own prepare stamp
