@@ -194,16 +194,20 @@ def slow_pg_dump(tmp_path: Path, source: Database) -> Path:
     return bindir
 
 
+def _older_source(major: int) -> Iterator[PostgresCluster]:
+    """A PostgreSQL ``major`` source cluster for a module's tests; the module is skipped where it is not installed."""
+    try:
+        find_binaries(major)
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"no PostgreSQL {major}: {exc}")
+    with running_cluster(major, name=f"src{major}") as cluster:
+        yield cluster
+
+
 @pytest.fixture(scope="module")
 def pg15() -> Iterator[PostgresCluster]:
-    """A PostgreSQL 15 source for the major-version upgrade (module-scoped: starting one takes a second or two);
-    skipped where 15 is not installed."""
-    try:
-        find_binaries(15)
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"no PostgreSQL 15: {exc}")
-    with running_cluster(15, name="src15") as cluster:
-        yield cluster
+    """A PostgreSQL 15 source for the major-version upgrade (module-scoped: starting one takes a second or two)."""
+    yield from _older_source(15)
 
 
 @pytest.fixture(scope="module")
@@ -215,10 +219,5 @@ def pg14() -> Iterator[PostgresCluster]:
 
 @pytest.fixture(scope="module")
 def pg16() -> Iterator[PostgresCluster]:
-    """A PostgreSQL 16 source, as :func:`pg15`; skipped where 16 is not installed."""
-    try:
-        find_binaries(16)
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"no PostgreSQL 16: {exc}")
-    with running_cluster(16, name="src16") as cluster:
-        yield cluster
+    """A PostgreSQL 16 source, as :func:`pg15`."""
+    yield from _older_source(16)
