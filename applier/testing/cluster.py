@@ -544,6 +544,20 @@ class Database:
         rows = self.query(query, params)
         return rows[0][0] if rows else None
 
+    def drop_origin(self, name: str, *, timeout: float = 10.0) -> None:
+        """Drop a replication origin (they are cluster-wide: a test's own outlive its database) once the backend of a
+        session that used it has gone: a backend exits only after its client closed, so for a moment the origin
+        is still "in use by PID ..." (seen in CI)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.execute("SELECT pg_replication_origin_drop(%s)", (name,))
+                return
+            except psycopg.errors.ObjectInUse:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+
 
 @contextlib.contextmanager
 def running_cluster(version: str | int | None = None, **kwargs: Any) -> Iterator[PostgresCluster]:

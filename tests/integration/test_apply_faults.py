@@ -130,4 +130,4 @@ def test_worker_returns_when_the_subscription_is_disabled_or_dropped(pair):
     assert not w.alive and w.error is None
     assert pair.target.query("SELECT id FROM t ORDER BY id") == [(1,), (2,)]
     # origins are cluster-wide: the fixture cannot find this one any more
-    pair.target.execute("SELECT pg_replication_origin_drop(%s)", (s.sub.origin_name,))
+    pair.target.drop_origin(s.sub.origin_name)

@@ -107,8 +107,8 @@ def test_preload_reads_each_shape_as_the_lookup_and_rereads_an_altered_table(pai
         wait_until(lambda: _side_sessions(db) == 0, timeout=10, what="the second connection closed")
     finally:
         target.close()
-        db.execute("SELECT pg_replication_origin_drop('preload_test')")
-        db.execute("SELECT pg_replication_origin_drop('preload_test_2')")
+        db.drop_origin("preload_test")
+        db.drop_origin("preload_test_2")
 
 
 def test_tables_altered_after_the_start_apply_as_before(pair):
@@ -193,4 +193,4 @@ def test_a_check_covers_at_most_a_batch_of_tables(pair, monkeypatch):
         assert target.load_local_table("public", "c") is preloaded["c"]
     finally:
         target.close()
-        db.execute("SELECT pg_replication_origin_drop('preload_batch')")
+        db.drop_origin("preload_batch")
