@@ -35,15 +35,18 @@ for _ in range(ROUNDS):
     HANDLER
     print("round", flush=True)
     stop.wait()
-signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the last round's second signal may come late
+    sys.stdin.readline()  # both signals of this round were sent: the next handler cannot catch this round's second
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
 """
 
 
 def _rounds(handler: str, rounds: int = 300) -> int:
     """How many rounds the child got through (it hangs at the first one it does not)."""
     code = _CHILD.replace("HANDLER", handler).replace("ROUNDS", str(rounds))
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, bufsize=1)
-    assert child.stdout is not None
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+    )
+    assert child.stdout is not None and child.stdin is not None
     sel = selectors.DefaultSelector()
     sel.register(child.stdout, selectors.EVENT_READ)
     try:
@@ -57,6 +60,7 @@ def _rounds(handler: str, rounds: int = 300) -> int:
             while time.perf_counter() - started < apart:
                 pass
             os.kill(child.pid, signal.SIGTERM)
+            child.stdin.write("next\n")
         assert child.wait(timeout=10) == 0
         return rounds
     finally:
