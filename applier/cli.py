@@ -202,11 +202,29 @@ def _add_create_options(p: argparse.ArgumentParser) -> None:
         help="use an existing slot instead of creating one",
     )
     p.add_argument("--disabled", action="store_true", help="create the subscription disabled (run skips it)")
+    _add_create_apply_options(p)
+
+
+def _add_create_apply_options(p: argparse.ArgumentParser) -> None:
+    """``applier create``'s options of what the apply does (trust, schema changes, conflicts) and of the slot's
+    failover: the rest of CREATE SUBSCRIPTION's WITH options, and ours."""
     p.add_argument(
         "--run-as-owner",
         action="store_true",
         help="trust the target tables' owners: run their triggers, defaults and other code with the apply role's "
         "rights (by default such code is refused; docs/security.md)",
+    )
+    p.add_argument(
+        "--ddl",
+        action="store_true",
+        help="replay schema changes (DDL) made on the publisher to the published tables, at their place in the "
+        "stream; installs event triggers there, which takes a superuser (docs/security.md)",
+    )
+    p.add_argument(
+        "--conflict-log",
+        choices=("log", "table", "all"),
+        default="log",
+        help="where conflicts go: the log (PostgreSQL 18's lines), the table applier.conflict_log, or both",
     )
     p.add_argument(
         "--failover",
@@ -300,8 +318,8 @@ def _add_alter(sub: _Subcommands, common: argparse.ArgumentParser) -> None:
         action="extend",
         metavar="OPTION=VALUE",
         dest="set_options",
-        help="two_phase, streaming, binary, disable_on_error, origin, slot_name, gid_format, run_as_owner or "
-        "failover",
+        help="two_phase, streaming, binary, disable_on_error, origin, slot_name, gid_format, run_as_owner, "
+        "failover, conflict_log or ddl",
     )
     action.add_argument(
         "--connection",
@@ -437,6 +455,8 @@ def _create(args: argparse.Namespace, target: str, console: Console) -> None:
             enabled=not args.disabled,
             run_as_owner=args.run_as_owner,
             failover=args.failover,
+            conflict_log=args.conflict_log,
+            ddl=args.ddl,
         ),
         console,
     )

@@ -135,6 +135,8 @@ class WorkerMetrics:
         self.store = store
         self.subid = subid
         self._seen: dict[tuple[str, str], int] = {}
+        #: conflicts counted since the catalog was last written (see :meth:`conflict`)
+        self._unstored: dict[str, int] = {}
 
     def publish(
         self,
@@ -144,7 +146,9 @@ class WorkerMetrics:
         folded: int = 0,
     ) -> None:
         """``kinds``/``rows``/``bulk``/``folded`` are totals that only grow while one session lasts (see
-        :meth:`session_ended`); conflicts are counted as they are met (:meth:`conflict`)."""
+        :meth:`session_ended`); conflicts are counted as they are met (:meth:`conflict`), and written to the
+        catalog here."""
+        self.store_conflicts()
         for family, counter, totals in (
             ("k", TRANSACTIONS, kinds),
             ("r", ROWS, rows),
@@ -166,25 +170,40 @@ class WorkerMetrics:
             observe_counts(APPLY_LAG.labels(self.subscription, kind), delta)
 
     def session_ended(self) -> None:
-        """The next session's totals start from zero again."""
+        """The next session's totals start from zero again (the conflicts counted are written first)."""
+        self.store_conflicts()
         self._seen.clear()
 
     def error(self, exc: BaseException) -> None:
         """Count an error that ended an apply attempt (``apply_error_count``, every attempt); a unique violation
-        is also an ``insert_exists`` conflict (PostgreSQL 18's name for it)."""
+        is also the conflict its report found (``conflict_kind``: applier.apply.unique_conflicts), else an
+        ``insert_exists`` (PostgreSQL 18's name for it)."""
         ERRORS.labels(self.subscription, type(exc).__name__).inc()
-        counts = {"apply_error_count": 1}
+        counts, self._unstored = {**self._unstored, "apply_error_count": 1}, {}
         cause = exc.__cause__ or exc.__context__
-        if "23505" in (getattr(exc, "sqlstate", None), getattr(cause, "sqlstate", None)):
-            CONFLICTS.labels(self.subscription, "insert_exists").inc()
-            counts["confl_insert_exists"] = 1
+        kind = getattr(exc, "conflict_kind", None)  # insert_exists, update_exists, multiple_unique_conflicts
+        if kind is None and "23505" in (getattr(exc, "sqlstate", None), getattr(cause, "sqlstate", None)):
+            kind = "insert_exists"
+        if kind is not None:
+            CONFLICTS.labels(self.subscription, kind).inc()
+            counts[f"confl_{kind}"] = counts.get(f"confl_{kind}", 0) + 1
         self._store(counts)
 
     def conflict(self, kind: str) -> None:
-        """Count a conflict met while applying (``update_missing``, ``delete_missing``, ...), when it is met: the
-        count stays when the attempt that met it is rolled back, as PostgreSQL's does."""
+        """Count a conflict met while applying (``update_missing``, ``update_origin_differs``, ...), when it is
+        met: the count stays when the attempt that met it is rolled back, as PostgreSQL's does. Into Prometheus at
+        once; into the catalog with the next :meth:`publish` (about once a second), error or end of session: one
+        write then, not one per conflict (a table loaded locally and then updated by the publisher meets one
+        ``update_origin_differs`` per row, thousands a second)."""
         CONFLICTS.labels(self.subscription, kind).inc()
-        self._store({f"confl_{kind}": 1})
+        name = f"confl_{kind}"
+        self._unstored[name] = self._unstored.get(name, 0) + 1
+
+    def store_conflicts(self) -> None:
+        """Write the conflicts counted since the last write to the catalog."""
+        if self._unstored:
+            counts, self._unstored = self._unstored, {}
+            self._store(counts)
 
     def _store(self, counts: dict[str, int]) -> None:
         """The counts into the catalog (its own short transaction); a target that cannot take them now (it is

@@ -140,6 +140,7 @@ class StreamOptions:
     two_phase: bool = False
     origin: Literal["any", "none"] | None = None
     binary: bool = False
+    messages: bool = False  # the DDL capture's logical messages (applier.ddl; a subscription with ddl on)
 
     def __post_init__(self) -> None:
         if isinstance(self.publications, str):
@@ -197,7 +198,8 @@ def start_replication_command(slot: str, start_lsn: int, options: StreamOptions,
     * ``streaming 'parallel'`` only for a publisher ≥ 16 and streaming="parallel"; ``'on'`` for a publisher ≥ 14
       and any streaming other than "off" (so "parallel" degrades to "on" on 14/15).
     * ``two_phase 'on'`` only for a publisher ≥ 15, ``origin`` only ≥ 16, ``binary 'true'`` only ≥ 14.
-    * ``messages`` is never requested: a real subscriber never sees a Message ('M').
+    * ``messages 'true'`` only when asked (a subscription with ``ddl`` on: the capture's messages, applier.ddl):
+      the native worker never asks, and pgoutput has the option from PostgreSQL 14 on.
     * Publication names are each quoted as identifiers, joined with commas, and the result quoted as a literal.
     """
     proto = (
@@ -216,6 +218,8 @@ def start_replication_command(slot: str, start_lsn: int, options: StreamOptions,
     parts.append(f"publication_names {_quote_repl_literal(pubnames)}")
     if options.binary and server_version >= STREAMING_VERSION:
         parts.append("binary 'true'")
+    if options.messages and server_version >= STREAMING_VERSION:
+        parts.append("messages 'true'")
     return f"START_REPLICATION SLOT {_quote_ident(slot)} LOGICAL {format_lsn(start_lsn)} ({', '.join(parts)})"
 
 

@@ -136,6 +136,9 @@ class _SyncingTables(TableStates):
         if self.reached is None and current_lsn >= self.until:
             self.reached = current_lsn
 
+    def joined(self, local_oid: int, name: str, state: SyncState) -> None:
+        """Never: the catch-up's stream asks for no capture messages (the subscription's own apply replays DDL)."""
+
 
 #: what each caught-up transaction also does, in its own local transaction: move the syncing tables' ``f`` LSN to
 #: its end, so that the rows and the LSN they are complete up to never disagree

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from applier.apply import conflicts
 from applier.apply.context import ErrorContext
 from applier.messages import BeginPrepare
 
@@ -80,6 +81,13 @@ class ApplyStats:
     #: told of each conflict as it is detected (the worker's WorkerMetrics.conflict: Prometheus and the catalog's
     #: subscription_stats, outside the apply transaction, so a rolled-back attempt's conflicts stay counted)
     on_conflict: Callable[[str], None] | None = None
+    #: conflicts are logged (``--conflict-log log|all``); with ``table`` only :attr:`on_record` hears of them
+    log_lines: bool = True
+    #: told of each conflict with its (entry, search tuple, new tuple, local row) for the conflict log table
+    #: (applier.apply.conflict_table), when ``--conflict-log`` is ``table`` or ``all``
+    on_record: Callable[[str, ErrorContext | None, Any], None] | None = None
+    #: where conflicts are logged (the worker's logger: the core sets it)
+    log: logging.Logger = field(default_factory=lambda: logging.getLogger("applier.apply"))
 
     def count(self, kind: str) -> None:
         """A remote transaction of ``kind`` ended: its pending row changes count now."""
@@ -101,20 +109,40 @@ class ApplyStats:
             if n:
                 self.rows[op] += n
 
-    def missing_row(self, ctx: ErrorContext | None, log: logging.Logger) -> None:
+    def missing_row(self, ctx: ErrorContext | None, row: Any = None) -> None:
         """An UPDATE/DELETE found no row: not an error (behaviour 47); logged as PostgreSQL 18 does, as an
-        ``update_missing``/``delete_missing`` conflict (behaviour 110), and counted."""
+        ``update_missing``/``delete_missing`` conflict (behaviour 110), and counted. ``row``: the statement's
+        (entry, search tuple, new tuple), for the remote row and replica identity of the DETAIL (a bulk
+        statement's missing rows have none: the DETAIL then has the first sentence only)."""
         op = "update" if ctx is not None and ctx.message_type == "UPDATE" else "delete"
         kind = f"{op}_missing"
+        if row is None or row[1] is None:
+            record = None if row is None else (row[0], None, None, None)
+            self.conflict(kind, ctx, [conflicts.detail(kind, None)], record)
+            return
+        entry, search, new = row
+        identity, full = conflicts.identity_description(entry, search)
+        remote = conflicts.remote_texts(entry, new) if new is not None else None
+        detail = conflicts.detail(kind, None, remote, identity, full)
+        self.conflict(kind, ctx, [detail], (entry, search, new, None))
+
+    def conflict(
+        self, kind: str, ctx: ErrorContext | None, details: Sequence[str], record: Any = None
+    ) -> None:
+        """A conflict detected while applying (``details``: one part per conflicting row, see
+        :mod:`applier.apply.conflicts`): counted at once (and told to :attr:`on_conflict`), logged at LOG in
+        PostgreSQL 18's words with the error context, and ``record`` (entry, search tuple, new tuple, local row)
+        given to :attr:`on_record` for the conflict log table."""
         self.conflicts[kind] += 1
         if self.on_conflict is not None:
             self.on_conflict(kind)
-        log.info(
-            'conflict detected on relation "%s": conflict=%s\nDETAIL:  Could not find the row to be %sd.'
-            "\nCONTEXT:  %s",
-            ctx.relation if ctx else "?",
-            kind,
-            op,
+        if record is not None and self.on_record is not None:
+            self.on_record(kind, ctx, record)
+        if not self.log_lines:
+            return
+        self.log.info(
+            "%s\nCONTEXT:  %s",
+            conflicts.message(kind, ctx.relation or "?" if ctx else "?", details),
             ctx.describe() if ctx else "",
         )
 

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from applier.apply import bulk as bulkapply
+from applier.apply import conflicts
 from applier.apply.apply_state import ApplyStats, RemoteTransaction, StreamChunk
 from applier.apply.commit_policy import CommitPolicy, DeferredCommit, GroupCommit
 from applier.apply.context import ErrorContext
@@ -53,7 +54,7 @@ class BulkCore(Protocol):
 
     def protocol_error(self, message_type: str, text: str) -> ProtocolError: ...
 
-    def missing_row(self, ctx: ErrorContext | None) -> None: ...
+    def missing_row(self, ctx: ErrorContext | None, row: Any = None) -> None: ...
 
 
 class BulkExecution:
@@ -172,8 +173,13 @@ class BulkExecution:
             elif st.kind == bulkapply.INSERT:
                 target.bulk_insert(entry, st.columns, ctx)
             elif st.kind == bulkapply.UPDATE:
+                if target.origin_checks:
+                    keys = [st.columns[i] for i in entry.key_positions or ()]
+                    target.bulk_origins(entry, keys, ctx, self._origin_differs(batch, st, entry))
                 target.bulk_update(entry, st.columns, ctx, self._missing(batch, st, entry))
             else:
+                if target.origin_checks:
+                    target.bulk_origins(entry, st.columns, ctx, self._origin_differs(batch, st, entry))
                 target.bulk_delete(entry, st.columns, ctx, self._missing(batch, st, entry))
             n_rows[op] += len(st.messages)
         return n_rows
@@ -199,6 +205,30 @@ class BulkExecution:
         else:  # pragma: no cover - the batch said Update or Delete
             raise core.protocol_error(ctx.message_type, f"unexpected {type(msg).__name__} in a bulk run")
 
+    def _origin_differs(
+        self, batch: bulkapply.Batch, stretch: bulkapply.Stretch, entry: RelMapEntry
+    ) -> Callable[[int, Any], None]:
+        """What the origin check of a bulk UPDATE/DELETE calls for a change whose row another origin wrote last:
+        the conflict its message would have been (applier.apply.origin_probe), in its own transaction's context,
+        the message decoded for the DETAIL (rare: only for such rows)."""
+        core = self.core
+        kind = "update_origin_differs" if stretch.kind == bulkapply.UPDATE else "delete_origin_differs"
+
+        def found(position: int, row: Any) -> None:
+            m, t = int(stretch.messages[position - 1]), int(stretch.transactions[position - 1])
+            payload = batch.data[int(batch.starts[m]) + _XLOGDATA_HEADER : int(batch.ends[m])].tobytes()
+            msg = decode_message(payload, encoding=core.encoding)
+            new = msg.new if isinstance(msg, Update) else None
+            search = msg.old if msg.old is not None else new
+            message_type = _BULK_OPERATIONS[stretch.kind].upper()
+            ctx = ErrorContext(
+                core.origin, message_type, entry.display, int(batch.xid[t]), int(batch.final_lsn[t])
+            )
+            detail = conflicts.change_detail(kind, entry, row, search, new)
+            core.target.pipeline.on_conflict(kind, ctx, [detail], (entry, search, new, row))
+
+        return found
+
     def _missing(
         self, batch: bulkapply.Batch, stretch: bulkapply.Stretch, entry: RelMapEntry
     ) -> Callable[[list[int]], None]:
@@ -210,10 +240,11 @@ class BulkExecution:
 
         def missing(positions: list[int]) -> None:
             for p in positions:
-                core.missing_row(
+                core.stats.missing_row(
                     ErrorContext(
                         core.origin, message_type, entry.display, int(xids[p - 1]), int(final_lsns[p - 1])
-                    )
+                    ),
+                    (entry, None, None),
                 )
 
         return missing

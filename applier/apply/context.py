@@ -11,6 +11,8 @@ queued statement therefore carries its own :class:`ErrorContext`.
 
 from __future__ import annotations
 
+from typing import Any
+
 from applier.errors import ApplierError
 from applier.lsn import format_lsn
 
@@ -47,6 +49,10 @@ class ErrorContext:
     def __repr__(self) -> str:
         return f"ErrorContext({self.describe()!r})"
 
+    def detail(self) -> str | None:
+        """What the record of an error says besides the server's message (a replayed DDL names its statement)."""
+        return None
+
     def describe(self) -> str:
         """PostgreSQL's ``apply_error_callback`` text."""
         text = f'processing remote data for replication origin "{self.origin}" during message type "{self.message_type}"'
@@ -72,5 +78,11 @@ class ApplyError(ApplierError):
         self.message = message
         self.context = context
         self.sqlstate = sqlstate
+        #: a unique violation's (schema, table, index, DETAIL), and the per-row statement's (entry, search tuple,
+        #: new tuple) when known: applier.apply.unique_conflicts reports the conflict from them
+        self.unique: tuple[str, str, str, str] | None = None
+        self.remote: Any = None
+        #: the conflict kind that report found (insert_exists, update_exists, multiple_unique_conflicts)
+        self.conflict_kind: str | None = None
         text = message if context is None else f"{message}\nCONTEXT:  {context.describe()}"
         super().__init__(text)

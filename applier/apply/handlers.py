@@ -36,6 +36,7 @@ from applier.apply.bulk_exec import BulkExecution
 from applier.apply.commit_policy import CommitPolicy, GroupCommit
 from applier.apply.context import ApplyError, ErrorContext
 from applier.apply.copytext import InsertRun
+from applier.apply.ddl_replay import DdlConsumer, DdlReplay
 from applier.apply.feedback import FeedbackTracker
 from applier.apply.fold import Folding
 from applier.apply.insert_sink import VECTOR_MIN, InsertRuns
@@ -74,6 +75,7 @@ from applier.messages import (
     Update,
 )
 from state import skip as skiprules
+from state.tables import SyncState
 
 __all__ = [
     "HANDLERS",
@@ -137,6 +139,11 @@ class TableStates:
     def after_transaction(self, current_lsn: int) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def joined(self, local_oid: int, name: str, state: SyncState) -> None:  # pragma: no cover - interface
+        """A table created by a replayed DDL joined the subscription in ``state`` (its catalog row is written in
+        the open local transaction, which other sessions cannot see yet)."""
+        raise NotImplementedError
+
 
 class PublicNames:
     """The names the worker, tablesync and the tests use on :class:`Applier`, mapped onto its parts (the state in
@@ -176,7 +183,8 @@ class Applier(PublicNames):
         self, *, subid: int, subname: str, target: ApplyTarget, tracker: FeedbackTracker, spool: Spool,
         tables: TableStates, skip: SkipState, clear_skip_lsn: Callable[[int, int], bool], encoding: str = "utf-8",
         logger: logging.Logger | None = None, prepared: dict[str, tuple[int, int]] | None = None,
-        group_commit: bool = False, ungrouped_until: int = 0, bulk: bool = False) -> None:  # fmt: skip
+        group_commit: bool = False, ungrouped_until: int = 0, bulk: bool = False,
+        ddl: DdlConsumer | None = None) -> None:  # fmt: skip
         self.subid, self.subname, self.origin = subid, subname, f"applier_{subid}"
         self.target, self.tracker, self.spool, self.tables = target, tracker, spool, tables
         self.skip, self.encoding, self.log = skip, encoding, logger or log
@@ -189,7 +197,10 @@ class Applier(PublicNames):
         self.folding = Folding()
         self.records = PreparedRecords(subid, target, self.stats, prepared)
         self.skip_clearing = SkipClearing(subid, subname, skip, target, clear_skip_lsn, self.log)
-        target.pipeline.on_missing_row = self.missing_row
+        self.ddl = DdlReplay(self, ddl)
+        self.stats.log = self.log  # conflicts are logged and counted there, whoever finds them:
+        target.pipeline.on_missing_row = self.stats.missing_row  # an UPDATE/DELETE that found no row
+        target.pipeline.on_conflict = self.stats.conflict  # the target's checks (origin_probe)
 
     # --- dispatch (``apply_dispatch``) -----------------------------------------------------------------------
     def handle(self, msg: Any, payload: bytes = b"") -> None:
@@ -224,10 +235,6 @@ class Applier(PublicNames):
 
     def protocol_error(self, message_type: str, text: str) -> ProtocolError:
         return ProtocolError(f"{text}\nCONTEXT:  {self.context(message_type).describe()}")
-
-    def missing_row(self, ctx: ErrorContext | None) -> None:
-        """An UPDATE/DELETE found no row: a conflict, logged and counted (behaviours 47, 110)."""
-        self.stats.missing_row(ctx, self.log)
 
     # --- transactions ----------------------------------------------------------------------------------------
     def _start_remote(self, xid: int, final_lsn: int, message_type: str) -> None:
@@ -296,8 +303,10 @@ class Applier(PublicNames):
         return spooled
 
     def handle_message(self, m: Message, payload: bytes = b"") -> None:
-        """Logical decoding messages are ignored, as by the native worker (we never ask for them)."""
-        self._spooled(m.xid, payload)
+        """The DDL capture's messages are replayed at their place (applier.apply.ddl_replay); any other logical
+        decoding message is ignored, as by the native worker."""
+        if not self._spooled(m.xid, payload) and not self.tx.discarding:
+            self.ddl.message(m)
 
     def handle_type(self, m: Type, payload: bytes = b"") -> None:
         """``apply_handle_type``: read and discarded; values go through the local type's input function."""

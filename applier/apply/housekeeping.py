@@ -57,6 +57,8 @@ STREAM_OPTIONS = (
     "suborigin",
     "subpublications",
     "subrunasowner",  # the session's statements carry the trust check or not (applier.apply.target_trust)
+    "subconflictlog",  # the session writes conflict rows or not (applier.apply.conflict_table)
+    "subddl",  # the stream carries the DDL capture's messages and the core replays them, or not (applier.ddl)
 )
 
 

@@ -18,6 +18,7 @@ from psycopg import pq
 from applier.apply.context import ApplyError, ErrorContext
 
 _S = pq.ExecStatus
+_F = pq.DiagnosticField
 _OK = (_S.COMMAND_OK, _S.TUPLES_OK, _S.EMPTY_QUERY)
 
 #: How many statements may be queued without reading results before we wait for some.
@@ -32,12 +33,18 @@ class TargetConnectionError(psycopg.OperationalError):
     """The target connection was lost (the worker reconnects with backoff)."""
 
 
-def _result_error(res: pq.PGresult | Any, ctx: ErrorContext | None) -> ApplyError:
+def _result_error(res: pq.PGresult | Any, ctx: ErrorContext | None, row: Any = None) -> ApplyError:
     msg = (res.error_message or b"").decode("utf-8", "replace").strip()
     if msg.startswith("ERROR:"):
         msg = msg[6:].strip()
     sqlstate = res.error_field(pq.DiagnosticField.SQLSTATE)
-    return ApplyError(msg, ctx, sqlstate=sqlstate.decode() if sqlstate else None)
+    err = ApplyError(msg, ctx, sqlstate=sqlstate.decode() if sqlstate else None)
+    # a unique violation: what applier.apply.unique_conflicts needs to report the conflict
+    if sqlstate == b"23505":
+        fields = (_F.SCHEMA_NAME, _F.TABLE_NAME, _F.CONSTRAINT_NAME, _F.MESSAGE_DETAIL)
+        err.unique = tuple((res.error_field(f) or b"").decode("utf-8", "replace") for f in fields)
+        err.remote = row
+    return err
 
 
 class Pipeline:
@@ -57,7 +64,10 @@ class Pipeline:
         #: roughly how many bytes libpq holds that have not been written to the socket yet
         self.unflushed = 0
         #: called with the context of an UPDATE/DELETE that found no row (queued with ``on_ok=CHECK_ROWS``)
-        self.on_missing_row: Callable[[ErrorContext | None], None] | None = None
+        #: (and the statement's (entry, search tuple, new tuple) when it carries them, for the report's DETAIL)
+        self.on_missing_row: Callable[[ErrorContext | None, Any], None] | None = None
+        #: called with a conflict's kind, context and DETAIL parts when a check finds one (applier.apply.origin_probe)
+        self.on_conflict: Callable[[str, ErrorContext | None, Sequence[str], Any], None] | None = None
         #: the queue entry a flush request was last sent after (see :meth:`poll`)
         self._flush_requested: Any = None
 
@@ -81,11 +91,14 @@ class Pipeline:
         formats: Sequence[int] | None,
         ctx: ErrorContext | None,
         on_ok: Callable[[Any], None] | None = None,
+        row: Any = None,
     ) -> None:
+        """Queue a prepared statement; ``row``: the (entry, search tuple, new tuple) of a per-row INSERT or UPDATE,
+        kept with it so that a unique violation can name the remote row (applier.apply.unique_conflicts)."""
         self.enter()
         self.pgconn.send_query_prepared(name, params, formats)
         self.unflushed += 32 + sum(map(len, filter(None, params)))
-        self._pending.append((ctx, on_ok))
+        self._pending.append((ctx, on_ok) if row is None else (ctx, on_ok, row))
         if len(self._pending) > MAX_IN_FLIGHT:
             self._relieve()
 
@@ -177,17 +190,17 @@ class Pipeline:
     def _statement_done(self, head: Any) -> None:
         """All results of one queued statement are in: call its ``on_ok``, or remember its error."""
         results, self._current = self._current, []
-        ctx, on_ok = head
+        ctx, on_ok = head[0], head[1]
         status = results[-1].status if results else _S.COMMAND_OK
         if status in _OK:
             if on_ok is CHECK_ROWS:
                 if self.on_missing_row is not None and results and results[-1].command_tuples == 0:
-                    self.on_missing_row(ctx)
+                    self.on_missing_row(ctx, head[2] if len(head) > 2 else None)
             elif on_ok is not None:
                 on_ok(results[-1] if results else None)
         elif status == _S.FATAL_ERROR:
             if self._error is None:
-                self._error = _result_error(results[-1], ctx)
+                self._error = _result_error(results[-1], ctx, head[2] if len(head) > 2 else None)
         elif status != _S.PIPELINE_ABORTED:  # pragma: no cover
             raise TargetConnectionError(f"unexpected result status {status!r} in the apply pipeline")
 

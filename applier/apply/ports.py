@@ -45,7 +45,8 @@ class CopySink(Protocol):
 class PipelinePort(Protocol):
     """The few pipeline calls the core makes directly (the skip-LSN clearing and the missing-row hook)."""
 
-    on_missing_row: Callable[[ErrorContext | None], None] | None
+    on_missing_row: Callable[[ErrorContext | None, Any], None] | None
+    on_conflict: Callable[[str, ErrorContext | None, Sequence[str], Any], None] | None
 
     def send_query(
         self,
@@ -58,6 +59,18 @@ class PipelinePort(Protocol):
     def drain(self) -> None: ...
 
 
+class DdlPort(Protocol):
+    """The schema-change calls of the core (applier.apply.target_ddl.DdlWrites implements them)."""
+
+    def run(self, statement: str, tag: str, search_path: str, ctx: ErrorContext | None) -> None: ...
+
+    def join(self, subid: int, name: str, state: Any, ctx: ErrorContext | None) -> int | None: ...
+
+    def leave_dropped(self, subid: int, ctx: ErrorContext | None) -> None: ...
+
+    def forget_tables(self) -> None: ...
+
+
 class ApplyTarget(Protocol):
     """The target session as the apply core uses it (:class:`applier.apply.target.Target` implements it)."""
 
@@ -65,6 +78,10 @@ class ApplyTarget(Protocol):
     pipeline: Any
     binary: bool
     in_transaction: bool
+    #: each UPDATE/DELETE checks its row's origin first (applier.apply.origin_probe): no bulk UPDATE/DELETE then
+    origin_checks: bool
+    #: a :class:`DdlPort` (typed Any, as ``pipeline``)
+    ddl: Any
 
     @property
     def copy_run(self) -> CopySink | None: ...
@@ -128,6 +145,14 @@ class ApplyTarget(Protocol):
         keys: Sequence[bytes],
         ctx: ErrorContext | None,
         on_missing: Callable[[list[int]], None],
+    ) -> None: ...
+
+    def bulk_origins(
+        self,
+        entry: RelMapEntry,
+        keys: Sequence[bytes],
+        ctx: ErrorContext | None,
+        on_found: Callable[[int, Any], None],
     ) -> None: ...
 
     # COPY

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from applier.apply.missing_columns import add_columns_statement
 from applier.errors import ApplierError
 from applier.messages import Relation
 
@@ -152,6 +153,8 @@ def _check_mappable(remote: Relation, local: LocalTable) -> dict[str, LocalColum
         noun = "column" if len(missing) == 1 else "columns"
         raise RelationMappingError(
             f'logical replication target relation "{local.display}" is missing replicated {noun}: {listed}'
+            f"; the apply goes on by itself once {'it is' if len(missing) == 1 else 'they are'} added on the"
+            f" target: {add_columns_statement(local.schema, local.name, remote, missing)}"
         )
     generated = [c.name for c in remote.columns if by_name[c.name].generated]
     if generated:
@@ -218,6 +221,11 @@ class RelationMap:
             raise missing_table_error(rel)
         entry = self.entries[relid] = map_relation(rel, local)
         return entry
+
+    def forget_local(self) -> None:
+        """A replayed DDL changed local tables: every mapping is made again at its next use (the descriptions
+        stay: pgoutput sends a Relation again only for a table changed on the publisher)."""
+        self.entries.clear()
 
     def reset(self) -> None:
         self.relations.clear()

@@ -19,6 +19,7 @@ import psycopg
 import sqlalchemy.exc
 import tenacity
 
+from applier.apply import conflicts, unique_conflicts
 from applier.apply.context import ApplyError, ErrorContext
 from applier.apply.housekeeping import Outcome
 from applier.catalog.store import CatalogError, Subscription
@@ -140,10 +141,33 @@ class SessionRetries:
         raise ApplyWorkerError(message)
 
     def _count(self, exc: BaseException) -> None:
+        if isinstance(exc, ApplyError) and exc.unique is not None:
+            self._report_unique(exc)
         stats = self.worker.stats
         stats.errors += 1
         stats.last_error = str(exc)
         self.worker.metrics.error(exc)
+
+    def _report_unique(self, exc: ApplyError) -> None:
+        """A unique violation is an ``insert_exists``, ``update_exists`` or ``multiple_unique_conflicts`` conflict
+        (applier.apply.unique_conflicts): which one, logged in PostgreSQL 18's words; counted with the error."""
+        w = self.worker
+        details: list[str] = []
+        try:
+            raw = w.catalog.engine.raw_connection()
+            try:
+                exc.conflict_kind, details = unique_conflicts.report(raw.driver_connection, exc)
+            finally:
+                with contextlib.suppress(Exception):
+                    raw.driver_connection.rollback()
+                raw.close()
+        except Exception as db_exc:  # noqa: BLE001 - the target is down, or the rows are gone: report what is known
+            exc.conflict_kind, details = unique_conflicts.kind_of(exc), [exc.unique[3]]
+            w.log.warning("could not read the conflicting rows: %s", db_exc)
+        ctx, (schema, table, _index, _detail) = exc.context, exc.unique
+        relation = (ctx.relation if ctx else None) or f"{schema}.{table}"
+        context = f"\nCONTEXT:  {ctx.describe()}" if ctx is not None else ""
+        w.log.error("%s%s", conflicts.message(exc.conflict_kind, relation, details), context)
 
     def _record(
         self,
@@ -155,6 +179,8 @@ class SessionRetries:
     ) -> None:
         """The error with its context into the catalog, for ``applier status`` (behaviour 54)."""
         message = exc.message if isinstance(exc, ApplyError) else str(exc)
+        if ctx is not None and (detail := ctx.detail()) is not None:
+            message = f"{message}\n{detail}"
         self.worker.catalog.record_error(
             sub.subid,
             message,

@@ -31,13 +31,16 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from applier.apply.conflict_table import ConflictTable
 from applier.apply.context import ApplyError, ErrorContext
 from applier.apply.lag import LagWindow
+from applier.apply.origin_probe import read_setup as read_origin_setup
 from applier.apply.pipeline import CHECK_ROWS, MAX_IN_FLIGHT, Pipeline, TargetConnectionError
 from applier.apply.ports import copy_eligible
 from applier.apply.relmap import LocalColumn, LocalTable
 from applier.apply.target_catalog import CatalogWrites, gid_literal
 from applier.apply.target_copy import CopyIn, _copy_escape
+from applier.apply.target_ddl import DdlWrites
 from applier.apply.target_dml import DmlStatements
 from applier.catalog.trust import TYPE_WALK
 from applier.errors import ApplierError
@@ -255,10 +258,15 @@ class Target:
         self._checked_at = 0.0
         self.in_transaction = False
         self._fixed_prepared = False
+        #: each UPDATE/DELETE checks its row's origin first (track_commit_timestamp on: applier.apply.origin_probe)
+        self.origin_checks = False
+        #: the conflict rows of the open transaction, written before its COMMIT/PREPARE (--conflict-log table|all)
+        self.conflict_table: ConflictTable | None = None
         # the parts, by what they hold: COPY state, the row-change statements, the catalog statements
         self.copy = CopyIn(conn, self.pipeline)
         self.dml = DmlStatements(conn, self.pipeline, self.copy, binary, run_as_owner)
         self.catalog = CatalogWrites(self)
+        self.ddl = DdlWrites(self)
         # the calls the apply core makes (ports.ApplyTarget), bound once: no extra call on the hot path
         dml = self.dml
         self.insert, self.update, self.delete, self.truncate = (
@@ -272,6 +280,7 @@ class Target:
             dml.bulk_update,
             dml.bulk_delete,
         )
+        self.bulk_origins = dml.bulk_origins  # with origin checks on (applier.apply.origin_probe)
         self.end_copy = self.copy.end
         cat = self.catalog
         self.record_prepared, self.record_prepared_many = cat.record_prepared, cat.record_prepared_many
@@ -299,10 +308,14 @@ class Target:
                     sql.Literal(name), sql.Literal(value)))  # fmt: skip
             _choose_synchronous_commit(conn)
             conn.execute("SELECT pg_catalog.pg_replication_origin_session_setup(%s)", (origin,))
+            roident = read_origin_setup(conn, origin)  # origin-differs checks: read once
         except BaseException:
             conn.close()
             raise
-        return cls(conn, origin=origin, binary=binary, run_as_owner=run_as_owner)
+        target = cls(conn, origin=origin, binary=binary, run_as_owner=run_as_owner)
+        target.dml.watch_origins(roident)
+        target.origin_checks = roident is not None
+        return target
 
     def close(self) -> None:
         self._close_side()
@@ -444,6 +457,10 @@ class Target:
         changed = set(oids) - self._checked
         self.preloaded = {k: v for k, v in self.preloaded.items() if v[0].oid not in changed}
 
+    def forget_local_tables(self) -> None:
+        """A replayed DDL changed the local tables: none preloaded before it may be used after it."""
+        self._close_side()
+
     def _close_side(self) -> None:
         side, self._side, self.preloaded, self._checked = self._side, None, {}, set()
         if side is not None:
@@ -528,6 +545,13 @@ class Target:
 
         return done
 
+    def _log_conflicts(self, ts: int, ctx: ErrorContext | None) -> None:
+        """Every result of the transaction read (its conflicts found), their rows queued into it (one round trip:
+        only for ``--conflict-log table|all``, applier.apply.conflict_table)."""
+        assert self.conflict_table is not None
+        self.pipeline.drain()
+        self.conflict_table.flush(self.pipeline, ts, ctx)
+
     def commit(self, end_lsn: int, ts: int, ctx: ErrorContext | None, on_ok: Callable[[Any], None]) -> None:
         """Queue origin progress + COMMIT; ``on_ok`` runs when the commit is confirmed.
 
@@ -536,6 +560,8 @@ class Target:
         """
         if self.copy.run is not None:
             self.end_copy()
+        if self.conflict_table is not None:
+            self._log_conflicts(ts, ctx)
         if self.before_commit is not None:
             self.before_commit(end_lsn, ctx)
         self.origin_setup(end_lsn, ts, ctx)
@@ -550,6 +576,8 @@ class Target:
         """Queue origin progress + PREPARE TRANSACTION (the local transaction must be open)."""
         self.end_copy()
         self.begin(ctx)
+        if self.conflict_table is not None:
+            self._log_conflicts(ts, ctx)
         self.origin_setup(end_lsn, ts, ctx)
         self.pipeline.send_query(b"PREPARE TRANSACTION " + gid_literal(gid, self.conn), None, ctx,
                                  self.confirming(end_lsn, on_ok, ts, "prepare"))  # fmt: skip

@@ -15,6 +15,7 @@ import psycopg
 from psycopg import sql
 
 from applier.apply.context import ApplyError, ErrorContext
+from applier.apply.origin_probe import OriginProbe
 from applier.apply.pipeline import CHECK_ROWS, Pipeline
 from applier.apply.relmap import RelMapEntry
 from applier.apply.target_copy import CopyIn
@@ -38,6 +39,12 @@ class DmlStatements(TrustedStatements):
         super().__init__(conn, pipeline, run_as_owner)
         self.copy = copy
         self.binary = binary
+        #: the origin-differs check before each UPDATE/DELETE, when track_commit_timestamp is on (applier.apply.origin_probe)
+        self.origin_probe: OriginProbe | None = None
+
+    def watch_origins(self, roident: int | None) -> None:
+        """Check the origin of each row an UPDATE/DELETE changes (``roident``: ours), or not (None)."""
+        self.origin_probe = None if roident is None else OriginProbe(self, roident)
 
     # --- row changes -----------------------------------------------------------------------------------------
     def _formats(self, kinds: bytes) -> list[int] | None:
@@ -57,7 +64,7 @@ class DmlStatements(TrustedStatements):
         name = entry.statements.get("I")
         if name is None:
             name = self._statement(entry, "I", lambda: self._insert_sql(entry), ctx)
-        self.pipeline.send_prepared(name, new.values, self._formats(new.kinds), ctx)
+        self.pipeline.send_prepared(name, new.values, self._formats(new.kinds), ctx, None, (entry, None, new))
 
     def _insert_sql(self, entry: RelMapEntry) -> tuple[sql.Composable, Sequence[int]]:
         cols = sql.SQL(", ").join(sql.Identifier(n) for n in entry.names)
@@ -155,6 +162,8 @@ class DmlStatements(TrustedStatements):
         if not self.embeds(entry):  # else the statement checks itself
             self.check(entry, "U", ctx)
         search = old if old is not None else new
+        if self.origin_probe is not None:
+            self.origin_probe.before(entry, "U", search, new, self._search_shape(entry, search), ctx)
         kinds = new.kinds
         unchanged = KIND_UNCHANGED_TOAST in kinds
         omitted: tuple[int, ...] = ()
@@ -186,7 +195,7 @@ class DmlStatements(TrustedStatements):
             pkinds = bytes([kinds[i] for i in set_pos]) + wkinds
             if KIND_BINARY in pkinds:
                 formats = [1 if k == KIND_BINARY else 0 for k in pkinds]
-        self.pipeline.send_prepared(name, params, formats, ctx, CHECK_ROWS)
+        self.pipeline.send_prepared(name, params, formats, ctx, CHECK_ROWS, (entry, search, new))
 
     def _update_sql(
         self, entry: RelMapEntry, shape: bytes, set_pos: Sequence[int], embed: bool
@@ -244,6 +253,8 @@ class DmlStatements(TrustedStatements):
         if not self.embeds(entry):  # else the statement checks itself
             self.check(entry, "D", ctx)
         shape = self._search_shape(entry, old)
+        if self.origin_probe is not None:
+            self.origin_probe.before(entry, "D", old, None, shape, ctx)
         key = ("D", shape)
         name = entry.statements.get(key)
         if name is None:
@@ -261,7 +272,7 @@ class DmlStatements(TrustedStatements):
         formats = (
             [1 if k == KIND_BINARY else 0 for k in wkinds] if self.binary and KIND_BINARY in wkinds else None
         )
-        self.pipeline.send_prepared(name, wparams, formats, ctx, CHECK_ROWS)
+        self.pipeline.send_prepared(name, wparams, formats, ctx, CHECK_ROWS, (entry, old, None))
 
     def truncate(
         self, entries: Sequence[RelMapEntry], restart_identity: bool, ctx: ErrorContext | None
@@ -311,6 +322,19 @@ class DmlStatements(TrustedStatements):
         self.check(entry, "D", ctx)
         self.pipeline.send_query(query, keys, ctx, _missing_positions(on_missing),
                                  [entry.array_types[i] for i in entry.key_positions or ()])  # fmt: skip
+
+    def bulk_origins(self, entry: RelMapEntry, keys: Sequence[bytes], ctx: ErrorContext | None,
+                     on_found: Callable[[int, Any], None]) -> None:  # fmt: skip
+        """Before a bulk UPDATE/DELETE, with origin checks on: ``on_found(position, local row)`` for each of its
+        rows last written by another origin (``keys``: one array literal per key column; applier.apply.origin_probe)."""
+        probe = self.origin_probe
+        assert probe is not None
+        query = entry.statements.get(("bulk", "origin"))
+        if query is None:
+            q = probe.bulk_sql(entry, _unnest(len(keys)), _ord_name(entry))
+            query = entry.statements[("bulk", "origin")] = q.as_bytes(self.conn)
+        types = [entry.array_types[i] for i in entry.key_positions or ()]
+        self.pipeline.send_query(query, keys, ctx, probe.bulk_found(on_found), types)
 
     @staticmethod
     def _bulk_delete_sql(entry: RelMapEntry) -> sql.Composable:

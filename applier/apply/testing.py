@@ -56,6 +56,7 @@ def setup_subscription(
     disable_on_error: bool = False,
     table_state: SyncState | str = SyncState.READY,
     run_as_owner: bool = False,
+    ddl: bool = False,
 ) -> ApplySetup:
     """Publication ``name`` FOR TABLE ``tables`` (which must exist on both sides), catalog rows with every table in
     ``table_state``, and a pgoutput slot ``name`` (two-phase when ``two_phase_state`` is ``e``). The states may be
@@ -84,6 +85,7 @@ def setup_subscription(
         enabled=True,
         copy_data=False,
         run_as_owner=run_as_owner,
+        ddl=ddl,
     )
     for t in tables:
         relid = target.scalar("SELECT %s::regclass::oid", (t,))

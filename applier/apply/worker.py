@@ -23,7 +23,6 @@ import gc
 import logging
 import os
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +32,8 @@ import psycopg
 import sqlalchemy
 import sqlalchemy.exc
 
-from applier.apply import failover
+from applier.apply import conflict_table, failover
+from applier.apply.capture_keys import CaptureKeys
 from applier.apply.context import ApplyError
 from applier.apply.coordinator import TableSyncCoordinator
 from applier.apply.feedback import FeedbackTracker
@@ -48,7 +48,7 @@ from applier.apply.housekeeping import (
     Restart,
     Session,
 )
-from applier.apply.lag import LagWindow
+from applier.apply.lag_summary import LagSummary
 from applier.apply.loop import ApplyLoop
 from applier.apply.retries import ApplyWorkerError, SessionRetries
 from applier.apply.spool import Spool, default_spool_dir
@@ -58,15 +58,13 @@ from applier.apply.target import BULK_OK_SQL, Target, TargetConnectionError
 from applier.catalog.store import Catalog, Subscription
 from applier.errors import ApplierError, ProtocolError
 from applier.lsn import format_lsn
-from applier.metrics import APPLY_LAG_BOUNDS, WorkerMetrics
+from applier.metrics import WorkerMetrics
 from applier.replication import ReplicationConnection, ReplicationConnectionError, StreamOptions
 from applier.retry import RETRY_INITIAL, max_retry_interval_default
 from state.twophase import TwoPhaseState, stream_two_phase
 
 log = logging.getLogger("applier.apply")
 
-#: How often, at most, the apply lag summary is written to the catalog for ``applier status`` (only when it changed).
-LAG_WRITE_INTERVAL = 2.0
 
 
 def group_commit_default() -> bool:
@@ -159,14 +157,12 @@ class ApplyWorker:
         self.stats = WorkerStats()
         self.metrics = WorkerMetrics(subname, self.catalog)  # and subscription_stats, once subid is set
         #: apply lag samples (applier.apply.lag), kept across sessions; summarised into the catalog for status
-        self.lag = LagWindow(histogram_bounds=APPLY_LAG_BOUNDS)
-        self._lag_written = 0  # LagWindow.added when the summary was last written
-        self._lag_written_at = 0.0
-        self._lag_table: bool | None = None  # whether the catalog has applier.apply_lag (version 3)
-        self._watch: CatalogWatch | None = None  # the session's catalog watch, which writes the lag summary
+        self.lag_summary = LagSummary(self.catalog, self.metrics, self.log)
+        self.lag = self.lag_summary.window
         #: the backoff between sessions and the records of failed remote transactions
         self.retries = SessionRetries(self, initial=self.retry_initial, cap=self.retry_max)
         self.subid: int | None = None  # known once a session read the subscription
+        self.capture_keys = CaptureKeys(self.catalog, self.log)  # the DDL capture's key (applier.ddl)
         #: tables added while streaming are copied and caught up live, through the injected coordinator
         #: (a failed sync is recorded and retried with the same backoff and cap as a failed session)
         self._live: LiveSyncDriver | None = None
@@ -229,21 +225,20 @@ class ApplyWorker:
         target = self._connect_target(sub)
         target.lag = self.lag
         tables.target = target
-        if self._lag_table is None:
-            self._lag_table = self._ensure_lag_table()
+        self.lag_summary.session_started()
         held = _Held(target)
         clean = False
         try:
             session = self._start_streaming(sub, target, tables, held)
             watch = CatalogWatch(self.catalog, sub.subname, self.bulk_tables)
             watch.start()
-            self._watch = session.watch = tables.watch = watch
+            self.lag_summary.watch = session.watch = tables.watch = watch
             watchdog = self.watchdog = self._stall_watchdog(session)
             try:
                 with _long_lived_frozen():
                     outcome = self._stream(session)
             finally:
-                self._watch = None
+                self.lag_summary.watch = None
                 watchdog.close()
                 watch.close()
             clean = True
@@ -322,9 +317,10 @@ class ApplyWorker:
             group_commit=self.group_commit,
             ungrouped_until=self.retries.ungrouped_until,
             bulk=self.bulk,
+            ddl=self.capture_keys.consumer(sub),
         )
         applier.records.original_gids = sub.original_gids
-        applier.stats.on_conflict = self.metrics.conflict
+        conflict_table.attach(applier.stats, target, sub.subid, sub.subconflictlog, self.metrics.conflict)
         self.retries.session_started(self.group_commit)
         return Session(sub, repl, target, applier, tracker, tables, skip)
 
@@ -416,7 +412,9 @@ class ApplyWorker:
                 two_phase=two_phase,
                 origin=origin,  # type: ignore[arg-type]
                 binary=sub.subbinary,
+                messages=True,  # a capture installed while streaming restarts the session (applier.apply.ddl_replay)
             )
+            self.capture_keys.read(repl, sub)
             repl.start_replication(sub.subslotname or sub.subname, start_lsn, options)
         except ReplicationConnectionError as exc:
             repl.close()
@@ -439,27 +437,7 @@ class ApplyWorker:
         self.metrics.publish(
             applier.kinds, applier.rows, bulk=applier.bulk_transactions, folded=applier.folded_prepares
         )
-        lag = self.lag
-        if lag.added == self._lag_written:
-            return
-        self.metrics.observe_lag(lag.take_new())
-        now = time.monotonic()
-        if (
-            record_lag
-            and self._lag_table
-            and self.subid is not None
-            and now - self._lag_written_at >= LAG_WRITE_INTERVAL
-        ):
-            self._lag_written_at = now
-            self._lag_written = lag.added
-            summary = lag.summary(time.time())
-            if summary is not None and self._watch is not None:
-                self._watch.lag = (self.subid, dataclasses.asdict(summary))  # written off the apply loop
-            elif summary is not None:
-                try:
-                    self.catalog.record_lag(self.subid, dataclasses.asdict(summary))
-                except Exception as exc:  # noqa: BLE001 - a live figure: never worth failing the apply for
-                    self.log.debug("could not record the apply lag: %s", exc)
+        self.lag_summary.publish(self.subid, record=record_lag)
 
     def bulk_tables(self, oids: list[int], conn: sqlalchemy.Connection | None = None) -> set[int]:
         """``Target.bulk_tables`` on the catalog's connection (``conn``, or one of its own): the same committed
@@ -474,19 +452,6 @@ class ApplyWorker:
                 {"oids": oids},
             ).fetchall()
         return {int(r[0]) for r in rows}
-
-    def _ensure_lag_table(self) -> bool:
-        """Whether ``applier.apply_lag`` exists, upgrading a version-1 catalog in place if needed (the upgrade
-        only adds that table); False, and no lag in ``applier status``, when the upgrade is refused."""
-        try:
-            if not self.catalog.has_lag_table():
-                self.catalog.ensure()
-            return self.catalog.has_lag_table()
-        except Exception as exc:  # noqa: BLE001
-            self.log.warning(
-                "apply lag will not show in applier status: cannot add applier.apply_lag: %s", exc
-            )
-            return False
 
     def _stop_session(self, session: Session) -> Outcome:
         """Stop requested: finish what is committed, abandon a half-applied remote transaction (it is re-sent)."""

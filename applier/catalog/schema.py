@@ -25,7 +25,7 @@ from applier.lsn import format_lsn, parse_lsn
 
 SCHEMA = "applier"
 #: Bump with a migration in :data:`MIGRATIONS` whenever a table or column changes.
-CATALOG_VERSION = 12
+CATALOG_VERSION = 14
 
 
 # --- PostgreSQL types SQLAlchemy does not know -----------------------------------------------------------------
@@ -103,6 +103,10 @@ subscription = sa.Table(
     # since catalog version 5: PostgreSQL 16's run_as_owner; false: run no code the apply role does not trust
     sa.Column("subrunasowner", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("subfailover", sa.Boolean, nullable=False, server_default=sa.false()),
+    # schema changes on the publisher replayed at their place in the stream (applier.ddl; issue 39)
+    sa.Column("subddl", sa.Boolean, nullable=False, server_default=sa.false()),
+    # where conflicts go (create --conflict-log, since catalog version 14): log, table (applier.conflict_log), all
+    sa.Column("subconflictlog", sa.Text, nullable=False, server_default="log"),
 )
 
 subscription_rel = sa.Table(
@@ -283,6 +287,29 @@ MIGRATION_TABLES = [
 )""",
 ]
 
+#: The conflict log table (since catalog version 14): one row per conflict of a subscription whose ``--conflict-log``
+#: is ``table`` or ``all``, written in the local transaction of the change it is about (applier.apply.conflict_table),
+#: so a rolled-back attempt leaves none. The columns of the conflict log table of PostgreSQL's development branch,
+#: plus ``subid`` and ``logged_at``. Plain DDL, as the migration's tables: only that module writes it.
+CONFLICT_LOG_TABLE = [
+    f"""CREATE TABLE IF NOT EXISTS {SCHEMA}.conflict_log (
+    subid bigint NOT NULL REFERENCES {SCHEMA}.subscription (subid) ON DELETE CASCADE,
+    relid oid,
+    schemaname text,
+    relname text,
+    conflict_type text NOT NULL,
+    remote_xid xid,
+    remote_commit_lsn pg_lsn,
+    remote_commit_ts timestamptz,
+    remote_origin text,
+    replica_identity json,
+    remote_tuple json,
+    local_conflicts json[],
+    logged_at timestamptz NOT NULL DEFAULT now()
+)""",
+    f"CREATE INDEX IF NOT EXISTS conflict_log_subid_logged_at ON {SCHEMA}.conflict_log (subid, logged_at)",
+]
+
 # Migrations: version -> list of SQL statements that take the catalog from version-1 to version.
 MIGRATIONS: dict[int, list[str]] = {
     2: [
@@ -330,5 +357,12 @@ MIGRATIONS: dict[int, list[str]] = {
         f" {SCHEMA}.subscription (subid) ON DELETE CASCADE, "
         + ", ".join(f"{name} bigint NOT NULL DEFAULT 0" for name in STATS_COLUMNS)
         + ", stats_reset timestamptz)"
+    ],
+    # schema changes replayed (create --ddl, migrations by default): applier.ddl
+    13: [f"ALTER TABLE {SCHEMA}.subscription ADD COLUMN IF NOT EXISTS subddl boolean NOT NULL DEFAULT false"],
+    # where conflicts go (create --conflict-log, alter --set conflict_log), and the conflict log table
+    14: [
+        f"ALTER TABLE {SCHEMA}.subscription ADD COLUMN IF NOT EXISTS subconflictlog text NOT NULL DEFAULT 'log'",
+        *CONFLICT_LOG_TABLE,
     ],
 }

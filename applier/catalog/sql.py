@@ -164,3 +164,29 @@ PREPARED_ON_TARGET = (
     "SELECT x.gid FROM pg_prepared_xacts x JOIN applier.prepared_xact p ON p.gid = x.gid WHERE p.subid = %s"
     " ORDER BY x.prepared, x.gid"
 )
+
+
+#: the conflict log table's rows of a local transaction (applier.apply.conflict_table): the rows as one JSON
+#: array ($1), the remote commit time as on the wire ($2: µs since 2000-01-01 UTC)
+INSERT_CONFLICT_LOG = (
+    b"INSERT INTO applier.conflict_log (subid, relid, schemaname, relname, conflict_type, remote_xid,"
+    b" remote_commit_lsn, remote_commit_ts, remote_origin, replica_identity, remote_tuple, local_conflicts)"
+    b" SELECT r.subid, r.relid, r.schemaname, r.relname, r.conflict_type, r.remote_xid, r.remote_commit_lsn,"
+    b" '2000-01-01 00:00:00+00'::timestamptz + $2::bigint * '1 microsecond'::interval, r.remote_origin,"
+    b" r.replica_identity, r.remote_tuple, r.local_conflicts"
+    b" FROM pg_catalog.json_populate_recordset(NULL::applier.conflict_log, $1::json) r"
+)
+
+#: A table created by a replayed DDL joins the subscription in the apply's local transaction (applier.apply.target_ddl):
+#: $1 subid, $2 the table's name as the source printed it, $3 the same (the remote name), $4 its state.
+JOIN_CREATED_TABLE = (
+    b"INSERT INTO applier.subscription_rel (subid, srrelid, srremotename, srsubstate, srsublsn)"
+    b' SELECT $1::bigint, c.oid::regclass, $3, $4::"char", NULL FROM pg_catalog.pg_class c'
+    b" WHERE c.oid = pg_catalog.to_regclass($2) ON CONFLICT DO NOTHING RETURNING srrelid::oid"
+)
+#: A table dropped by a replayed DDL leaves its row pointing at no table: the row goes, in the same transaction
+#: (PostgreSQL removes pg_subscription_rel's row with the table, through the dependency). $1 subid.
+LEAVE_DROPPED_TABLES = (
+    b"DELETE FROM applier.subscription_rel r WHERE r.subid = $1::bigint"
+    b" AND NOT EXISTS (SELECT FROM pg_catalog.pg_class c WHERE c.oid = r.srrelid::oid)"
+)

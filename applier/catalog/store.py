@@ -28,6 +28,7 @@ from sqlalchemy.dialects import postgresql as pg
 from applier.catalog.figures import LiveFigures
 from applier.catalog.schema import (
     CATALOG_VERSION,
+    CONFLICT_LOG_TABLE,
     ERROR_COLUMNS_V2,
     MIGRATION_TABLES,
     MIGRATIONS,
@@ -90,6 +91,8 @@ class Subscription:
     subgidformat: str = "subscription"  # a catalog of version < 4 has no such column: the default
     subrunasowner: bool = False  # version < 5 has none: table owners not trusted (PostgreSQL 16's default)
     subfailover: bool = False  # version < 9 has none: the slot is not a failover slot
+    subddl: bool = False  # version < 13 has none: schema changes are not replayed
+    subconflictlog: str = "log"  # version < 14 has none: conflicts go to the log only
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "subtwophasestate", TwoPhaseState(self.subtwophasestate))
@@ -192,7 +195,7 @@ class Catalog(LiveFigures, SubscriptionStats):
             if not self.exists(c):
                 metadata.create_all(c)
                 # the trust check's functions (applier.catalog.trust) and the migration's tables, plain DDL
-                for stmt in [*TRUST_FUNCTIONS, *MIGRATION_TABLES]:
+                for stmt in [*TRUST_FUNCTIONS, *MIGRATION_TABLES, *CONFLICT_LOG_TABLE]:
                     c.execute(sa.text(stmt))
                 c.execute(catalog_version.insert().values(version=CATALOG_VERSION))
                 return CATALOG_VERSION
@@ -219,7 +222,8 @@ class Catalog(LiveFigures, SubscriptionStats):
     def create_subscription(self, *, subname: str, conninfo: str, publications: Sequence[str], two_phase_state: TwoPhaseState,
                             streaming: str, binary: bool, disable_on_error: bool, origin: str, slot_name: str | None,
                             enabled: bool, copy_data: bool, gid_format: str = "subscription",
-                            run_as_owner: bool = False, failover: bool = False) -> Subscription:  # fmt: skip
+                            run_as_owner: bool = False, failover: bool = False, ddl: bool = False,
+                            conflict_log: str = "log") -> Subscription:  # fmt: skip
         """Insert the subscription row with a cluster-wide unique subid and create its replication origin."""
         with self.engine.begin() as c:
             c.execute(sa.text("SELECT pg_advisory_xact_lock(hashtext('applier.subid'))"))
@@ -243,7 +247,7 @@ class Catalog(LiveFigures, SubscriptionStats):
                     substream=streaming, subbinary=binary, subdisableonerr=disable_on_error, subskiplsn=None,
                     suborigin=origin, subslotname=slot_name, subpublications=list(publications),
                     subconninfo=conninfo, subcopydata=copy_data, subgidformat=gid_format, subrunasowner=run_as_owner,
-                    subfailover=failover,
+                    subfailover=failover, subddl=ddl, subconflictlog=conflict_log,
                 )
             )  # fmt: skip
             # Creating the origin claims the id cluster-wide; a concurrent creator in another database fails here
@@ -255,7 +259,7 @@ class Catalog(LiveFigures, SubscriptionStats):
         """The subscription table's columns this catalog has: one of version < 4 (not upgraded yet: ``run`` and
         ``create`` upgrade it) has no ``subgidformat``, which then reads as its default."""
         version = c.execute(sa.select(sa.func.max(catalog_version.c.version))).scalar() or 0
-        since = {"subgidformat": 4, "subrunasowner": 5, "subfailover": 9}
+        since = {"subgidformat": 4, "subrunasowner": 5, "subfailover": 9, "subddl": 13, "subconflictlog": 14}
         return [col for col in subscription.c if version >= since.get(col.name, 0)]
 
     def _get(self, c: sa.Connection, where: Any) -> Subscription | None:

@@ -19,7 +19,7 @@ from applier.migrate import carry as carrying
 from applier.migrate import counts as counting
 from applier.migrate import fence as fencing
 from applier.migrate import ownership, publications, store
-from applier.migrate.leftovers import drop_slot
+from applier.migrate.leftovers import drop_capture, drop_slot
 from applier.migrate.state import MigrationError, Phase
 
 __all__ = ["abort"]
@@ -27,9 +27,9 @@ __all__ = ["abort"]
 
 def abort(target_conninfo: str, name: str, say: Callable[[str], None], *, patience: float = 30.0) -> int:
     """Stop the migration (start sees phase ``failed`` and stops), lift its own fence of the source (only its own:
-    :mod:`applier.migrate.ownership`), drop the slot and the publication the migration created there, and the
-    subscription's catalog rows and origin on the target. The target's tables and rows stay. Runs again to the end
-    after an abort that was interrupted."""
+    :mod:`applier.migrate.ownership`), drop the slot, the publication and the DDL capture the migration created
+    there, and the subscription's catalog rows and origin on the target. The target's tables and rows stay. Runs
+    again to the end after an abort that was interrupted."""
     store.upgrade(target_conninfo)
     with psycopg.connect(target_conninfo, autocommit=True) as target:
         m = store.require(target, name)
@@ -45,6 +45,7 @@ def abort(target_conninfo: str, name: str, say: Callable[[str], None], *, patien
         if not ownership.lift_fence(target, m, say):
             say("the source was not fenced by this migration: left as it is")
         with fencing.open_source(m.source) as src:
+            drop_capture(src, m.slot, say)
             if m.slot_created:
                 drop_slot(src, m.slot, patience=patience, say=say)
             counting.drop_slot(src, counting.slot_name(m.slot))

@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--index-jobs", type=positive_int, default=2, metavar="N", help="indexes built at once (default 2)"
     )
     p.add_argument("--cutover", action="store_true", help="cut over by itself once caught up, then exit")
+    p.add_argument(
+        "--no-ddl",
+        action="store_true",
+        help="do not capture schema changes on the source (replayed by default)",
+    )
 
     p = sub.add_parser("status", help="phase, tables, lag")
     p.add_argument("name", metavar="NAME")
@@ -131,6 +136,7 @@ def _start(args: argparse.Namespace, target: str) -> int:
         table_jobs=args.table_jobs,
         index_jobs=args.index_jobs,
         cutover=args.cutover,
+        ddl=not args.no_ddl,
     )
     return start(opts, _say)
 

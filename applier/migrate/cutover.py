@@ -35,7 +35,7 @@ from applier.migrate import counts as counting
 from applier.migrate import fence as fencing
 from applier.migrate import reverse as reversing
 from applier.migrate import sequences as seqs
-from applier.migrate.leftovers import drop_slot
+from applier.migrate.leftovers import drop_capture, drop_slot
 from applier.migrate.state import MigrationError, Phase
 from applier.migrate.steps import SWITCH_KINDS, StepKind
 from applier.signals import Interrupted
@@ -463,8 +463,9 @@ class _Cutover:
                     store.set_phase(target, m.name, Phase.FOLLOWING, error=error)
 
     def _drop_on_source(self, src: psycopg.Connection[Any], m: store.Migration, slot: str) -> bool:
-        """The slot (once start has let go of it) and the publication: the old server keeps no WAL for us. Whether
-        the slot is gone (nothing decodes the source any more)."""
+        """The DDL capture, the slot (once start has let go of it) and the publication: the old server keeps no WAL
+        and no event trigger for us. Whether the slot is gone (nothing decodes the source any more)."""
+        drop_capture(src, m.slot, self.say)
         gone = drop_slot(src, slot, patience=max(self.left(), 10.0), say=self.say)
         if m.pub_created:
             publications.drop(src, m.name, self.say)

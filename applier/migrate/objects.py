@@ -86,6 +86,7 @@ SELECT e.evtname, e.evtevent, format('%I.%I', n.nspname, p.proname), e.evttags, 
 FROM pg_event_trigger e JOIN pg_proc p ON p.oid = e.evtfoid JOIN pg_namespace n ON n.oid = p.pronamespace
 WHERE NOT EXISTS (SELECT FROM pg_depend d WHERE d.classid = 'pg_event_trigger'::regclass AND d.objid = e.oid
                   AND d.deptype = 'e')
+  AND n.nspname <> 'applier_capture'  -- a DDL capture of ours (applier.ddl.capture) is never migrated
 ORDER BY e.oid
 """
 

@@ -30,7 +30,8 @@ have received no UPDATE/DELETE (published for INSERT and TRUNCATE only, so that 
 write: a later UPDATE/DELETE is not migrated, and the cutover copies such a table again, or refuses when it is larger
 than :data:`RECOPY_MAX_BYTES`), unlogged tables (cannot be published: not migrated), materialized views (refreshed on
 the target, not replicated), large objects (changes to them are not replicated: compared and copied again at the
-cutover), DDL (never replicated).
+cutover), schema changes (DDL) when the source role cannot install the DDL capture (event triggers: a superuser
+or a managed service's admin role).
 
 The time estimate is deliberately rough: heap bytes / :data:`COPY_BYTES_PER_SECOND` for the copy and index bytes /
 :data:`INDEX_BYTES_PER_SECOND` for the index builds, whole-run rates with the default jobs on a 2-core machine.
@@ -166,6 +167,7 @@ class SourceFacts:
     )  # role -> owner, grant, policy, statistics, ...
     privileges: SourcePrivileges = field(default_factory=SourcePrivileges)
     read_only: bool = False  # the database makes new sessions read-only (a fence, or its owner's setting)
+    ddl_capture_refused: str | None = None  # why start could not install the DDL capture (None: it can)
 
     @property
     def major(self) -> int:
@@ -468,9 +470,20 @@ def _warnings(s: SourceFacts, t: TargetFacts, selection: Selection) -> list[Find
     if t.major < s.major:
         out.append(Finding("downgrade", f"the target (PostgreSQL {t.major}) is older than the source ({s.major}): "
                            "the source's schema may use what the target cannot restore"))  # fmt: skip
-    out.append(Finding("ddl", "DDL is not replicated: do not change the schema of selected tables on the source "
-                       "until the cutover"))  # fmt: skip
+    if s.ddl_capture_refused:
+        out.append(_no_ddl_capture(s.ddl_capture_refused))
     return out
+
+
+def _no_ddl_capture(why: str) -> Finding:
+    """``ddl``: start would follow without the DDL capture (applier.ddl.capture), so schema changes on the source
+    are not replayed; what then happens, and the ways out."""
+    return Finding("ddl", f"schema changes (DDL) on the source will not be replayed on the target: {why}; start "
+                   "follows without them, and the first change that needs DDL the target lacks stops the follow "
+                   "with an error naming what to run on the target", "migrate as a superuser (or, on a managed "
+                   "service, a member of its admin role: rds_superuser, cloudsqlsuperuser, neon_superuser; "
+                   "Supabase: postgres), or run each DDL on the target too, before the writes that need it "
+                   "(docs/migrate.md, \"Schema changes while following\")")  # fmt: skip
 
 
 def insert_only_ways_out(table: str, *, started: bool = False) -> str:

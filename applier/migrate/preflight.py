@@ -20,7 +20,7 @@ import psycopg
 from applier.conninfo import describe, has_password, without_password
 from applier.migrate import fence as fencing
 from applier.migrate import publications, store
-from applier.migrate.leftovers import drop_slot
+from applier.migrate.leftovers import drop_capture, drop_slot
 from applier.migrate.state import MigrationError
 from applier.migrate.tools import find_dump_tools
 
@@ -82,13 +82,14 @@ def undo(
     say: Callable[[str], None],
 ) -> None:
     """Drop what the migration's record says it created on the source (its slot, its publication; never one it
-    found there), then record ``exc`` with what is left and what to do (None: a stop, not a failure, recorded only
-    when something is left). Best effort: a source that cannot be reached is named in the record, and ``abort``
+    found there) and its DDL capture, then record ``exc`` with what is left and what to do (None: a stop, not a
+    failure, recorded only when something is left). Best effort: a source that cannot be reached is named in the record, and ``abort``
     removes what is left."""
     left: list[str] = []
     try:
         with fencing.open_source(source) as src:
             now = store.load(target, m.name) or m
+            drop_capture(src, m.slot, say)
             if now.slot_created and not drop_slot(src, m.slot, patience=10.0, say=say):
                 left.append(f"slot {m.slot}")
             if now.pub_created:

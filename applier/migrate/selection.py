@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 __all__ = ["SYSTEM_SCHEMAS", "Selection", "SourceTables", "TableRow", "select_tables"]
 
-#: Never migrated: PostgreSQL's own schemas, and our catalog (the target's ``applier`` schema is ours).
-SYSTEM_SCHEMAS = frozenset({"pg_catalog", "information_schema", "pg_toast", "applier"})
+#: Never migrated: PostgreSQL's own schemas, our catalog (the target's ``applier`` schema is ours) and the DDL
+#: capture's schema on a source (:data:`applier.ddl.capture_sql.SCHEMA`: never dumped nor followed).
+SYSTEM_SCHEMAS = frozenset({"pg_catalog", "information_schema", "pg_toast", "applier", "applier_capture"})
 
 
 def _system(schema: str) -> bool:

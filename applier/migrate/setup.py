@@ -22,6 +22,7 @@ from applier.catalog import sql as catalog_sql
 from applier.conninfo import describe, without_password
 from applier.lsn import format_lsn
 from applier.migrate import (
+    ddl_capture,
     identity,
     knobs,
     largeobjects,
@@ -162,10 +163,13 @@ class SetUp:
     def publication(self, m: store.Migration, tables: SourceTables) -> None:
         """Create the migration's publications of the selected tables (once; the same table lists when started
         again before the copy is over; after it, a start that resumes leaves them as they are): the tables without
-        a usable replica identity in an insert-only one, so that the source keeps taking every write
-        (:mod:`applier.migrate.publications`)."""
+        a usable replica identity in an insert-only one, so that the source keeps taking every write (publications);
+        then the DDL capture, before the slot (:mod:`applier.migrate.ddl_capture`)."""
         with psycopg.connect(self.opts.source, autocommit=True) as src:
             split = pubs.create(src, self.target, m, tables.tables)
+        ddl_capture.install(
+            self.opts.source, self.target, self.migration(), self.opts.selection, self.opts.ddl, self.say
+        )
         if split is None:
             return
         main, ins = pubs.names(m.name)
@@ -315,6 +319,7 @@ class SetUp:
                 enabled=True,
                 copy_data=True,
                 gid_format=self._gid_format(),
+                ddl=ddl_capture.captured(m),
             )
             with catalog.engine.begin() as c:
                 for name in tables:

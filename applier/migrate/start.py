@@ -53,6 +53,7 @@ class StartOptions:
     table_jobs: int = 2
     index_jobs: int = 2
     cutover: bool = False
+    ddl: bool = True  # the DDL capture on the source (start --no-ddl: off)
 
 
 def start(opts: StartOptions, say: Callable[[str], None]) -> int:

@@ -18,7 +18,7 @@ from applier.catalog import sql as catalog_sql
 from applier.catalog.store import origin_name
 from applier.lsn import parse_lsn
 from applier.migrate import carry as carrying
-from applier.migrate import ownership, publications, store
+from applier.migrate import ddl_capture, ownership, publications, store
 from applier.migrate.state import Phase
 from applier.migrate.steps import CUTOVER_KINDS, SWITCH_KINDS
 from applier.migrate.survey import database_read_only
@@ -59,6 +59,9 @@ def status(target_conninfo: str, name: str) -> dict[str, Any]:
         "fence": {"fenced_at": m.fenced_at, "source_read_only": None},
         # what the user should know afterwards: the cutover's fence (sessions ended, left, held off)
         "notes": m.notes,
+        # schema changes on the source replayed (its DDL capture installed), or why not (applier.migrate.ddl_capture)
+        "ddl": ddl_capture.captured(m),
+        "ddl_why_not": ddl_capture.why_not(m),
         # keyless tables published insert-only that received UPDATE/DELETE (the cutover copies them again or refuses)
         "diverging": [],
         "lag_bytes": None,
@@ -205,6 +208,8 @@ def format_status(doc: dict[str, Any]) -> str:
             f"{k.replace('_', ' ')} {v:.1f}s" for k, v in est.items() if k != "total" and v >= 0.05
         )
         lines.append(f"a cutover now: ~{est['total']:.1f}s of write downtime ({parts or 'all steps quick'})")
+    if doc.get("ddl") is False:
+        lines.append(f"schema changes: not replayed ({doc.get('ddl_why_not')})")
     if doc.get("source_error"):
         lines.append(f"source: not reachable: {doc['source_error']}")
     for d in doc.get("diverging") or []:

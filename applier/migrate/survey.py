@@ -224,6 +224,7 @@ def gather_source(conninfo: str, selection: Selection) -> SourceFacts:
             role_uses={r: sorted(u) for r, u in uses.items()},
             privileges=_source_privileges(conn, selection, covered),
             read_only=database_read_only(conn),
+            ddl_capture_refused=_capture_refused(conn),
         )
         conn.rollback()
     return facts
@@ -330,14 +331,26 @@ def _row_security(conn: psycopg.Connection[Any], covered: set[tuple[str, str]]) 
 
 
 def _event_triggers(conn: psycopg.Connection[Any]) -> list[str]:
-    """The event triggers not created by an extension (those come with it)."""
+    """The event triggers not created by an extension (those come with it) nor by a DDL capture of ours (its
+    functions are in schema ``applier_capture``: :mod:`applier.ddl.capture`)."""
     return [
         r[0]
         for r in conn.execute(
             "SELECT evtname FROM pg_event_trigger e WHERE NOT EXISTS (SELECT FROM pg_depend d WHERE"
-            " d.classid = 'pg_event_trigger'::regclass AND d.objid = e.oid AND d.deptype = 'e') ORDER BY 1"
+            " d.classid = 'pg_event_trigger'::regclass AND d.objid = e.oid AND d.deptype = 'e')"
+            " AND NOT EXISTS (SELECT FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
+            " WHERE p.oid = e.evtfoid AND n.nspname = 'applier_capture') ORDER BY 1"
         )
     ]
+
+
+def _capture_refused(conn: psycopg.Connection[Any]) -> str | None:
+    """Why ``start`` could not install the DDL capture on the source (None: it can): catalogs only, so it may be
+    asked inside plan's read-only transaction."""
+    from applier.ddl import capture  # its SQL builds on this module's IDENTITY_USABLE
+
+    ok, why = capture.can_capture(conn)
+    return None if ok else why
 
 
 def _local_free_bytes(conninfo: str, conn: psycopg.Connection[Any]) -> int | None:

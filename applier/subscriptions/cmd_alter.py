@@ -15,6 +15,7 @@ from applier.catalog.store import Catalog, Subscription
 from applier.conninfo import describe, without_password
 from applier.lsn import format_lsn, parse_lsn
 from applier.replication import ReplicationConnection
+from applier.subscriptions import ddl
 from applier.subscriptions.common import (
     ALTER_SLOT_TWO_PHASE_VERSION,
     QUIET,
@@ -61,14 +62,17 @@ SETTABLE = (
     "gid_format",
     "run_as_owner",
     "failover",
+    "conflict_log",
+    "ddl",
 )
-_BOOLEANS = ("two_phase", "binary", "disable_on_error", "run_as_owner", "failover")
+_BOOLEANS = ("two_phase", "binary", "disable_on_error", "run_as_owner", "failover", "ddl")
 #: what each option takes, as the hint for a wrong value lists it: a user who typed one wrong value should not
 #: have to guess the next
 _VALID_VALUES = {
     **dict.fromkeys(_BOOLEANS, "true, false (or on, off)"),
     "streaming": "off, on, parallel",
     "origin": "any, none",
+    "conflict_log": "log, table, all",
     "gid_format": ", ".join(GID_FORMATS),
     "slot_name": "a slot name (1-63 lower case letters, digits and underscores), or NONE",
 }
@@ -124,6 +128,8 @@ def _value(option: str, value: str) -> Any:
         return _one_of(option, value, ("any", "none"))
     if option == "gid_format":
         return _one_of(option, value, GID_FORMATS)
+    if option == "conflict_log":
+        return _one_of(option, value, ("log", "table", "all"))
     return _slot_name(value)
 
 
@@ -158,6 +164,8 @@ _COLUMNS = {
     "gid_format": "subgidformat",
     "run_as_owner": "subrunasowner",
     "failover": "subfailover",
+    "conflict_log": "subconflictlog",
+    "ddl": "subddl",
 }
 
 
@@ -190,6 +198,9 @@ def alter_options(
     _check_options(catalog, sub, target, options, force=force)
     if "failover" in options and options["failover"] != sub.subfailover:
         _set_failover(sub, options["failover"], console)  # the slot first; the catalog below
+    _set_ddl(
+        catalog, sub, options, console
+    )  # the publisher's capture first (on: after subddl); the catalog below
     values = {_COLUMNS[k]: v for k, v in options.items() if k != "two_phase"}
     if "two_phase" not in options:
         with target_errors(target):
@@ -268,6 +279,29 @@ def _set_failover(sub: Subscription, failover: bool, console: Console) -> None:
         two_phase = sub.subtwophasestate is not TwoPhaseState.DISABLED
         check_publisher_version(pub.server_version, failover=failover, two_phase=two_phase)
         set_slot_failover(pub, sub.subslotname, failover, console)
+
+
+def _set_ddl(catalog: Catalog, sub: Subscription, options: dict[str, Any], console: Console) -> None:
+    """``--set ddl`` (and a new ``slot_name`` while it is on): the capture of the slot the subscription will use
+    installed, that of the slot it used removed. Turning it on, the catalog says ``subddl`` first and the capture
+    comes after (a refusal puts ``subddl`` back): a running worker then meets the capture's first message either
+    in a session that replays or in one that restarts for it (applier.apply.ddl_replay.DdlConsumer), so no DDL
+    committed after the install is missed."""
+    want = options.get("ddl", sub.subddl)
+    old = sub.subslotname
+    new = options["slot_name"] if "slot_name" in options else old
+    pubs = sub.subpublications
+    if want and (not sub.subddl or new != old) and (new is not None or "ddl" in options):
+        if not sub.subddl and new == old:
+            catalog.update_subscription(sub.subid, subddl=True)
+        try:
+            ddl.set_capture(sub.subconninfo, sub.subname, new, pubs, True, console)
+        except BaseException:
+            if not sub.subddl:
+                catalog.update_subscription(sub.subid, subddl=False)
+            raise
+    if sub.subddl and old is not None and (not want or new != old):
+        ddl.set_capture(sub.subconninfo, sub.subname, old, pubs, False, console)
 
 
 def _check_publisher_can(sub: Subscription, *, two_phase: bool, origin: str) -> None:

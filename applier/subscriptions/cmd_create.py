@@ -15,6 +15,7 @@ from applier.conninfo import without_password
 from applier.lsn import format_lsn
 from applier.privileges import TargetFacts
 from applier.replication import ReplicationConnection, ReplicationConnectionError
+from applier.subscriptions import ddl
 from applier.subscriptions.common import (
     QUIET,
     Console,
@@ -57,6 +58,8 @@ class CreateOptions:
     enabled: bool = True
     run_as_owner: bool = False  # PostgreSQL 16's: trust the tables' owners (docs/security.md)
     failover: bool = False  # PostgreSQL 17's: a slot that standbys synchronize (docs/operations.md)
+    conflict_log: str = "log"  # where conflicts go: log, table (applier.conflict_log), all
+    ddl: bool = False  # replay the publisher's schema changes (applier.subscriptions.ddl)
 
     @property
     def slot(self) -> str:
@@ -83,27 +86,10 @@ def create(target: str, opts: CreateOptions, console: Console = QUIET) -> Subscr
             _require_grants(catalog, facts, relids)  # everything is checked: only now is anything written
             catalog.ensure()
             _refuse_existing(catalog, opts.name)  # created by someone else while the publisher was checked
-        two_phase, slot_two_phase = initial_two_phase(
-            opts.two_phase, opts.copy_data, opts.create_slot, has_tables=bool(tables)
-        )
-        with target_errors(target):
-            sub = catalog.create_subscription(
-                subname=opts.name,
-                conninfo=without_password(opts.publisher),
-                publications=list(opts.publications),
-                two_phase_state=two_phase,
-                streaming=opts.streaming,
-                binary=opts.binary,
-                disable_on_error=opts.disable_on_error,
-                origin=opts.origin,
-                slot_name=opts.slot,
-                enabled=opts.enabled,
-                copy_data=opts.copy_data,
-                run_as_owner=opts.run_as_owner,
-                failover=opts.failover,
-            )
-            _warn_untrusted(catalog, relids, opts, console)
-        state = _add_tables_and_slot(catalog, target, pub, sub, opts, tables, relids, slot_two_phase, console)
+        # --ddl: the capture before the slot (no DDL after its consistent point missed), undone if create fails
+        with ddl.installed_for(opts.publisher, opts.name, opts.slot, opts.publications, enabled=opts.ddl,
+                               console=console):  # fmt: skip
+            state = _write(catalog, target, pub, opts, tables, relids, console)
 
     warn_password_not_stored(opts.publisher, console)
     created = catalog.require(opts.name)
@@ -117,6 +103,42 @@ def create(target: str, opts: CreateOptions, console: Console = QUIET) -> Subscr
         )
     )
     return created
+
+
+def _write(
+    catalog: Catalog,
+    target: str,
+    pub: ReplicationConnection,
+    opts: CreateOptions,
+    tables: Sequence[str],
+    relids: dict[str, int],
+    console: Console,
+) -> SyncState:
+    """Everything checked: the catalog row, the tables and the slot (undone together on a failure); returns the
+    tables' first state."""
+    two_phase, slot_two_phase = initial_two_phase(
+        opts.two_phase, opts.copy_data, opts.create_slot, has_tables=bool(tables)
+    )
+    with target_errors(target):
+        sub = catalog.create_subscription(
+            subname=opts.name,
+            conninfo=without_password(opts.publisher),
+            publications=list(opts.publications),
+            two_phase_state=two_phase,
+            streaming=opts.streaming,
+            binary=opts.binary,
+            disable_on_error=opts.disable_on_error,
+            origin=opts.origin,
+            slot_name=opts.slot,
+            enabled=opts.enabled,
+            copy_data=opts.copy_data,
+            run_as_owner=opts.run_as_owner,
+            failover=opts.failover,
+            ddl=opts.ddl,
+            conflict_log=opts.conflict_log,
+        )
+        _warn_untrusted(catalog, relids, opts, console)
+    return _add_tables_and_slot(catalog, target, pub, sub, opts, tables, relids, slot_two_phase, console)
 
 
 def _refuse_existing(catalog: Catalog, name: str) -> None:

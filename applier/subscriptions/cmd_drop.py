@@ -9,6 +9,8 @@ import psycopg
 import sqlalchemy as sa
 
 from applier.catalog.store import Catalog, Subscription
+from applier.ddl import capture
+from applier.subscriptions import ddl
 from applier.subscriptions.common import (
     QUIET,
     SYNC_SLOT_PATTERN,
@@ -65,6 +67,8 @@ def _drop_publisher_slots(sub: Subscription, *, force: bool, console: Console) -
             if slot
             else "nothing (the subscription has no slot)"
         )
+        if sub.subddl and slot:
+            manual += f", and remove the DDL capture there: {capture.manual_removal(slot)}"
         if not force:
             raise SubscriptionError(
                 exc.message + "; nothing was dropped",
@@ -74,6 +78,9 @@ def _drop_publisher_slots(sub: Subscription, *, force: bool, console: Console) -
         console.warn(f"{exc.message}\nthe publisher's slot is left behind: drop it by hand with {manual}")
         return
     with pub:
+        # the capture first: one that cannot be removed then leaves everything as it was
+        if sub.subddl and slot is not None:
+            _remove_capture(sub, slot, force=force, console=console)
         names = [
             r[0]
             for r in _pub_query(
@@ -89,6 +96,24 @@ def _drop_publisher_slots(sub: Subscription, *, force: bool, console: Console) -
                 console.info(f'dropped replication slot "{name}" on the publisher')
             elif name == slot:
                 console.warn(f'replication slot "{name}" did not exist on the publisher')
+
+
+def _remove_capture(sub: Subscription, slot: str, *, force: bool, console: Console) -> None:
+    """The slot's DDL capture, as the slot goes; with ``force``, one that cannot be removed (the publisher's role
+    may no longer) is left with a warning that says how, as the slot's case does."""
+    try:
+        ddl.remove(sub.subconninfo, sub.subname, slot, console)
+    except SubscriptionError as exc:
+        if not force:
+            raise SubscriptionError(
+                exc.message + "; nothing was dropped",
+                (exc.hint or "make the publisher reachable")
+                + f"; then run applier drop {sub.subname} again, or pass --force to leave the capture behind",
+            ) from None
+        console.warn(
+            f"{exc.message}\nthe DDL capture is left behind: remove it on the publisher as a superuser with "
+            + capture.manual_removal(slot)
+        )
 
 
 def _delete_with_patience(catalog: Catalog, sub: Subscription, patience: float = 10.0) -> None:

@@ -85,13 +85,9 @@ def status(target: str, name: str | None = None, *, publisher_timeout: int = 5) 
         return [_status_of(catalog, sub, publisher_timeout) for sub in subs]
 
 
-def _status_of(catalog: Catalog, sub: Subscription, publisher_timeout: int) -> dict[str, Any]:
-    holder = _holder(catalog, sub.subid)
-    waiting = _standbys(catalog, sub.subid)
-    origin = origin_progress(catalog, sub)
-    error = catalog.last_error(sub.subid)
-    tables = catalog.table_states(sub.subid)
-    result: dict[str, Any] = {
+def _options(sub: Subscription) -> dict[str, Any]:
+    """The subscription's name and options, first in its status document (the catalog's values)."""
+    return {
         "name": sub.subname,
         "subid": sub.subid,
         "enabled": sub.subenabled,
@@ -103,6 +99,18 @@ def _status_of(catalog: Catalog, sub: Subscription, publisher_timeout: int) -> d
         "failover": sub.subfailover,
         "origin": sub.suborigin,
         "gid_format": sub.subgidformat,
+        "conflict_log": sub.subconflictlog,
+        "ddl": sub.subddl,
+    }
+
+
+def _status_of(catalog: Catalog, sub: Subscription, publisher_timeout: int) -> dict[str, Any]:
+    holder, waiting = _holder(catalog, sub.subid), _standbys(catalog, sub.subid)
+    origin = origin_progress(catalog, sub)
+    error = catalog.last_error(sub.subid)
+    tables = catalog.table_states(sub.subid)
+    result: dict[str, Any] = {
+        **_options(sub),
         "slot_name": sub.subslotname,
         "publications": list(sub.subpublications),
         "publisher": sub.subconninfo,
@@ -287,8 +295,8 @@ def format_status(entries: list[dict[str, Any]]) -> str:
             f'subscription "{s["name"]}" (subid {s["subid"]}): {"enabled" if s["enabled"] else "disabled"}, '
             f"two-phase {s['two_phase']} ({_TWO_PHASE_WORDS.get(s['two_phase'], '?')}), streaming {s['streaming']}, "
             f"binary {str(s['binary']).lower()}, origin {s['origin']}, disable_on_error "
-            f"{str(s['disable_on_error']).lower()}, run_as_owner {str(s['run_as_owner']).lower()}"
-            + (f", skip-LSN {s['skip_lsn']}" if s["skip_lsn"] else ""),
+            f"{str(s['disable_on_error']).lower()}, run_as_owner {str(s['run_as_owner']).lower()}, "
+            f"ddl {str(s['ddl']).lower()}" + (f", skip-LSN {s['skip_lsn']}" if s["skip_lsn"] else ""),
             f"  publisher: {s['publisher']}; publications {', '.join(s['publications'])}; slot {s['slot_name']}"
             + (" (failover)" if s["failover"] else ""),
             *_worker_lines(s),

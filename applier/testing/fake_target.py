@@ -61,7 +61,8 @@ class FakePipeline:
 
     def __init__(self, target: FakeTarget) -> None:
         self._target = target
-        self.on_missing_row: Callable[[ErrorContext | None], None] | None = None
+        self.on_missing_row: Callable[[ErrorContext | None, Any], None] | None = None
+        self.on_conflict: Callable[[str, ErrorContext | None, Sequence[str], Any], None] | None = None
         self.pending: list[tuple[Callable[[Any], None], Any]] = []
 
     def send_query(
@@ -83,14 +84,39 @@ class FakePipeline:
             callback(result)
 
 
+class FakeDdl:
+    """The fake's schema changes: recorded; a created table joins with the next free OID from 90000."""
+
+    def __init__(self, target: FakeTarget) -> None:
+        self._target = target
+        self._next_oid = 90000
+
+    def run(self, statement: str, tag: str, search_path: str, ctx: ErrorContext | None) -> None:
+        self._target._require_transaction("DDL")
+        self._target.record("ddl", (statement, search_path), ctx)
+
+    def join(self, subid: int, name: str, state: Any, ctx: ErrorContext | None) -> int | None:
+        self._target.record("ddl_join", (subid, name, state), ctx)
+        self._next_oid += 1
+        return self._next_oid
+
+    def leave_dropped(self, subid: int, ctx: ErrorContext | None) -> None:
+        self._target.record("ddl_leave", (subid,), ctx)
+
+    def forget_tables(self) -> None:
+        self._target.record("ddl_forget")
+
+
 class FakeTarget:
     """Records the apply core's calls (see module docstring); ``tables`` are what ``load_local_table`` finds."""
 
     def __init__(self, tables: Sequence[LocalTable] = (), *, binary: bool = False) -> None:
         self.tables = {(t.schema, t.name): t for t in tables}
         self.binary = binary
+        self.origin_checks = False
         self.in_transaction = False
         self.pipeline = FakePipeline(self)
+        self.ddl = FakeDdl(self)
         self.calls: list[Call] = []
         #: the replication origin's position after each commit-like call, in order
         self.origin_positions: list[int] = []
@@ -253,6 +279,15 @@ class FakeTarget:
         self.end_copy()
         self._require_transaction("bulk DELETE")
         self.record("bulk_delete", (entry.local.display, tuple(keys)), ctx)
+
+    def bulk_origins(
+        self,
+        entry: RelMapEntry,
+        keys: Sequence[bytes],
+        ctx: ErrorContext | None,
+        on_found: Callable[[int, Any], None],
+    ) -> None:
+        self.record("bulk_origins", (entry.local.display, tuple(keys)), ctx)
 
     def start_copy(self, entry: RelMapEntry, rows: Sequence[TupleData], ctx: ErrorContext | None) -> None:
         self.end_copy()

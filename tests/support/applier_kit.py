@@ -25,6 +25,7 @@ from applier.messages import (
     TupleData,
 )
 from applier.testing.fake_target import FakeTarget
+from state.tables import SyncState
 
 #: the local tables of the unit tests: public.t (id key, v) and public.u (id key), oids 1001 and 1002
 T = LocalTable(1001, "public", "t", "r", (LocalColumn("id", 23), LocalColumn("v", 25)), ("id",))
@@ -51,6 +52,7 @@ class FakeTables(TableStates):
 
     not_ready: dict[int, int] = field(default_factory=dict)
     after: list[int] = field(default_factory=list)
+    joins: list[tuple[int, str, SyncState]] = field(default_factory=list)
     two_phase_state: str = "e"
 
     @property
@@ -63,6 +65,9 @@ class FakeTables(TableStates):
 
     def after_transaction(self, current_lsn: int) -> None:
         self.after.append(current_lsn)
+
+    def joined(self, local_oid: int, name: str, state: SyncState) -> None:
+        self.joins.append((local_oid, name, state))
 
 
 @dataclass

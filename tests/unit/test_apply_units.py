@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from applier.apply.context import ErrorContext
 from applier.apply.feedback import FeedbackTracker
+from applier.apply.missing_columns import type_name
 from applier.apply.relmap import LocalColumn, LocalTable, RelationMappingError, map_relation
 from applier.apply.spool import Spool
 from applier.messages import Relation, RelationColumn
@@ -212,8 +213,22 @@ def test_missing_columns_are_named():
         RelationMappingError, match=r'relation "public.t" is missing replicated columns: "a", "b"'
     ):
         map_relation(rel("d", ("id", True), ("a", False), ("b", False)), local(("id",), "id"))
-    with pytest.raises(RelationMappingError, match=r'is missing replicated column: "a"$'):
+    with pytest.raises(RelationMappingError, match=r'is missing replicated column: "a"; ') as err:
         map_relation(rel("d", ("id", True), ("a", False)), local(("id",), "id"))
+    assert str(err.value).endswith(
+        'once it is added on the target: ALTER TABLE "public"."t" ADD COLUMN "a" integer'
+    )
+
+
+@pytest.mark.parametrize(
+    ("oid", "typmod", "spelled"),
+    [
+        (1043, 24, "character varying(20)"), (1700, (12 << 16 | 2) + 4, "numeric(12,2)"), (1700, -1, "numeric"),
+        (1184, 3, "timestamp with time zone(3)"), (1007, -1, "integer[]"), (23, -1, "integer"), (16385, -1, None),
+    ],
+)  # fmt: skip
+def test_the_missing_columns_type_is_spelled_as_the_source_declared_it(oid, typmod, spelled):
+    assert type_name(oid, typmod) == spelled
 
 
 def test_generated_target_column_is_an_error():

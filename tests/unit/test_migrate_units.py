@@ -37,10 +37,22 @@ def blockers(
     return codes(assess(s or source(), t or target(), Selection(), tools).blockers)
 
 
-def test_a_clean_migration_has_no_blocker_and_only_the_ddl_warning() -> None:
+def test_a_clean_migration_has_no_blocker_and_no_warning() -> None:
     plan = assess(source(), target(), Selection(), PG18)
     assert plan.ok and plan.blockers == []
-    assert codes(plan.warnings) == ["ddl"]
+    assert codes(plan.warnings) == []
+
+
+def test_a_source_that_refuses_the_ddl_capture_is_a_warning_with_the_ways_out() -> None:
+    """Issue 39: start follows without the capture, so schema changes are not replayed: a warning, not a
+    blocker, naming why and the roles that may install it."""
+    plan = assess(
+        source(ddl_capture_refused="role mig may not create event triggers"), target(), Selection(), PG18
+    )
+    assert plan.ok and codes(plan.warnings) == ["ddl"]
+    (w,) = plan.warnings
+    assert "role mig may not create event triggers" in w.message and "not be replayed" in w.message
+    assert "rds_superuser" in w.hint and "cloudsqlsuperuser" in w.hint
 
 
 def test_each_blocker_alone() -> None:
@@ -159,7 +171,7 @@ def test_warnings() -> None:
     )  # fmt: skip
     assert plan.ok
     assert codes(plan.warnings) == ["unlogged", "materialized_view", "large_objects", "extension_version",
-                                    "downgrade", "ddl"]  # fmt: skip
+                                    "downgrade"]  # fmt: skip
 
 
 def test_row_security_and_event_trigger_warnings() -> None:

@@ -1,0 +1,74 @@
+"""The apply session's schema changes (applier.ddl): a captured DDL statement run on the target inside the remote
+transaction that carried it, and the catalog rows of the tables it creates or drops, in that same local
+transaction, so that a crash anywhere leaves both applied or neither (the origin advances with them).
+
+The statement runs with the source's ``search_path`` for its own length only (``set_config(..., true)`` before and
+the apply session's empty path after): the statement was written for the source's path, the apply's own statements
+rely on an empty one (every name they use is schema-qualified).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from psycopg import sql
+
+from applier.apply.context import ErrorContext
+from applier.catalog import sql as catalog_sql
+from state.tables import SyncState
+
+if TYPE_CHECKING:  # (the session creates its DdlWrites; typing only)
+    from applier.apply.target import Target
+
+_SET_PATH = b"SELECT pg_catalog.set_config('search_path', $1, true)"
+_JOIN, _LEAVE = catalog_sql.JOIN_CREATED_TABLE, catalog_sql.LEAVE_DROPPED_TABLES
+#: GRANT and REVOKE name roles, which are global: one the target lacks is a WARNING, not a stop (privileges are
+#: no rows; the capture sends them whatever object they are on)
+_TOLERANT = (
+    "DO $applier_ddl$ BEGIN EXECUTE {}; EXCEPTION WHEN undefined_object OR undefined_table OR undefined_function"
+    " OR invalid_schema_name THEN RAISE WARNING 'applier: % not replayed: %', {}, SQLERRM; END $applier_ddl$"
+)
+_ROLE_TAGS = frozenset({"GRANT", "REVOKE", "ALTER DEFAULT PRIVILEGES"})
+
+
+class DdlWrites:
+    """The DDL statements of one target session (``session``: its transaction and pipeline)."""
+
+    def __init__(self, session: Target) -> None:
+        self.session = session
+        self.pipeline = session.pipeline
+
+    def run(self, statement: str, tag: str, search_path: str, ctx: ErrorContext | None) -> None:
+        """Queue ``statement`` in the open local transaction; its error surfaces with ``ctx`` like a row's."""
+        pipeline = self.pipeline
+        pipeline.send_query(_SET_PATH, [search_path.encode()], ctx)
+        if tag in _ROLE_TAGS:
+            conn = self.session.conn
+            text = _TOLERANT.format(sql.Literal(statement).as_string(conn), sql.Literal(tag).as_string(conn))
+            pipeline.send_query(text.encode(), None, ctx)
+        else:
+            pipeline.send_query(statement.encode(), None, ctx)
+        pipeline.send_query(_SET_PATH, [b""], ctx)
+
+    def join(self, subid: int, name: str, state: SyncState, ctx: ErrorContext | None) -> int | None:
+        """The table ``name`` (the source's identity; the replayed CREATE made it here) becomes the subscription's,
+        in state ``state``; its OID, or None when no such table is here (the CREATE did not make it)."""
+        got: list[int] = []
+
+        def done(res: object) -> None:
+            value = res.get_value(0, 0) if res.ntuples else None  # type: ignore[attr-defined]
+            if value is not None:
+                got.append(int(value))
+
+        self.pipeline.send_query(
+            _JOIN, [str(subid).encode(), name.encode(), name.encode(), state.encode()], ctx, done
+        )
+        self.pipeline.drain()
+        return got[0] if got else None
+
+    def leave_dropped(self, subid: int, ctx: ErrorContext | None) -> None:
+        self.pipeline.send_query(_LEAVE, [str(subid).encode()], ctx)
+
+    def forget_tables(self) -> None:
+        """Nothing read of the local tables before the statement may be used after it."""
+        self.session.forget_local_tables()
