@@ -60,6 +60,21 @@ def _both(pair: Any, *statements: str) -> None:
             db.execute(s)
 
 
+def _a_new_column_arrives_then_drop_leaves_nothing(pair: Any, run: subprocess.Popen[str]) -> None:
+    """An ALTER TABLE ADD COLUMN and a row that needs it, in one transaction, reach the target; then ``run``
+    stops cleanly and ``drop`` leaves nothing of ours on the publisher."""
+    with pair.publisher.connect(autocommit=False) as conn:
+        conn.execute("ALTER TABLE t ADD COLUMN c int")
+        conn.execute("INSERT INTO t VALUES (1, 'a', 3)")
+        conn.commit()
+    wait_until(lambda: alive(run)() and pair.target.scalar("SELECT count(*) FROM t") == 1, timeout=60,
+               what="the row that needs the new column")  # fmt: skip
+    assert_tables_equal(pair.publisher, pair.target, "t")
+    assert stop(run) == 0
+    ok(pair.target, "drop", "s")
+    assert _ours(pair.publisher) == NOTHING
+
+
 def _streaming(run: subprocess.Popen[str], times: int = 1) -> None:
     """Wait until the worker has started streaming ``times`` times (a restart after an alter is the second)."""
     wait_until(lambda: alive(run)() and run_log(run).count("has started streaming") >= times, timeout=60,
@@ -177,16 +192,7 @@ def test_alter_set_ddl_false_removes_the_capture_and_true_puts_it_back_for_the_r
         assert len(capture.installed(conn, "s")) == 4
     assert status(pair.target, "s")["ddl"] is True
     _streaming(run, 3)  # and again with them
-    with pair.publisher.connect(autocommit=False) as conn:
-        conn.execute("ALTER TABLE t ADD COLUMN c int")
-        conn.execute("INSERT INTO t VALUES (1, 'a', 3)")
-        conn.commit()
-    wait_until(lambda: alive(run)() and pair.target.scalar("SELECT count(*) FROM t") == 1, timeout=60,
-               what="the row that needs the new column")  # fmt: skip
-    assert_tables_equal(pair.publisher, pair.target, "t")
-    assert stop(run) == 0
-    ok(pair.target, "drop", "s")
-    assert _ours(pair.publisher) == NOTHING
+    _a_new_column_arrives_then_drop_leaves_nothing(pair, run)
 
 
 def test_a_publisher_role_that_may_not_create_event_triggers_is_refused_with_nothing_left(pair: Any) -> None:
@@ -263,16 +269,7 @@ def test_a_postgresql_14_publisher_sends_the_messages_too(
         create(pair, "s", "--ddl", "--no-copy-data")
         run = start_run(pair.target, "s")
         _streaming(run)
-        with pair.publisher.connect(autocommit=False) as conn:
-            conn.execute("ALTER TABLE t ADD COLUMN c int")
-            conn.execute("INSERT INTO t VALUES (1, 'a', 3)")
-            conn.commit()
-        wait_until(lambda: alive(run)() and pair.target.scalar("SELECT count(*) FROM t") == 1, timeout=60,
-                   what="the row that needs the new column")  # fmt: skip
-        assert_tables_equal(pair.publisher, pair.target, "t")
-        assert stop(run) == 0
-        ok(pair.target, "drop", "s")
-        assert _ours(pair.publisher) == NOTHING
+        _a_new_column_arrives_then_drop_leaves_nothing(pair, run)
     finally:
         drop_our_origins(pair.target)
         target_cluster.drop_database(name)
