@@ -54,8 +54,6 @@ class BulkCore(Protocol):
 
     def protocol_error(self, message_type: str, text: str) -> ProtocolError: ...
 
-    def missing_row(self, ctx: ErrorContext | None, row: Any = None) -> None: ...
-
 
 class BulkExecution:
     """The bulk strategy of one :class:`~applier.apply.handlers.Applier` (see the module docstring)."""

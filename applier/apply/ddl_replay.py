@@ -17,19 +17,35 @@ missing-column error that names it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from applier.apply.context import ErrorContext
+from applier.apply.insert_sink import InsertRuns
+from applier.apply.ports import ApplyTarget
+from applier.apply.relmap import RelationMap
 from applier.ddl.payload import PREFIX, DdlEvent, DdlPayloadError, decode_payload, verified
 from applier.ddl.statements import Replay, replay_for, without_data
 from applier.lsn import format_lsn
 from applier.messages import Message
 from state.tables import SyncState
 
-if TYPE_CHECKING:
-    from applier.apply.handlers import Applier
+
+class DdlCore(Protocol):
+    """What :class:`DdlReplay` uses of the core (:class:`~applier.apply.handlers.Applier`)."""
+
+    subid: int
+    subname: str
+    log: logging.Logger
+    target: ApplyTarget
+    tables: Any  # TableStates: .joined
+    relmap: RelationMap
+    inserts: InsertRuns
+
+    def context(self, message_type: str, relation: str | None = None) -> ErrorContext: ...
+
 
 __all__ = ["DdlConsumer", "DdlContext", "DdlReplay"]
 
@@ -84,7 +100,7 @@ class DdlReplay:
     worker ignores them). A message whose signature is not the key's (any role of the source may emit one with our
     prefix) is not run: a WARNING says so, and replication goes on."""
 
-    def __init__(self, core: Applier, consumer: DdlConsumer | None) -> None:
+    def __init__(self, core: DdlCore, consumer: DdlConsumer | None) -> None:
         self.core = core
         self.consumer = consumer
         #: (source statement or tag, why) of each event skipped since the session started, for status and tests

@@ -46,12 +46,22 @@ def _modifier(oid: int, typmod: int) -> str:
     return ""
 
 
+def _spelled(oid: int, typmod: int) -> str:
+    """A time type's precision goes after its first word (``timestamp(3) with time zone``: the grammar has no
+    ``timestamp with time zone(3)``); any other modifier after the name."""
+    name, modifier = _BUILTIN[oid], _modifier(oid, typmod)
+    if modifier and oid in (1083, 1114, 1184, 1266):
+        first, rest = name.split(" ", 1)
+        return f"{first}{modifier} {rest}"
+    return name + modifier
+
+
 def type_name(oid: int, typmod: int) -> str | None:
     """The SQL spelling of a built-in type with its modifier, or None for any other type."""
     if oid in _BUILTIN:
-        return _BUILTIN[oid] + _modifier(oid, typmod)
+        return _spelled(oid, typmod)
     if oid in _ARRAYS:
-        return _BUILTIN[_ARRAYS[oid]] + _modifier(_ARRAYS[oid], typmod) + "[]"
+        return _spelled(_ARRAYS[oid], typmod) + "[]"
     return None
 
 

@@ -154,7 +154,8 @@ def _check_mappable(remote: Relation, local: LocalTable) -> dict[str, LocalColum
         raise RelationMappingError(
             f'logical replication target relation "{local.display}" is missing replicated {noun}: {listed}'
             f"; the apply goes on by itself once {'it is' if len(missing) == 1 else 'they are'} added on the"
-            f" target: {add_columns_statement(local.schema, local.name, remote, missing)}"
+            " target as on the source (with its DEFAULT, if it has one: the rows already there take it):"
+            f" {add_columns_statement(local.schema, local.name, remote, missing)}"
         )
     generated = [c.name for c in remote.columns if by_name[c.name].generated]
     if generated:

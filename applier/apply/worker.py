@@ -66,7 +66,6 @@ from state.twophase import TwoPhaseState, stream_two_phase
 log = logging.getLogger("applier.apply")
 
 
-
 def group_commit_default() -> bool:
     """Group commit is on unless the environment says ``APPLIER_GROUP_COMMIT=0`` (or off/false/no)."""
     return _switch("APPLIER_GROUP_COMMIT")

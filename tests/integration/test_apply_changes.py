@@ -111,7 +111,7 @@ def test_missing_column_then_fixed_and_missing_table(pair):
         assert err["message_type"] == "INSERT" and err["relation"] == "public.t"
         assert err["finish_lsn"] and err["remote_xid"]
         # what the error says to run is what makes the apply go on
-        statement = err["message"].split("once it is added on the target: ", 1)[1]
+        statement = err["message"].split("the rows already there take it): ", 1)[1]
         assert statement == 'ALTER TABLE "public"."t" ADD COLUMN "c2" integer'
         pair.target.execute(statement)
         wait_for_catchup(pair.publisher, pair.name, timeout=30)
