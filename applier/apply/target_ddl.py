@@ -9,12 +9,13 @@ rely on an empty one (every name they use is schema-qualified).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from psycopg import sql
 
-from applier.apply.context import ErrorContext
+from applier.apply.context import ApplyError, ErrorContext
 from applier.catalog import sql as catalog_sql
+from applier.ddl.statements import code_names
 from state.tables import SyncState
 
 if TYPE_CHECKING:  # (the session creates its DdlWrites; typing only)
@@ -31,6 +32,12 @@ _TOLERANT = (
 _ROLE_TAGS = frozenset({"GRANT", "REVOKE", "ALTER DEFAULT PRIVILEGES"})
 
 
+def _array(values: list[str]) -> bytes:
+    """A text[] literal of ``values`` (each quoted: names may hold commas, quotes and braces)."""
+    quoted = ('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values)
+    return ("{" + ",".join(quoted) + "}").encode()
+
+
 class DdlWrites:
     """The DDL statements of one target session (``session``: its transaction and pipeline)."""
 
@@ -42,6 +49,8 @@ class DdlWrites:
         """Queue ``statement`` in the open local transaction; its error surfaces with ``ctx`` like a row's."""
         pipeline = self.pipeline
         pipeline.send_query(_SET_PATH, [search_path.encode()], ctx)
+        if not self.session.dml.run_as_owner:
+            self._check_trust(statement, ctx)
         if tag in _ROLE_TAGS:
             conn = self.session.conn
             text = _TOLERANT.format(sql.Literal(statement).as_string(conn), sql.Literal(tag).as_string(conn))
@@ -49,6 +58,34 @@ class DdlWrites:
         else:
             pipeline.send_query(statement.encode(), None, ctx)
         pipeline.send_query(_SET_PATH, [b""], ctx)
+
+    def _check_trust(self, statement: str, ctx: ErrorContext | None) -> None:
+        """The trust rule for the code the statement runs on the rows already there (applier.ddl.statements.
+        code_names): any function or operator it names, as the target resolves it with the source's path, owned
+        by a role other than the apply role or a superuser stops the apply before the statement runs, as a row
+        change that would run such code does (applier.catalog.trust)."""
+        functions, operators = code_names(statement)
+        if not functions and not operators:
+            return
+        found: list[tuple[str, str]] = []
+
+        def done(res: Any) -> None:
+            found.extend(
+                (res.get_value(i, 0).decode(), res.get_value(i, 1).decode()) for i in range(res.ntuples)
+            )
+
+        params = [_array([n for n, _ in functions]), _array([f for _, f in functions]),
+                  _array([n for n, _ in operators]), _array([o for _, o in operators])]  # fmt: skip
+        self.pipeline.send_query(catalog_sql.UNTRUSTED_DDL_CODE, params, ctx, done)
+        self.pipeline.drain()
+        if found:
+            what, owner = found[0]
+            raise ApplyError(
+                f'replaying the source\'s DDL would run {what}, owned by "{owner}": the apply role runs no code that a'
+                " role other than itself or a superuser controls; make the apply role (or a superuser) own it, or"
+                " trust the tables' owners: applier alter SUBSCRIPTION --set run_as_owner=true (docs/security.md)",
+                ctx, sqlstate="42501",
+            )  # fmt: skip
 
     def join(self, subid: int, name: str, state: SyncState, ctx: ErrorContext | None) -> int | None:
         """The table ``name`` (the source's identity; the replayed CREATE made it here) becomes the subscription's,

@@ -190,3 +190,22 @@ LEAVE_DROPPED_TABLES = (
     b"DELETE FROM applier.subscription_rel r WHERE r.subid = $1::bigint"
     b" AND NOT EXISTS (SELECT FROM pg_catalog.pg_class c WHERE c.oid = r.srrelid::oid)"
 )
+
+#: The functions and operators a replayed ALTER TABLE would run, owned by a role the trust rule does not trust (not
+#: the apply role, not a superuser: the trusted set of applier.catalog.trust), as the target resolves their names
+#: (with the statement's search_path set): $1 function schemas ('' when unqualified), $2 their names, $3 operator
+#: schemas, $4 operator names. Rows: what, owner.
+UNTRUSTED_DDL_CODE = (
+    b"WITH trusted AS (SELECT r.oid FROM pg_catalog.pg_roles r WHERE r.rolsuper OR r.rolname = current_user),"
+    b" named AS (SELECT * FROM unnest($1::text[], $2::text[]) AS q(nsp, name)),"
+    b" ops AS (SELECT * FROM unnest($3::text[], $4::text[]) AS q(nsp, name))"
+    b" SELECT p.oid::regprocedure::text, pg_catalog.pg_get_userbyid(p.proowner) FROM pg_catalog.pg_proc p"
+    b" JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace JOIN named q ON q.name = p.proname"
+    b" AND (q.nsp = n.nspname OR (q.nsp = '' AND n.nspname = ANY(pg_catalog.current_schemas(true))))"
+    b" WHERE p.proowner NOT IN (SELECT oid FROM trusted)"
+    b" UNION ALL SELECT o.oid::regoperator::text, pg_catalog.pg_get_userbyid(p.proowner)"
+    b" FROM pg_catalog.pg_operator o JOIN pg_catalog.pg_proc p ON p.oid = o.oprcode"
+    b" JOIN pg_catalog.pg_namespace n ON n.oid = o.oprnamespace JOIN ops q ON q.name = o.oprname"
+    b" AND (q.nsp = n.nspname OR (q.nsp = '' AND n.nspname = ANY(pg_catalog.current_schemas(true))))"
+    b" WHERE p.proowner NOT IN (SELECT oid FROM trusted) OR o.oprowner NOT IN (SELECT oid FROM trusted)"
+)

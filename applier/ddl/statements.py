@@ -23,10 +23,11 @@ import pglast
 from pglast import ast, parser
 from pglast.enums import ObjectType
 from pglast.stream import RawStream
+from pglast.visitors import Visitor
 
 from applier.ddl.payload import DdlEvent
 
-__all__ = ["Replay", "fires_event_trigger", "replay_for", "without_data"]
+__all__ = ["Replay", "code_names", "fires_event_trigger", "replay_for", "without_data"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,3 +160,34 @@ def without_data(statement: str) -> str:
         return statement
     node.into.skipData = True
     return RawStream()(node)
+
+
+class _Names(Visitor):  # type: ignore[misc]
+    def __init__(self) -> None:
+        self.functions: list[tuple[str, str]] = []
+        self.operators: list[tuple[str, str]] = []
+
+    @staticmethod
+    def _split(parts: tuple[ast.String, ...]) -> tuple[str, str]:
+        names = [p.sval for p in parts]
+        return ("", names[-1]) if len(names) == 1 else (names[-2], names[-1])
+
+    def visit_FuncCall(self, _ancestors: object, node: ast.FuncCall) -> None:
+        self.functions.append(self._split(node.funcname))
+
+    def visit_A_Expr(self, _ancestors: object, node: ast.A_Expr) -> None:
+        if node.name:
+            self.operators.append(self._split(node.name))
+
+
+def code_names(statement: str) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
+    """The (schema or "", name) of the functions and operators an ``ALTER TABLE`` evaluates on the rows already
+    there, as the role running it (a new column's default, a ``USING`` expression, a ``CHECK`` it validates):
+    what the trust rule must look at before the statement runs. PostgreSQL runs an index's expressions and a
+    materialized view's query as the table's owner, and other statements evaluate nothing on rows: none."""
+    node = pglast.parse_sql(statement)[0].stmt
+    if not isinstance(node, ast.AlterTableStmt):
+        return (), ()
+    names = _Names()
+    names(node)
+    return tuple(dict.fromkeys(names.functions)), tuple(dict.fromkeys(names.operators))

@@ -223,3 +223,38 @@ def test_a_message_any_role_can_emit_is_not_run(pair, replica):
         assert_tables_equal(pair.publisher, pair.target, "t")
     finally:
         pair.publisher.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_code_a_replayed_alter_runs_on_existing_rows_is_held_to_the_trust_rule(pair, replica):
+    """A new column's default calls a function that another role owns on the target: the apply stops before the
+    statement runs, naming the function and its owner; once the apply role (or a superuser) owns it, it goes on."""
+    role = f"{pair.name}_o"[:60]
+    pair.target.execute(sql.SQL("CREATE ROLE {}").format(sql.Identifier(role)))
+    for db in (pair.publisher, pair.target):
+        db.execute("CREATE FUNCTION seven(int) RETURNS int LANGUAGE sql AS 'SELECT 7'")
+    pair.target.execute(sql.SQL("ALTER FUNCTION seven(int) OWNER TO {}").format(sql.Identifier(role)))
+    try:
+        pair.publisher.execute("INSERT INTO t VALUES (1, 'a')")
+        with pair.publisher.connect(autocommit=False) as conn:
+            ddl(
+                conn,
+                "ALTER TABLE t ADD COLUMN c int DEFAULT seven(1)",
+                "ALTER TABLE",
+                table("t"),
+                slot=pair.name,
+            )
+            conn.commit()
+
+        def error():
+            err = replica.catalog.last_error(replica.sub.subid)
+            return err if err and "would run seven(integer)" in err["message"] else None
+
+        err = wait_until(error, timeout=30, what="the apply stopped before the untrusted default")
+        assert f'owned by "{role}"' in err["message"] and columns(pair.target, "t") == ["id", "v"]
+        pair.target.execute("ALTER FUNCTION seven(int) OWNER TO CURRENT_USER")
+        wait_for_catchup(pair.publisher, pair.name, timeout=30)
+        assert_tables_equal(pair.publisher, pair.target, "t")
+    finally:
+        pair.target.execute(
+            sql.SQL("DROP OWNED BY {}; DROP ROLE {}").format(sql.Identifier(role), sql.Identifier(role))
+        )

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from applier.ddl.payload import DdlEvent, DdlObject, DdlPayloadError, decode_payload, encode_payload
-from applier.ddl.statements import replay_for, without_data
+from applier.ddl.statements import code_names, replay_for, without_data
 
 
 def event(query: str, n: int = 1, tag: str = "ALTER TABLE", **kw: object) -> DdlEvent:
@@ -87,3 +87,13 @@ def test_payload_round_trips(ev: DdlEvent) -> None:
 def test_a_bad_payload_is_named(raw: bytes, words: str) -> None:
     with pytest.raises(DdlPayloadError, match=words):
         decode_payload(raw)
+
+
+def test_the_code_an_alter_table_runs_on_existing_rows_is_named_for_the_trust_rule() -> None:
+    functions, operators = code_names(
+        "ALTER TABLE t ADD COLUMN c int DEFAULT s.f(1) + g(2), ALTER COLUMN v TYPE int USING length(v),"
+        " ADD CHECK (h(c) OPERATOR(s.===) 0)"
+    )
+    assert set(functions) == {("s", "f"), ("", "g"), ("", "length"), ("", "h")}
+    assert ("", "+") in operators and ("s", "===") in operators
+    assert code_names("CREATE INDEX i ON t (f(c))") == ((), ())  # runs as the table's owner
