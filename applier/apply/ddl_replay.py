@@ -27,7 +27,7 @@ from applier.apply.insert_sink import InsertRuns
 from applier.apply.ports import ApplyTarget
 from applier.apply.relmap import RelationMap
 from applier.ddl.payload import PREFIX, DdlEvent, DdlPayloadError, decode_payload, verified
-from applier.ddl.statements import Replay, replay_for, without_data
+from applier.ddl.statements import Replay, code_names, replay_for, without_data
 from applier.lsn import format_lsn
 from applier.messages import Message
 from state.tables import SyncState
@@ -157,3 +157,18 @@ class DdlReplay:
             if oid is not None:
                 core.tables.joined(oid, name, state)
         self.replayed += 1
+        self._warn_recomputed(event, statement)
+
+    def _warn_recomputed(self, event: DdlEvent, statement: str) -> None:
+        """An ALTER TABLE that fills the rows already there from an expression (a new column's default, a USING)
+        computes it again here: a volatile or time-dependent one (random(), now(), nextval()) leaves those rows
+        different from the source's, and the stream carries no rewritten row. Said where it happens."""
+        functions, _ = code_names(statement)
+        if functions:
+            self.core.log.warning(
+                'logical replication apply worker for subscription "%s": %s on %s computed %s again on the target for'
+                " the rows already there; if any is volatile or time-dependent those rows differ from the source's"
+                " (migrate cutover --verify full finds them; copy the table again to be sure)",
+                self.core.subname, event.tag, ", ".join(sorted(event.tables)) or "?",
+                ", ".join(f"{name}()" for _schema, name in functions),
+            )  # fmt: skip

@@ -209,3 +209,13 @@ UNTRUSTED_DDL_CODE = (
     b" AND (q.nsp = n.nspname OR (q.nsp = '' AND n.nspname = ANY(pg_catalog.current_schemas(true))))"
     b" WHERE p.proowner NOT IN (SELECT oid FROM trusted) OR o.oprowner NOT IN (SELECT oid FROM trusted)"
 )
+
+#: The subscription's newest apply error while the worker has not got past it (its remote transaction not applied
+#: yet: the origin is before its finish LSN), for ``migrate status``: %(subid)s, %(origin)s the origin's name.
+#: Rows: message, occurred_at, retry_count, next_retry_at, finish_lsn.
+SUBSCRIPTION_CURRENT_ERROR = (
+    "SELECT e.message, e.occurred_at, e.retry_count, e.next_retry_at, e.finish_lsn::text FROM applier.apply_error e"
+    " WHERE e.subid = %(subid)s AND e.finish_lsn IS NOT NULL AND e.finish_lsn > coalesce((SELECT"
+    " pg_replication_origin_progress(roname, false) FROM pg_replication_origin WHERE roname = %(origin)s), '0/0')"
+    " AND e.id = (SELECT max(id) FROM applier.apply_error WHERE subid = %(subid)s)"
+)

@@ -266,7 +266,8 @@ _COMMANDS = """
 
 # the covered tables of the command (and the leaves of a partitioned one) that are not in the publication their
 # replica identity calls for: moved or added there, as the migration's publications are made
-# (applier.migrate.publications); a failure is a WARNING to the one who ran the DDL, never their error
+# (applier.migrate.publications); a failure is a WARNING to the one who ran the DDL, never their error, but for
+# their own lock_timeout (the table would otherwise exist without joining: its rows never migrated)
 _PUBLISH = """
   FOR v_row IN
     SELECT format('%I.%I', n.nspname, c.relname) AS ident, @IDENTITY_USABLE@ AS usable,
@@ -291,7 +292,10 @@ _PUBLISH = """
         EXECUTE format('ALTER PUBLICATION %I ADD TABLE %s', @INS@, v_row.ident);
       END IF;
       PERFORM set_config(@BUSY@, 'off', true);
-    EXCEPTION WHEN OTHERS THEN
+    EXCEPTION WHEN lock_not_available THEN
+      RAISE;  -- the session's lock_timeout (the publication is locked by another open or prepared transaction
+              -- that added a table): its DDL fails, rather than the table joining without its rows
+    WHEN OTHERS THEN
       RAISE WARNING 'applier: table % could not join the publication of migration %: %', v_row.ident, @SLOT@, SQLERRM;
     END;
   END LOOP;"""

@@ -43,6 +43,7 @@ def status(target_conninfo: str, name: str) -> dict[str, Any]:
         pending = [s for step in deferred for s in step.statements]
         holder = ownership.start_holder(target, name)
         cutting = ownership.cutover_running(target, name)
+        apply_error = _apply_error(target, sub[0]) if sub is not None else None
     doc: dict[str, Any] = {
         "name": name,
         "phase": m.phase,
@@ -52,6 +53,9 @@ def status(target_conninfo: str, name: str) -> dict[str, Any]:
         "post_data": {"done": done, "total": total},
         "times": m.times,
         "error": m.error,
+        # the follow's apply stopped at a remote transaction it retries (a missing column, a DDL the target
+        # refuses): what the subscription's status says, while the worker has not got past it
+        "apply_error": apply_error,
         # who holds the migration now: a live start (its target session), a cutover in progress
         "start": {"running": holder is not None, "holder": holder},
         "cutover_running": cutting,
@@ -104,6 +108,17 @@ def _add_source(
     if doc["start"]["running"]:
         doc["cutover_estimate"] = _cutover_estimate(target_conninfo, m, origin_name(sub[0]), doc)
         doc["cutover_estimate_seconds"] = (doc["cutover_estimate"] or {}).get("total")
+
+
+def _apply_error(target: psycopg.Connection[Any], subid: int) -> dict[str, Any] | None:
+    row = target.execute(
+        catalog_sql.SUBSCRIPTION_CURRENT_ERROR, {"subid": subid, "origin": origin_name(subid)}
+    ).fetchone()
+    if row is None:
+        return None
+    message, at, retries, next_at, lsn = row
+    return {"message": message, "at": at.isoformat(), "retry_count": retries,
+            "next_retry_at": next_at.isoformat() if next_at else None, "finish_lsn": lsn}  # fmt: skip
 
 
 def _applied(target: psycopg.Connection[Any], subid: int) -> str | None:
@@ -217,6 +232,9 @@ def format_status(doc: dict[str, Any]) -> str:
         lines.append(f"diverging: {d['table']} received UPDATE/DELETE, not migrated ({then})")
     if doc.get("error"):
         lines.append(f"error: {doc['error']}")
+    if err := doc.get("apply_error"):
+        tries = f", attempt {err['retry_count']}" if err["retry_count"] else ""
+        lines.append(f"apply stopped at {err['finish_lsn']}{tries}, retrying: {err['message']}")
     if doc.get("prepared_on_target"):
         lines.append("prepared on the target: " + ", ".join(doc["prepared_on_target"]))
     if doc.get("pending_statements"):
