@@ -482,7 +482,9 @@ def _no_ddl(pair: Any, procs: list[Any], tmp_path: Path, source: Database) -> No
 
     error = wait_until(stopped, timeout=60, what="the apply to stop on the missing column")
     assert error is not None and 'missing replicated columns: "note", "at"' in error, error
-    shown = json.loads(migrate(target, "status", NAME, "--json").stdout)["apply_error"]  # where the user looks
+    shown = json.loads(migrate(target, "status", NAME, "--json").stdout)[
+        "apply_error"
+    ]  # where the user looks
     assert shown is not None and shown["message"] == error and shown["finish_lsn"], shown
     assert "apply stopped at" in migrate(target, "status", NAME).stdout
     assert "with its DEFAULT, if it has one" in error, error
