@@ -136,7 +136,7 @@ class _SyncingTables(TableStates):
         if self.reached is None and current_lsn >= self.until:
             self.reached = current_lsn
 
-    def joined(self, local_oid: int, name: str, state: SyncState) -> None:
+    def joined(self, local_oid: int, name: str, state: SyncState, lsn: int | None = None) -> None:
         """Never: the catch-up's stream asks for no capture messages (the subscription's own apply replays DDL)."""
 
 

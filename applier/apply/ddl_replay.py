@@ -22,12 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from applier.apply.apply_state import RemoteTransaction
 from applier.apply.context import ErrorContext
 from applier.apply.insert_sink import InsertRuns
 from applier.apply.ports import ApplyTarget
 from applier.apply.relmap import RelationMap
 from applier.ddl.payload import PREFIX, DdlEvent, DdlPayloadError, decode_payload, verified
-from applier.ddl.statements import Replay, code_names, replay_for, without_data
+from applier.ddl.statements import Replay, fills_rows_anew, replay_for, without_data
 from applier.lsn import format_lsn
 from applier.messages import Message
 from state.tables import SyncState
@@ -43,6 +44,7 @@ class DdlCore(Protocol):
     tables: Any  # TableStates: .joined
     relmap: RelationMap
     inserts: InsertRuns
+    tx: RemoteTransaction
 
     def context(self, message_type: str, relation: str | None = None) -> ErrorContext: ...
 
@@ -157,18 +159,18 @@ class DdlReplay:
             if oid is not None:
                 core.tables.joined(oid, name, state)
         self.replayed += 1
-        self._warn_recomputed(event, statement)
+        if fills_rows_anew(statement):
+            self._recopy(event, ctx)
 
-    def _warn_recomputed(self, event: DdlEvent, statement: str) -> None:
-        """An ALTER TABLE that fills the rows already there from an expression (a new column's default, a USING)
-        computes it again here: a volatile or time-dependent one (random(), now(), nextval()) leaves those rows
-        different from the source's, and the stream carries no rewritten row. Said where it happens."""
-        functions, _ = code_names(statement)
-        if functions:
-            self.core.log.warning(
-                'logical replication apply worker for subscription "%s": %s on %s computed %s again on the target for'
-                " the rows already there; if any is volatile or time-dependent those rows differ from the source's"
-                " (migrate cutover --verify full finds them; copy the table again to be sure)",
-                self.core.subname, event.tag, ", ".join(sorted(event.tables)) or "?",
-                ", ".join(f"{name}()" for _schema, name in functions),
-            )  # fmt: skip
+    def _recopy(self, event: DdlEvent, ctx: ErrorContext) -> None:
+        """An ALTER TABLE that filled the rows already there with values each server computes for itself
+        (``random()``, ``now()``, a serial): the stream carries no rewritten row, so the table is copied again,
+        from the source, by the live sync (``f``, in this transaction; its changes wait until it is in sync)."""
+        core, created = self.core, set(event.created_tables)
+        for name in sorted(event.tables - created):
+            oid = core.target.ddl.recopy(core.subid, name, core.tx.final_lsn, ctx)
+            if oid is not None:
+                core.tables.joined(oid, name, SyncState.FINISHEDCOPY, core.tx.final_lsn)
+                core.log.info('logical replication apply worker for subscription "%s": %s on %s filled its rows with'
+                              " values computed on each server: the table is copied again", core.subname, event.tag,
+                              name)  # fmt: skip

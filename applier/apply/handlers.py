@@ -139,7 +139,9 @@ class TableStates:
     def after_transaction(self, current_lsn: int) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def joined(self, local_oid: int, name: str, state: SyncState) -> None:  # pragma: no cover - interface
+    def joined(
+        self, local_oid: int, name: str, state: SyncState, lsn: int | None = None
+    ) -> None:  # pragma: no cover - interface
         """A table created by a replayed DDL joined the subscription in ``state`` (its catalog row is written in
         the open local transaction, which other sessions cannot see yet)."""
         raise NotImplementedError

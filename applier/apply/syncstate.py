@@ -232,10 +232,10 @@ class CatalogTables(TableStates):
         self._checked.clear()
         self.all_ready = all(r.state == _READY for r in by_oid.values())
 
-    def joined(self, local_oid: int, name: str, state: SyncState) -> None:
+    def joined(self, local_oid: int, name: str, state: SyncState, lsn: int | None = None) -> None:
         self.by_oid = {
             **self.by_oid,
-            local_oid: RelState(self.subid, local_oid, name, name, state, None, 0, 0),
+            local_oid: RelState(self.subid, local_oid, name, name, state, lsn, 0, 0),
         }
         self._checked.pop(local_oid, None)
         self.all_ready = self.all_ready and state == _READY

@@ -16,6 +16,7 @@ from psycopg import sql
 from applier.apply.context import ApplyError, ErrorContext
 from applier.catalog import sql as catalog_sql
 from applier.ddl.statements import code_names
+from applier.lsn import format_lsn
 from state.tables import SyncState
 
 if TYPE_CHECKING:  # (the session creates its DdlWrites; typing only)
@@ -87,21 +88,30 @@ class DdlWrites:
                 ctx, sqlstate="42501",
             )  # fmt: skip
 
+    def recopy(self, subid: int, name: str, lsn: int, ctx: ErrorContext | None) -> int | None:
+        """Table ``name`` (the source's identity) is to be copied again (``f`` at ``lsn``, in the open local
+        transaction); its OID, or None when it is not the subscription's."""
+        params: list[bytes | None] = [str(subid).encode(), name.encode(), format_lsn(lsn).encode()]
+        return self._returning_oid(catalog_sql.RECOPY_TABLE, params, ctx)
+
+    def _returning_oid(
+        self, statement: bytes, params: list[bytes | None], ctx: ErrorContext | None
+    ) -> int | None:
+        got: list[int] = []
+
+        def done(res: Any) -> None:
+            if res.ntuples and res.get_value(0, 0) is not None:
+                got.append(int(res.get_value(0, 0)))
+
+        self.pipeline.send_query(statement, params, ctx, done)
+        self.pipeline.drain()
+        return got[0] if got else None
+
     def join(self, subid: int, name: str, state: SyncState, ctx: ErrorContext | None) -> int | None:
         """The table ``name`` (the source's identity; the replayed CREATE made it here) becomes the subscription's,
         in state ``state``; its OID, or None when no such table is here (the CREATE did not make it)."""
-        got: list[int] = []
-
-        def done(res: object) -> None:
-            value = res.get_value(0, 0) if res.ntuples else None  # type: ignore[attr-defined]
-            if value is not None:
-                got.append(int(value))
-
-        self.pipeline.send_query(
-            _JOIN, [str(subid).encode(), name.encode(), name.encode(), state.encode()], ctx, done
-        )
-        self.pipeline.drain()
-        return got[0] if got else None
+        params: list[bytes | None] = [str(subid).encode(), name.encode(), name.encode(), state.encode()]
+        return self._returning_oid(_JOIN, params, ctx)
 
     def leave_dropped(self, subid: int, ctx: ErrorContext | None) -> None:
         self.pipeline.send_query(_LEAVE, [str(subid).encode()], ctx)

@@ -219,3 +219,12 @@ SUBSCRIPTION_CURRENT_ERROR = (
     " pg_replication_origin_progress(roname, false) FROM pg_replication_origin WHERE roname = %(origin)s), '0/0')"
     " AND e.id = (SELECT max(id) FROM applier.apply_error WHERE subid = %(subid)s)"
 )
+
+#: A table a replayed ALTER filled anew (a volatile default, a serial: applier.ddl.statements.fills_rows_anew) is
+#: copied again: state ``f`` (at the remote transaction's LSN), in the DDL's local transaction, which the live sync
+#: empties and copies at a snapshot of its own (tablesync.live.LiveCopy). $1 subid, $2 the table's name as the
+#: source printed it, $3 the LSN.
+RECOPY_TABLE = (
+    b"UPDATE applier.subscription_rel SET srsubstate = 'f', srsublsn = $3::pg_catalog.pg_lsn, srupdated = now()"
+    b" WHERE subid = $1::bigint AND srrelid = pg_catalog.to_regclass($2) RETURNING srrelid::oid"
+)

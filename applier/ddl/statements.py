@@ -27,7 +27,7 @@ from pglast.visitors import Visitor
 
 from applier.ddl.payload import DdlEvent
 
-__all__ = ["Replay", "code_names", "fires_event_trigger", "replay_for", "without_data"]
+__all__ = ["Replay", "code_names", "fires_event_trigger", "fills_rows_anew", "replay_for", "without_data"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,3 +191,57 @@ def code_names(statement: str) -> tuple[tuple[tuple[str, str], ...], tuple[tuple
     names = _Names()
     names(node)
     return tuple(dict.fromkeys(names.functions)), tuple(dict.fromkeys(names.operators))
+
+
+#: expression nodes whose value may differ between the source's evaluation and the target's
+_UNSTABLE = (ast.FuncCall, ast.SQLValueFunction)
+_SERIALS = frozenset({"serial", "serial4", "bigserial", "serial8", "smallserial", "serial2"})
+
+
+class _Unstable(Visitor):  # type: ignore[misc]
+    found = False
+
+    def visit(self, _ancestors: object, node: object) -> None:
+        if isinstance(node, _UNSTABLE):
+            self.found = True
+
+
+def _unstable(expr: object) -> bool:
+    if expr is None or isinstance(expr, ast.A_Const):
+        return False
+    seen = _Unstable()
+    seen(expr)
+    return seen.found or isinstance(expr, _UNSTABLE)
+
+
+def _column_fills(col: ast.ColumnDef) -> bool:
+    """A new column whose value for each row already there is computed: a default that calls something, a
+    serial or an identity (numbered in the order each server reads its rows)."""
+    names = [n.sval for n in (col.typeName.names if col.typeName else ())]
+    if names and names[-1] in _SERIALS:
+        return True
+    for c in col.constraints or ():
+        if c.contype == pglast.enums.ConstrType.CONSTR_IDENTITY:
+            return True
+        if c.contype == pglast.enums.ConstrType.CONSTR_DEFAULT and _unstable(c.raw_expr):
+            return True
+    return False
+
+
+def fills_rows_anew(statement: str) -> bool:
+    """Whether an ``ALTER TABLE`` fills the rows already there with values computed by the server that runs it,
+    which the target cannot be trusted to compute as the source did (``random()``, ``now()``, ``nextval()``, a
+    serial, a ``USING`` that calls a function): the stream carries no rewritten row, so such a table is copied
+    again after the statement (applier.apply.ddl_replay). A constant default or a plain cast is computed alike."""
+    node = pglast.parse_sql(statement)[0].stmt
+    if not isinstance(node, ast.AlterTableStmt):
+        return False
+    for cmd in node.cmds or ():
+        col = getattr(cmd, "def_", None)
+        if cmd.subtype == pglast.enums.AlterTableType.AT_AddColumn and isinstance(col, ast.ColumnDef):
+            if _column_fills(col):
+                return True
+        if cmd.subtype == pglast.enums.AlterTableType.AT_AlterColumnType and isinstance(col, ast.ColumnDef):
+            if _unstable(col.raw_default):
+                return True
+    return False

@@ -100,6 +100,10 @@ class FakeDdl:
         self._next_oid += 1
         return self._next_oid
 
+    def recopy(self, subid: int, name: str, lsn: int, ctx: ErrorContext | None) -> int | None:
+        self._target.record("ddl_recopy", (subid, name, lsn), ctx)
+        return 1001
+
     def leave_dropped(self, subid: int, ctx: ErrorContext | None) -> None:
         self._target.record("ddl_leave", (subid,), ctx)
 

@@ -66,7 +66,7 @@ class FakeTables(TableStates):
     def after_transaction(self, current_lsn: int) -> None:
         self.after.append(current_lsn)
 
-    def joined(self, local_oid: int, name: str, state: SyncState) -> None:
+    def joined(self, local_oid: int, name: str, state: SyncState, lsn: int | None = None) -> None:
         self.joins.append((local_oid, name, state))
 
 

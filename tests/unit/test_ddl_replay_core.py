@@ -137,3 +137,12 @@ def test_a_capture_newer_than_the_session_restarts_it_before_the_transaction_com
     unchanged = core_factory(ddl=consumer(enabled=False, key=None, recheck=lambda: calls.append("same")))
     unchanged.feed(*plain(XID, 100, ddl("ALTER TABLE t ADD c int")))
     assert "ddl" not in unchanged.target.names() and calls[-1] == "same"
+
+
+def test_a_table_filled_anew_by_its_alter_is_copied_again(core_factory):
+    core = core_factory(ddl=consumer())
+    t = (DdlObject("table", "public", "public.t", "public.t"),)
+    core.feed(*plain(XID, 100, ddl("ALTER TABLE t ADD r float8 DEFAULT random()", objects=t)))
+    core.feed(*plain(XID + 1, 200, ddl("ALTER TABLE t ADD s int DEFAULT 5", objects=t)))
+    assert core.target.names().count("ddl_recopy") == 1
+    assert core.tables.joins == [(1001, "public.t", SyncState.FINISHEDCOPY)]

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from applier.ddl.payload import DdlEvent, DdlObject, DdlPayloadError, decode_payload, encode_payload
-from applier.ddl.statements import code_names, replay_for, without_data
+from applier.ddl.statements import code_names, fills_rows_anew, replay_for, without_data
 
 
 def event(query: str, n: int = 1, tag: str = "ALTER TABLE", **kw: object) -> DdlEvent:
@@ -97,3 +97,21 @@ def test_the_code_an_alter_table_runs_on_existing_rows_is_named_for_the_trust_ru
     assert set(functions) == {("s", "f"), ("", "g"), ("", "length"), ("", "h")}
     assert ("", "+") in operators and ("s", "===") in operators
     assert code_names("CREATE INDEX i ON t (f(c))") == ((), ())  # runs as the table's owner
+
+
+@pytest.mark.parametrize(
+    ("statement", "anew"),
+    [
+        ("ALTER TABLE t ADD COLUMN c int DEFAULT 5", False), ("ALTER TABLE t ADD c text DEFAULT 'x'::text", False),
+        ("ALTER TABLE t ADD c int", False), ("ALTER TABLE t ALTER v TYPE bigint USING v::bigint", False),
+        ("ALTER TABLE t ADD CHECK (f(c) > 0)", False), ("CREATE TABLE n (c serial)", False),
+        ("ALTER TABLE t ADD r float8 DEFAULT random()", True), ("ALTER TABLE t ADD c timestamptz DEFAULT now()", True),
+        ("ALTER TABLE t ADD c timestamptz DEFAULT current_timestamp", True), ("ALTER TABLE t ADD c serial", True),
+        ("ALTER TABLE t ADD c int GENERATED ALWAYS AS IDENTITY", True),
+        ("ALTER TABLE t ALTER v TYPE int USING length(v)", True),
+    ],
+)  # fmt: skip
+def test_an_alter_that_fills_rows_with_values_each_server_computes_is_told(
+    statement: str, anew: bool
+) -> None:
+    assert fills_rows_anew(statement) is anew
