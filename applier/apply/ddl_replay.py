@@ -10,9 +10,11 @@ looks it up again, inside the same transaction, where the statement's effect is 
 A created table joins the subscription in the same transaction: ``r`` when its rows arrive through the stream
 (``CREATE TABLE``), ``i`` when it was created with rows the stream does not carry (``CREATE TABLE AS``, ``SELECT
 INTO``: run here ``WITH NO DATA``, then copied by the live table sync as a table added by ``--refresh-publication``
-is). A statement that cannot be found in the client's string (DDL run by a function, a ``DO`` block) is skipped
-with a WARNING that says what to run by hand; the apply goes on, and a later change that needs it stops with the
-missing-column error that names it.
+is). An ``ALTER TABLE`` that filled the rows already there with values each server computes for itself has its
+table copied again the same way (``f``). A statement that cannot be found in the client's string (DDL run by a
+function, a ``DO`` block) is skipped with a WARNING that says what to run by hand; the apply goes on, and a later
+change that needs it stops with the missing-column error that names it. Only messages signed with the capture's
+key are run (applier.ddl.payload says why).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from applier.lsn import format_lsn
 from applier.messages import Message
 from state.tables import SyncState
 
+__all__ = ["DdlConsumer", "DdlContext", "DdlCore", "DdlReplay"]
+
 
 class DdlCore(Protocol):
     """What :class:`DdlReplay` uses of the core (:class:`~applier.apply.handlers.Applier`)."""
@@ -47,9 +51,6 @@ class DdlCore(Protocol):
     tx: RemoteTransaction
 
     def context(self, message_type: str, relation: str | None = None) -> ErrorContext: ...
-
-
-__all__ = ["DdlConsumer", "DdlContext", "DdlReplay"]
 
 
 def _signed(key: bytes, content: bytes) -> bool:
