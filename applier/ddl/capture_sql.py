@@ -219,7 +219,7 @@ _DROPPED = """
     INTO v_found
     FROM pg_event_trigger_dropped_objects() WITH ORDINALITY AS o
     LEFT JOIN LATERAL (
-      SELECT format('%I.%I', o.address_names[1], o.address_names[2]) AS ident,
+      SELECT quote_ident(o.address_names[1]) || '.' || quote_ident(o.address_names[2]) AS ident,  -- NULL-safe
              o.address_names[1] AS nsp, o.address_names[2] AS rel
        WHERE (o.object_type = 'table' AND cardinality(o.address_names) = 2)
           OR (o.object_type IN (@ON_A_TABLE@) AND cardinality(o.address_names) >= 3)) t ON true
@@ -355,6 +355,11 @@ CREATE OR REPLACE FUNCTION @SCHEMA@.@TRIGGER@() RETURNS event_trigger
 LANGUAGE plpgsql AS $applier_capture$
 BEGIN
   PERFORM @SCHEMA@.@WORKER@(TG_EVENT, TG_TAG, pg_catalog.current_setting('search_path'));
+EXCEPTION
+  WHEN lock_not_available THEN
+    RAISE;  -- the session's lock_timeout on the publication (see the worker): the DDL must not go without its table
+  WHEN OTHERS THEN  -- never the application's error: its DDL goes on, uncaptured, and it is told why
+    RAISE WARNING 'applier: % not captured for migration or subscription slot %: %', TG_TAG, @SLOT@, SQLERRM;
 END
 $applier_capture$"""
 
@@ -434,5 +439,6 @@ def trigger_function(slot: str) -> str:
         "SCHEMA": _ident(SCHEMA),
         "TRIGGER": _ident(n.trigger_function),
         "WORKER": _ident(n.worker_function),
+        "SLOT": _lit(slot),
     }
     return _checked(_fill(_TRIGGER, values))

@@ -114,13 +114,15 @@ def stop(proc: subprocess.Popen[bytes], log: Path) -> str:
 
 
 def schema_dump(db: Database) -> str:
-    """``pg_dump --schema-only`` without our catalog, publications, comments and psql's restrict keys."""
+    """``pg_dump --schema-only`` without our catalog, our DDL capture on a source (its schema and event triggers:
+    applier.ddl.capture), publications, comments and psql's restrict keys."""
     tools, _ = find_dump_tools(db.scalar("SELECT current_setting('server_version_num')::int") // 10000)
     assert tools is not None
     out = subprocess.run([tools.pg_dump, "--schema-only", "--no-publications", "--no-subscriptions",
-                          "--exclude-schema=applier", "--dbname", db.dsn], capture_output=True, text=True,
+                          "--exclude-schema=applier", "--exclude-schema=applier_capture", "--dbname", db.dsn], capture_output=True, text=True,
                          check=True).stdout  # fmt: skip
-    lines = [ln for ln in out.splitlines() if ln and not ln.startswith(("--", "\\restrict", "\\unrestrict"))]
+    lines = [ln for ln in out.splitlines() if ln and not ln.startswith(("--", "\\restrict", "\\unrestrict"))
+             and "applier_ddl_" not in ln and "applier_capture." not in ln]  # fmt: skip
     return "\n".join(lines)
 
 
