@@ -354,12 +354,9 @@ _TRIGGER = """
 CREATE OR REPLACE FUNCTION @SCHEMA@.@TRIGGER@() RETURNS event_trigger
 LANGUAGE plpgsql AS $applier_capture$
 BEGIN
+  -- no EXCEPTION block here: it would make a subtransaction of the message, which PostgreSQL 15 decodes after the
+  -- rows that follow it in the transaction (seen in CI); the worker's own queries must not fail instead
   PERFORM @SCHEMA@.@WORKER@(TG_EVENT, TG_TAG, pg_catalog.current_setting('search_path'));
-EXCEPTION
-  WHEN lock_not_available THEN
-    RAISE;  -- the session's lock_timeout on the publication (see the worker): the DDL must not go without its table
-  WHEN OTHERS THEN  -- never the application's error: its DDL goes on, uncaptured, and it is told why
-    RAISE WARNING 'applier: % not captured for migration or subscription slot %: %', TG_TAG, @SLOT@, SQLERRM;
 END
 $applier_capture$"""
 
@@ -439,6 +436,5 @@ def trigger_function(slot: str) -> str:
         "SCHEMA": _ident(SCHEMA),
         "TRIGGER": _ident(n.trigger_function),
         "WORKER": _ident(n.worker_function),
-        "SLOT": _lit(slot),
     }
     return _checked(_fill(_TRIGGER, values))
